@@ -1,0 +1,3 @@
+from flashcp.cli import main
+
+main()

@@ -1,0 +1,195 @@
+"""A flashcp dataset on disk: ``manifest.json`` plus ``data/part-NNNNN.parquet`` (DESIGN.md section 4).
+
+The dataset exists once its manifest exists; the manifest is always written last. This module owns the data
+file schema, the manifest's shape, and the readers that planners, the loader and the bench share.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from flashcp import __version__
+from flashcp.errors import FlashcpError
+from flashcp.fileio import sha256_file, write_json_atomic, write_parquet_atomic
+
+__all__ = [
+    "DATA_SCHEMA",
+    "FORMAT_VERSION",
+    "LENGTHS_SCHEMA",
+    "Dataset",
+    "DataFile",
+    "data_table",
+    "write_data_file",
+    "write_manifest",
+]
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+DATA_DIR = "data"
+
+DATA_SCHEMA = pa.schema([
+    ("tokens", pa.list_(pa.int32())),
+    ("doc_lens", pa.list_(pa.int32())),
+    ("doc_source", pa.list_(pa.int64())),
+    ("doc_offset", pa.list_(pa.int32())),
+])
+"""One row per packed sequence; ``tokens`` has exactly ``context_len`` ids and ``doc_lens`` sums to it."""
+
+LENGTHS_SCHEMA = pa.schema([f for f in DATA_SCHEMA if f.name != "tokens"])
+"""A lengths-only dataset (``synth --no-tokens``): the same columns without ``tokens``."""
+
+
+def data_file_name(index: int) -> str:
+    """Relative path of the ``index``-th data file."""
+    return f"{DATA_DIR}/part-{index:05d}.parquet"
+
+
+def _list_array(offsets: np.ndarray, values: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, value_type))
+
+
+def data_table(doc_offsets: np.ndarray, doc_lens: np.ndarray, doc_source: np.ndarray, doc_offset: np.ndarray,
+               tokens: np.ndarray | None, context_len: int) -> pa.Table:
+    """Build a data table from flat arrays.
+
+    ``doc_offsets`` (num_rows + 1,) indexes the flat per-document arrays ``doc_lens``, ``doc_source`` and
+    ``doc_offset``; ``tokens`` is flat (num_rows * context_len,) or None for a lengths-only table.
+    """
+    num_rows = doc_offsets.size - 1
+    columns = {
+        "doc_lens": _list_array(doc_offsets, doc_lens, pa.int32()),
+        "doc_source": _list_array(doc_offsets, doc_source, pa.int64()),
+        "doc_offset": _list_array(doc_offsets, doc_offset, pa.int32()),
+    }
+    if tokens is None:
+        return pa.table(columns, schema=LENGTHS_SCHEMA)
+    token_offsets = np.arange(num_rows + 1, dtype=np.int64) * context_len
+    return pa.table({"tokens": _list_array(token_offsets, tokens, pa.int32()), **columns}, schema=DATA_SCHEMA)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataFile:
+    """One data file as the manifest records it."""
+
+    path: str
+    """Path relative to the dataset folder."""
+    rows: int
+    """Packed sequences in the file."""
+    tokens: int
+    """Tokens in the file (rows * context_len)."""
+    sha256: str
+    """Hex sha256 of the file's bytes."""
+
+    def to_json(self) -> dict:
+        """The manifest entry."""
+        return {"path": self.path, "rows": self.rows, "tokens": self.tokens, "sha256": self.sha256}
+
+
+def write_data_file(root: Path, index: int, table: pa.Table, row_group_rows: int) -> DataFile:
+    """Write ``table`` as the ``index``-th data file of the dataset at ``root``, atomically."""
+    rel = data_file_name(index)
+    write_parquet_atomic(root / rel, table, row_group_rows)
+    lens = table.column("doc_lens").combine_chunks().flatten().to_numpy()
+    return DataFile(path=rel, rows=table.num_rows, tokens=int(lens.sum(dtype=np.int64)),
+                    sha256=sha256_file(root / rel))
+
+
+def write_manifest(root: Path, *, context_len: int, has_tokens: bool, created_by: str, tokenizer: dict | None,
+                   options: dict, inputs: list[dict], files: list[DataFile], counts: dict) -> dict:
+    """Write ``manifest.json`` (last, atomically) and return it.
+
+    ``tokenizer`` holds at least ``name`` and ``sha256``; ``inputs`` lists ``{"path", "bytes", "sha256"}``;
+    ``counts`` holds the documents read, dropped, split and truncated, and whatever else the writer counted.
+    """
+    manifest = {
+        "format": "flashcp-dataset",
+        "format_version": FORMAT_VERSION,
+        "flashcp_version": __version__,
+        "created_by": created_by,
+        "context_len": int(context_len),
+        "has_tokens": bool(has_tokens),
+        "tokenizer": tokenizer,
+        "options": options,
+        "inputs": inputs,
+        "files": [f.to_json() for f in files],
+        "num_sequences": int(sum(f.rows for f in files)),
+        "counts": counts,
+    }
+    write_json_atomic(root / MANIFEST_NAME, manifest)
+    return manifest
+
+
+class Dataset:
+    """A dataset folder opened for reading. Raises FlashcpError with one sentence when it is not one."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        manifest_path = self.root / MANIFEST_NAME
+        if not self.root.is_dir():
+            raise FlashcpError(f"{self.root} is not a dataset folder: it does not exist")
+        if not manifest_path.is_file():
+            raise FlashcpError(f"{self.root} has no {MANIFEST_NAME}: it is not a finished flashcp dataset "
+                               "(run 'flashcp pack' or 'flashcp synth' to make one)")
+        try:
+            self.manifest = json.loads(manifest_path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise FlashcpError(f"{manifest_path} is not readable JSON ({e})") from None
+        if self.manifest.get("format") != "flashcp-dataset":
+            raise FlashcpError(f"{manifest_path} is not a flashcp dataset manifest")
+        if self.manifest.get("format_version") != FORMAT_VERSION:
+            raise FlashcpError(f"{manifest_path} has format version {self.manifest.get('format_version')}; "
+                               f"this flashcp reads version {FORMAT_VERSION}")
+        self.context_len: int = int(self.manifest["context_len"])
+        self.has_tokens: bool = bool(self.manifest["has_tokens"])
+        self.files: list[DataFile] = [DataFile(**f) for f in self.manifest["files"]]
+
+    @property
+    def num_sequences(self) -> int:
+        """Packed sequences in all data files."""
+        return sum(f.rows for f in self.files)
+
+    def path(self, data_file: DataFile) -> Path:
+        """Absolute path of a data file."""
+        return self.root / data_file.path
+
+    def parquet(self, index: int) -> pq.ParquetFile:
+        """The ``index``-th data file opened for row-group reads; a corrupt file gets one sentence."""
+        path = self.path(self.files[index])
+        try:
+            return pq.ParquetFile(path)
+        except (OSError, pa.ArrowInvalid) as e:
+            raise FlashcpError(f"data file {path} cannot be read as Parquet ({e}); re-create the dataset") from None
+
+    def iter_doc_lens(self, index: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(row_offsets, doc_lens)`` per row group of the ``index``-th file.
+
+        ``row_offsets`` (rows + 1,) int64 indexes the flat ``doc_lens`` (int64) by row: row i's documents are
+        ``doc_lens[row_offsets[i]:row_offsets[i+1]]``. Only the ``doc_lens`` column is read.
+        """
+        pf = self.parquet(index)
+        for g in range(pf.num_row_groups):
+            try:
+                column = pf.read_row_group(g, columns=["doc_lens"]).column("doc_lens").combine_chunks()
+            except (OSError, pa.ArrowInvalid) as e:
+                raise FlashcpError(f"data file {self.path(self.files[index])} is corrupt ({e}); "
+                                   "re-create the dataset") from None
+            offsets = column.offsets.to_numpy().astype(np.int64)
+            values = column.values.to_numpy().astype(np.int64)
+            yield offsets - offsets[0], values[offsets[0]:offsets[-1]]
+
+    def read_doc_lens(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """All of the ``index``-th file's document lengths as ``(row_offsets, doc_lens)``."""
+        offsets_parts, lens_parts, base = [np.zeros(1, np.int64)], [], 0
+        for offsets, lens in self.iter_doc_lens(index):
+            offsets_parts.append(offsets[1:] + base)
+            lens_parts.append(lens)
+            base += lens.size
+        lens = np.concatenate(lens_parts) if lens_parts else np.zeros(0, np.int64)
+        return np.concatenate(offsets_parts), lens

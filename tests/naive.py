@@ -1,0 +1,33 @@
+"""Plain-Python references, written from the definitions in DESIGN.md section 2 without shortcuts."""
+
+from __future__ import annotations
+
+
+def naive_workload(start: int, length: int) -> int:
+    """Count query-key pairs one query at a time: query at position p sees keys 0..p."""
+    return sum(p + 1 for p in range(start, start + length))
+
+
+def naive_metrics(shards: list[tuple[int, int, int, int]], cp: int) -> tuple[float, int, int]:
+    """(imbalance, all-gather critical path, exact-need critical path) of (doc, start, len, rank) shards."""
+    work = [0] * cp
+    for _, start, length, rank in shards:
+        work[rank] += naive_workload(start, length)
+    mean = sum(work) / cp
+    imbalance = max(work) / mean if mean else 1.0
+
+    contribution = [0] * cp
+    for doc, start, length, rank in shards:
+        same_doc = [s for s in shards if s[0] == doc]
+        ranks = {s[3] for s in same_doc}
+        is_last = start == max(s[1] for s in same_doc)
+        if len(ranks) > 1 and not is_last:
+            contribution[rank] += length
+
+    received = [0] * cp
+    for rank in range(cp):
+        for doc in {s[0] for s in shards if s[3] == rank}:
+            held = {t for d, s, n, r in shards if d == doc and r == rank for t in range(s, s + n)}
+            end = max(s + n for d, s, n, r in shards if d == doc and r == rank)
+            received[rank] += sum(1 for t in range(end) if t not in held)
+    return imbalance, max(contribution), max(received)
