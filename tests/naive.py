@@ -31,3 +31,23 @@ def naive_metrics(shards: list[tuple[int, int, int, int]], cp: int) -> tuple[flo
             end = max(s + n for d, s, n, r in shards if d == doc and r == rank)
             received[rank] += sum(1 for t in range(end) if t not in held)
     return imbalance, max(contribution), max(received)
+
+
+def naive_document_attention(q, k, v, doc_lens):
+    """Dense attention over the whole packed sequence with a document-causal mask (torch, any dtype).
+
+    q: (C, H, D); k, v: (C, K, D) with H % K == 0. Token i attends to token j iff both lie in the same
+    document and j <= i. Scale 1 / sqrt(D).
+    """
+    import torch
+
+    context_len, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.as_tensor(doc_lens))
+    pos = torch.arange(context_len)
+    keep = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+    k_full = k.repeat_interleave(group, dim=1)
+    v_full = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("ihd,jhd->hij", q, k_full) / head_dim ** 0.5
+    scores = scores.masked_fill(~keep.to(q.device), float("-inf"))
+    return torch.einsum("hij,jhd->ihd", scores.softmax(-1), v_full)

@@ -34,6 +34,7 @@ from numba import njit
 __all__ = [
     "PlanMetrics",
     "allgather_contributions",
+    "allgather_shard_mask",
     "comm_saving",
     "exact_need_received",
     "imbalance_ratio",
@@ -81,7 +82,7 @@ def _rank_workloads(shard_start, shard_len, shard_rank, cp):
 
 
 @njit(cache=True)
-def _allgather_contributions(shard_doc, shard_start, shard_rank, shard_len, cp):
+def _allgather_shard_mask(shard_doc, shard_start, shard_rank):
     num_docs = 0
     for i in range(shard_doc.shape[0]):
         num_docs = max(num_docs, shard_doc[i] + 1)
@@ -95,10 +96,19 @@ def _allgather_contributions(shard_doc, shard_start, shard_rank, shard_len, cp):
             first_rank[d] = shard_rank[i]
         elif first_rank[d] != shard_rank[i]:
             on_many_ranks[d] = True
-    out = np.zeros(cp, dtype=np.int64)
+    mask = np.zeros(shard_doc.shape[0], dtype=np.bool_)
     for i in range(shard_doc.shape[0]):
         d = shard_doc[i]
-        if on_many_ranks[d] and shard_start[i] != last_start[d]:
+        mask[i] = on_many_ranks[d] and shard_start[i] != last_start[d]
+    return mask
+
+
+@njit(cache=True)
+def _allgather_contributions(shard_doc, shard_start, shard_rank, shard_len, cp):
+    mask = _allgather_shard_mask(shard_doc, shard_start, shard_rank)
+    out = np.zeros(cp, dtype=np.int64)
+    for i in range(shard_doc.shape[0]):
+        if mask[i]:
             out[shard_rank[i]] += shard_len[i]
     return out
 
@@ -153,6 +163,18 @@ def allgather_contributions(shard_doc, shard_start, shard_len, shard_rank, cp: i
     if shard_doc.size == 0:
         return np.zeros(cp, dtype=np.int64)
     return _allgather_contributions(shard_doc, shard_start, shard_rank, shard_len, cp)
+
+
+def allgather_shard_mask(shard_doc, shard_start, shard_rank) -> np.ndarray:
+    """Which shards are contributed to the compacted all-gather (paper Eq. 5). Shape (num_shards,), bool.
+
+    A shard contributes when it is not the last shard of its document and its document has shards on more
+    than one rank; ``allgather_contributions`` sums these shards' lengths per rank.
+    """
+    shard_doc, shard_start, shard_rank = _as_int64(shard_doc, shard_start, shard_rank)
+    if shard_doc.size == 0:
+        return np.zeros(0, dtype=np.bool_)
+    return _allgather_shard_mask(shard_doc, shard_start, shard_rank)
 
 
 def exact_need_received(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> np.ndarray:
