@@ -64,7 +64,10 @@ def cp_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, 
         assert meta.remote.num_tokens == 0
         recv_RKD = k_TKD.new_zeros((0, 2, *k_TKD.shape[1:]))
     out_remote = remote_attention(q_THD, k_TKD, v_TKD, recv_RKD, meta, exchange, backend)
-    return _combine(out_local, out_remote, meta)
+    out = _combine(out_local, out_remote, meta)
+    if pending is not None and meta.remote.num_tokens == 0:
+        out = pending.tie(out, recv_RKD)
+    return out
 
 
 def pack_send(k_TKD: torch.Tensor, v_TKD: torch.Tensor, exchange: Exchange) -> torch.Tensor:

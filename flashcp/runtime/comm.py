@@ -15,6 +15,7 @@ Buffers are ``(rows, 2, K, D)``: K and V travel together in one collective. Rows
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -71,7 +72,7 @@ def _record(stats: CommStats | None, exchange: Exchange, direction: str, inp: to
             cp: int, payload: int) -> None:
     if stats is None:
         return
-    row_bytes = inp[0].numel() * inp.element_size() if inp.dim() else 0
+    row_bytes = math.prod(inp.shape[1:]) * inp.element_size()
     rows_in, rows_out = int(inp.shape[0]), int(out.shape[0])
     if exchange.mode == "a2a":
         sent, recv = rows_in, rows_out
@@ -146,6 +147,17 @@ class _WaitExchange(torch.autograd.Function):
         return grad_recv, None
 
 
+class _TieToBuffer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, recv):
+        ctx.recv_shape = recv.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out, grad_out.new_zeros(ctx.recv_shape)
+
+
 class PendingExchange:
     """An exchange whose forward collective is in flight; ``wait()`` returns the receive buffer."""
 
@@ -155,6 +167,16 @@ class PendingExchange:
     def wait(self) -> torch.Tensor:
         """Block until the collective is done; returns the receive buffer, (recv_rows, 2, K, D)."""
         return _WaitExchange.apply(self._recv, self._state)
+
+    @staticmethod
+    def tie(out: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
+        """Return ``out`` unchanged, with ``recv`` (the waited buffer) in its autograd graph.
+
+        Every rank must take part in the backward collective, also a rank that used none of what it received
+        (all its shards local-only): tying the buffer to its output gives it a (zero) gradient, so the
+        reverse collective is issued on that rank too.
+        """
+        return _TieToBuffer.apply(out, recv)
 
 
 def start_exchange(send_RKD: torch.Tensor, exchange: Exchange, group=None, cp: int | None = None,
