@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,7 +93,10 @@ class _ExchangeState:
 
     def __init__(self, exchange: Exchange, group, cp: int, stats: CommStats | None):
         self.exchange, self.group, self.cp, self.stats = exchange, group, cp, stats
-        self.work = self.grad_work = self.grad_recv = self.grad_send = None
+        self.work: Any = None  # the forward collective's handle until waited for
+        self.grad_work: Any = None  # the backward collective's handle until waited for
+        self.grad_recv: torch.Tensor | None = None  # kept alive while the backward collective reads it
+        self.grad_send: torch.Tensor | None = None
 
 
 def _launch(state: _ExchangeState, inp: torch.Tensor, out: torch.Tensor, direction: str):

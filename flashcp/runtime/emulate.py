@@ -70,7 +70,7 @@ def random_plan(doc_lens, cp: int, rng: np.random.Generator, max_pieces: int = 4
         if quota == 0:
             continue
         num = int(rng.integers(1, min(max_pieces, quota) + 1))
-        cuts = np.sort(rng.choice(np.arange(1, quota), size=num - 1, replace=False)) if num > 1 else []
+        cuts = np.sort(rng.choice(np.arange(1, quota), size=num - 1, replace=False))
         pieces += [(rank, int(size)) for size in np.diff(np.r_[0, cuts, quota])]
     order = rng.permutation(len(pieces))
     owner = np.concatenate([np.full(pieces[i][1], pieces[i][0], dtype=np.int64) for i in order])
