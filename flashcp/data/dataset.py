@@ -17,7 +17,13 @@ import pyarrow.parquet as pq
 
 from flashcp import __version__
 from flashcp.errors import FlashcpError
-from flashcp.fileio import PARQUET_COMPRESSION, atomic_path, sha256_file, write_json_atomic, write_parquet_atomic
+from flashcp.fileio import (
+    PARQUET_COMPRESSION,
+    atomic_path,
+    sha256_file,
+    write_json_atomic,
+    write_parquet_atomic,
+)
 
 __all__ = [
     "DATA_SCHEMA",
@@ -133,7 +139,8 @@ class DataFileWriter:
         """Finish the file, move it to its final name, and return its manifest entry."""
         self._writer.close()
         self._atomic.__exit__(None, None, None)
-        return DataFile(path=self.rel, rows=self.rows, tokens=self.tokens, sha256=sha256_file(self.root / self.rel))
+        return DataFile(path=self.rel, rows=self.rows, tokens=self.tokens,
+                        sha256=sha256_file(self.root / self.rel))
 
     def abort(self) -> None:
         """Drop the file being written."""

@@ -86,7 +86,7 @@ def _excluded(name: str, rel: str, exclude: tuple[str, ...]) -> bool:
 
 
 def _walk(folder: Path, include: tuple[str, ...], exclude: tuple[str, ...]) -> list[tuple[Path, str]]:
-    """Files under ``folder`` with a known format, sorted by relative path; hidden and excluded ones pruned."""
+    """Files under ``folder`` with a known format, sorted by relative path; hidden, excluded ones pruned."""
     found: list[tuple[tuple[str, ...], Path, str]] = []
     for dirpath, dirnames, filenames in os.walk(folder, onerror=_raise_walk_error):
         rel_dir = Path(dirpath).relative_to(folder)
