@@ -31,3 +31,31 @@ def naive_metrics(shards: list[tuple[int, int, int, int]], cp: int) -> tuple[flo
             end = max(s + n for d, s, n, r in shards if d == doc and r == rank)
             received[rank] += sum(1 for t in range(end) if t not in held)
     return imbalance, max(contribution), max(received)
+
+
+def naive_pack(docs: list[list[int]], context_len: int, overflow: str):
+    """Pack documents one token at a time, as DESIGN.md and ``flashcp pack`` describe it.
+
+    Returns ``(rows, tail_len, num_split, num_truncated, tokens_truncated)``; a row is
+    ``(tokens, [(doc_source, doc_offset, length), ...])``. ``split`` continues a document in the next sequence;
+    ``truncate`` drops the rest of a document once the sequence it is in is full.
+    """
+    rows, window, pieces = [], [], []
+    split_docs, truncated_docs, tokens_truncated = set(), 0, 0
+    for source, doc in enumerate(docs):
+        for offset, token in enumerate(doc):
+            if not pieces or pieces[-1][0] != source:
+                pieces.append([source, offset, 0])
+                if offset > 0:
+                    split_docs.add(source)
+            window.append(token)
+            pieces[-1][2] += 1
+            if len(window) == context_len:
+                rows.append((window, [tuple(p) for p in pieces]))
+                window, pieces = [], []
+                if overflow == "truncate":
+                    rest = len(doc) - offset - 1
+                    truncated_docs += rest > 0
+                    tokens_truncated += rest
+                    break
+    return rows, len(window), len(split_docs), truncated_docs, tokens_truncated

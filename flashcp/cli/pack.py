@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from flashcp.cli.console import console, info, progress, warn
+from flashcp.cli.console import console, error, info, progress, warn
 from flashcp.data.pack import PackConfig, run_pack
 from flashcp.data.packing import OVERFLOWS
 from flashcp.data.tokenizer import BUILTINS, DEFAULT_TOKENIZER
@@ -63,8 +63,12 @@ def command(inputs: tuple[str, ...], output: Path, context_len: int, tokenizer: 
                             row_group_rows=row_group_rows, force=force)
     except ValueError as e:
         raise FlashcpError(str(e)) from None
-    with progress("packing sequences", None) as advance:
-        result = run_pack(config, on_rows=advance)
+    try:
+        with progress("packing sequences", None) as advance:
+            result = run_pack(config, on_rows=advance)
+    except KeyboardInterrupt:
+        error(f"interrupted; run the same command again to resume the pack in {output}")
+        raise SystemExit(130) from None
     for message in result.warnings:
         warn(message)
     manifest, counts = result.manifest, result.manifest["counts"]

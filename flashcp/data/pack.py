@@ -17,6 +17,8 @@ import copy
 import hashlib
 import json
 import multiprocessing
+import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -151,9 +153,17 @@ def _batches(records: Iterator[tuple[int, int, int, str | None]]) -> Iterator[_B
 _worker_encoder: Encoder | None = None
 
 
-def _init_worker(spec: TokenizerSpec, append_eos: bool) -> None:
+def _init_worker(spec: TokenizerSpec, append_eos: bool, parent_pid: int) -> None:
     global _worker_encoder
+    # a killed main process (SIGKILL, OOM) cannot stop its workers, and they never see their task pipe close
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     _worker_encoder = Encoder(spec, append_eos=append_eos)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -169,7 +179,8 @@ def _encoded(batches: Iterator[_Batch], encoder: Encoder,
             yield batch, *encoder.encode(batch.texts)
         return
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_init_worker, initargs=(encoder.spec, encoder.eos_id is not None))
+                               initializer=_init_worker,
+                               initargs=(encoder.spec, encoder.eos_id is not None, os.getpid()))
     pending: deque = deque()
     try:
         for batch in batches:
