@@ -37,8 +37,8 @@ def naive_pack(docs: list[list[int]], context_len: int, overflow: str):
     """Pack documents one token at a time, as DESIGN.md and ``flashcp pack`` describe it.
 
     Returns ``(rows, tail_len, num_split, num_truncated, tokens_truncated)``; a row is
-    ``(tokens, [(doc_source, doc_offset, length), ...])``. ``split`` continues a document in the next sequence;
-    ``truncate`` drops the rest of a document once the sequence it is in is full.
+    ``(tokens, [(doc_source, doc_offset, length), ...])``. ``split`` continues a document in the next
+    sequence; ``truncate`` drops the rest of a document once the sequence it is in is full.
     """
     rows, window, pieces = [], [], []
     split_docs, truncated_docs, tokens_truncated = set(), 0, 0

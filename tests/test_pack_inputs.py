@@ -64,9 +64,9 @@ def test_jsonl_records_count_every_kind_of_bad_line(tmp_path):
     inputs, _ = discover_inputs([str(path)])
     records = list(iter_records(inputs))
     assert [(r[1], reason(r[2]), r[3]) for r in records] == [
-        (0, "doc", "one"), (1, "invalid_json", None), (2, "missing_field", None), (3, "missing_field", None),
-        (4, "not_text", None), (5, "invalid_json", None), (6, "invalid_utf8", None), (7, "invalid_utf8", None),
-        (9, "doc", ""), (10, "doc", "two")]
+        (0, "doc", "one"), (1, "invalid_json", None), (2, "missing_field", None),
+        (3, "missing_field", None), (4, "not_text", None), (5, "invalid_json", None),
+        (6, "invalid_utf8", None), (7, "invalid_utf8", None), (9, "doc", ""), (10, "doc", "two")]
     assert [r[3] for r in iter_records(inputs, start=(0, 9))] == ["", "two"]
     with pytest.raises(FlashcpError, match="line 2 is not a JSON object"):
         list(iter_records(inputs, strict=True))
