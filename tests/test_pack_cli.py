@@ -329,6 +329,33 @@ def test_existing_output_is_refused_unless_same_or_forced(tmp_path):
     assert pack(src, other, "--force").exit_code == 0 and (other / "mine.txt").read_text() == "keep me"
 
 
+def test_finished_dataset_with_a_damaged_file_is_refused(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", random_docs(50))
+    out = tmp_path / "out"
+    assert pack(src, out).exit_code == 0
+    with open(out / "data" / "part-00000.parquet", "ab") as f:
+        f.write(b"junk")
+    result = pack(src, out)
+    assert result.exit_code == 1 and "data/part-00000.parquet does not match the manifest" in result.output
+    assert pack(src, out, "--force").exit_code == 0
+
+
+def test_tokenizer_without_eos_needs_no_eos(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    src = write_jsonl(tmp_path / "in.jsonl", ["a b a b"] * 10)
+    args = [src, "-o", tmp_path / "out", "--context-len", "8", "--tokenizer", tmp_path / "tokenizer.json",
+            "--workers", "1"]
+    result = run(*args)
+    assert result.exit_code == 1 and "names no end-of-sequence token" in result.output
+    result = run(*args, "--no-eos")
+    assert result.exit_code == 0, result.output
+    assert read_rows(tmp_path / "out")[0]["tokens"] == [1, 2, 1, 2, 1, 2, 1, 2]
+
+
 KILLER = """
 import os, signal, sys
 from flashcp.data.dataset import DataFileWriter

@@ -220,8 +220,7 @@ class _PackRun:
         self.packer = Packer(config.context_len, config.overflow, PackCounts(**self.snapshot["packer"]))
         self.group: list[Window] = []
         self.writer: DataFileWriter | None = None
-        self.last_file: DataFile | None = None
-        """The trailing data file with fewer than rows_per_file rows (not recorded in the state)."""
+        self.last_file: DataFile | None = None  # the trailing file of < rows_per_file rows, not in the state
 
     def run(self) -> None:
         """Pack everything from the resume point on."""
@@ -343,7 +342,8 @@ def run_pack(config: PackConfig, *, on_rows: Callable[[int], None] = lambda n: N
     Resumes an interrupted pack with the same identity; returns at once when the folder already holds this
     dataset. Raises FlashcpError (one sentence) for anything wrong with the inputs, the tokenizer or the
     output folder; a failed run leaves no partial dataset behind. ``on_rows(n)`` is told of every n
-    sequences written.
+    sequences written. With ``workers`` > 1 the workers are started with "spawn", so a script calling this
+    needs the usual ``if __name__ == "__main__":`` guard.
     """
     started = time.perf_counter()
     spec = resolve_tokenizer(config.tokenizer)
@@ -352,8 +352,8 @@ def run_pack(config: PackConfig, *, on_rows: Callable[[int], None] = lambda n: N
     input_entries = _hash_inputs(inputs)
     empty = [str(i.path) for i in inputs if i.bytes == 0]
     if empty:
-        warnings.append(f"{len(empty)} input file(s) are empty and hold no documents: {', '.join(empty[:3])}"
-                        + (" ..." if len(empty) > 3 else ""))
+        warnings.append(f"{len(empty)} input file(s) are empty and hold no documents ({empty[0]}"
+                        + (", ...)" if len(empty) > 1 else ")"))
     rows_per_file, row_group_rows = file_layout(config.context_len, config.rows_per_file,
                                                 config.row_group_rows)
     identity = {
