@@ -18,7 +18,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -33,7 +32,13 @@ from flashcp.data.dataset import DataFile, DataFileWriter, data_table, write_man
 from flashcp.data.pack_output import OutputFolder, PartRecord, prepare_output
 from flashcp.data.packing import OVERFLOWS, PackCounts, Packer, Window
 from flashcp.data.readers import DOC, SKIP_REASONS, InputFile, discover_inputs, iter_records
-from flashcp.data.tokenizer import DEFAULT_TOKENIZER, Encoder, TokenizerSpec, resolve_tokenizer
+from flashcp.data.tokenizer import (
+    DEFAULT_TOKENIZER,
+    Encoder,
+    encode_in_worker,
+    init_worker,
+    resolve_tokenizer,
+)
 from flashcp.errors import FlashcpError
 from flashcp.fileio import sha256_file
 
@@ -150,27 +155,6 @@ def _batches(records: Iterator[tuple[int, int, int, str | None]]) -> Iterator[_B
         yield batch
 
 
-_worker_encoder: Encoder | None = None
-
-
-def _init_worker(spec: TokenizerSpec, append_eos: bool, parent_pid: int) -> None:
-    global _worker_encoder
-    # a killed main process (SIGKILL, OOM) cannot stop its workers, and they never see their task pipe close
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
-    _worker_encoder = Encoder(spec, append_eos=append_eos)
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(0.5)
-    os._exit(1)
-
-
-def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    assert _worker_encoder is not None, "worker used before its initializer ran"
-    return _worker_encoder.encode(texts)
-
-
 def _encoded(batches: Iterator[_Batch], encoder: Encoder,
              workers: int) -> Iterator[tuple[_Batch, np.ndarray, np.ndarray]]:
     """``(batch, tokens, lens)`` in batch order, tokenized here or in ``workers`` processes."""
@@ -179,12 +163,12 @@ def _encoded(batches: Iterator[_Batch], encoder: Encoder,
             yield batch, *encoder.encode(batch.texts)
         return
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_init_worker,
+                               initializer=init_worker,
                                initargs=(encoder.spec, encoder.eos_id is not None, os.getpid()))
     pending: deque = deque()
     try:
         for batch in batches:
-            pending.append((batch, pool.submit(_encode_in_worker, batch.texts)))
+            pending.append((batch, pool.submit(encode_in_worker, batch.texts)))
             if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
                 done, future = pending.popleft()
                 yield done, *future.result()

@@ -17,6 +17,9 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import json
+import os
+import threading
+import time
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -26,7 +29,8 @@ import numpy as np
 from flashcp.errors import FlashcpError
 from flashcp.fileio import sha256_file
 
-__all__ = ["BUILTINS", "DEFAULT_TOKENIZER", "Encoder", "TokenizerSpec", "resolve_tokenizer"]
+__all__ = ["BUILTINS", "DEFAULT_TOKENIZER", "Encoder", "TokenizerSpec", "encode_in_worker", "init_worker",
+           "resolve_tokenizer"]
 
 DEFAULT_TOKENIZER = "deepseek-v3"
 BUILTINS = ("deepseek-v3", "byte")
@@ -161,3 +165,28 @@ class Encoder:
             tokens = np.insert(tokens, np.cumsum(lens), np.int32(self.eos_id))
             lens += 1
         return tokens, lens
+
+
+# ---- worker processes (kept here so that a worker imports numpy and tokenizers only) ----
+
+_worker_encoder: Encoder | None = None
+
+
+def init_worker(spec: TokenizerSpec, append_eos: bool, parent_pid: int) -> None:
+    """Process-pool initializer: build this process's Encoder; exit when the parent process is gone."""
+    global _worker_encoder
+    # a killed parent (SIGKILL, OOM) cannot stop its workers, and they never see their task pipe close
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    _worker_encoder = Encoder(spec, append_eos=append_eos)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """``Encoder.encode`` with the encoder ``init_worker`` built."""
+    assert _worker_encoder is not None, "worker used before its initializer ran"
+    return _worker_encoder.encode(texts)
