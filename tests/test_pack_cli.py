@@ -375,8 +375,10 @@ cli(sys.argv[1:], prog_name="flashcp")
 def test_resume_after_sigkill_ends_with_the_same_bytes(tmp_path, overflow, workers, kill_at):
     docs = random_docs(150, seed=2)
     docs[20] = ""
-    src = write_jsonl(tmp_path / "in.jsonl", docs[:100] + [b"{broken"] + docs[100:])
-    args = [str(src), "--context-len", "100", "--tokenizer", "byte", "--overflow", overflow,
+    sources = [write_jsonl(tmp_path / "in-0.jsonl", docs[:60]),
+               write_jsonl(tmp_path / "in-1.jsonl", docs[60:100] + [b"{broken"] + docs[100:140]),
+               write_jsonl(tmp_path / "in-2.jsonl", docs[140:])]
+    args = [*map(str, sources), "--context-len", "100", "--tokenizer", "byte", "--overflow", overflow,
             "--rows-per-file", "3", "--row-group-rows", "2", "--workers", str(workers)]
     reference = tmp_path / "reference"
     assert run(*args, "-o", reference).exit_code == 0
@@ -398,3 +400,5 @@ def test_resume_after_sigkill_ends_with_the_same_bytes(tmp_path, overflow, worke
     assert result.exit_code == 0, result.output
     assert "resumed an interrupted pack after" in result.output
     assert file_hashes(out) == file_hashes(reference)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [i["documents"] for i in manifest["inputs"]] == [60, 80, 10]

@@ -183,10 +183,19 @@ def _encoded(batches: Iterator[_Batch], encoder: Encoder,
 
 # ---- the run ----
 
-def _new_snapshot(num_inputs: int) -> dict:
+def _new_snapshot() -> dict:
     return {"documents_read": 0, "documents_empty": 0, "tokens_read": 0,
-            "records_skipped": dict.fromkeys(SKIP_REASONS, 0), "packer": PackCounts().to_json(),
-            "input_documents": [0] * num_inputs}
+            "records_skipped": dict.fromkeys(SKIP_REASONS, 0), "packer": PackCounts().to_json()}
+
+
+def _input_documents(parts: list[PartRecord], num_inputs: int) -> list[int]:
+    """Documents read per input up to the end of the last part, summed from the parts' deltas."""
+    documents = [0] * num_inputs
+    for part in parts:
+        delta = part.snapshot["input_documents_delta"]
+        for i, n in enumerate(delta["counts"], start=delta["first"]):
+            documents[i] += n
+    return documents
 
 
 class _PackRun:
@@ -200,7 +209,12 @@ class _PackRun:
                                                               config.row_group_rows)
         last = out.parts[-1] if out.parts else None
         self.resume = last.resume if last else {"input": 0, "record": 0, "offset": 0, "next_doc": 0}
-        self.snapshot = copy.deepcopy(last.snapshot) if last else _new_snapshot(len(inputs))
+        self.snapshot = copy.deepcopy(last.snapshot) if last else _new_snapshot()
+        self.snapshot.pop("input_documents_delta", None)
+        # per input, kept apart from the snapshot: a part records only the inputs it read from (its delta)
+        self.input_documents = _input_documents(out.parts, len(inputs))
+        self.part_first_input = self.resume["input"]
+        self.part_first_count = self.input_documents[self.part_first_input]
         self.packer = Packer(config.context_len, config.overflow, PackCounts(**self.snapshot["packer"]))
         self.group: list[Window] = []
         self.writer: DataFileWriter | None = None
@@ -209,7 +223,7 @@ class _PackRun:
     def run(self) -> None:
         """Pack everything from the resume point on."""
         counts, skipped = self.snapshot, self.snapshot["records_skipped"]
-        input_documents = counts["input_documents"]
+        input_documents = self.input_documents
         eos = 1 if self.encoder.eos_id is not None else 0
         doc_index, first_offset = self.resume["next_doc"], self.resume["offset"]
         records = iter_records(self.inputs, text_field=self.config.text_field, strict=self.config.strict,
@@ -260,6 +274,10 @@ class _PackRun:
                       "next_doc": doc_index + 1}
         snapshot = copy.deepcopy(self.snapshot)
         snapshot["packer"] = window.counts.to_json()
+        first, docs = self.part_first_input, self.input_documents
+        snapshot["input_documents_delta"] = {
+            "first": first, "counts": [docs[first] - self.part_first_count, *docs[first + 1:input_index + 1]]}
+        self.part_first_input, self.part_first_count = input_index, docs[input_index]
         assert self.writer is not None
         data_file = self.writer.close()
         self.writer = None
@@ -368,7 +386,7 @@ def run_pack(config: PackConfig, *, on_rows: Callable[[int], None] = lambda n: N
         if num_sequences == 0:
             raise FlashcpError(f"the inputs hold {counts['tokens_read']} tokens, fewer than one sequence of "
                                f"{config.context_len}; lower --context-len or add inputs")
-        documents = run.snapshot["input_documents"]
+        documents = run.input_documents
         first = np.concatenate([[0], np.cumsum(documents)[:-1]]).astype(np.int64).tolist()
         manifest_inputs = [{**entry, "documents": n, "first_document": f}
                            for entry, n, f in zip(input_entries, documents, first)]
