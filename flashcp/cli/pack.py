@@ -35,8 +35,9 @@ def _default_workers() -> int:
               help="JSONL key or Parquet column with the text.")
 @click.option("--overflow", type=click.Choice(OVERFLOWS), default="split", show_default=True,
               help="A document that does not fit: continue it in the next sequence, or drop its rest.")
-@click.option("--workers", type=int, default=_default_workers(), show_default=True,
-              help="Tokenizer processes; the output is the same for any number.")
+@click.option("--workers", type=int, default=None,
+              help="Tokenizer processes; the output is the same for any number [default: the CPU cores, "
+                   "at most 8].")
 @click.option("--include", multiple=True, metavar="GLOB",
               help="In folders, also read files matching GLOB as plain text (repeatable), e.g. '*.py'.")
 @click.option("--exclude", multiple=True, metavar="GLOB",
@@ -49,7 +50,7 @@ def _default_workers() -> int:
 @click.option("--row-group-rows", type=int, default=0,
               help="Sequences per Parquet row group [default: ~4M tokens].")
 def command(inputs: tuple[str, ...], output: Path, context_len: int, tokenizer: str, text_field: str,
-            overflow: str, workers: int, include: tuple[str, ...], exclude: tuple[str, ...], eos: bool,
+            overflow: str, workers: int | None, include: tuple[str, ...], exclude: tuple[str, ...], eos: bool,
             strict: bool, force: bool, rows_per_file: int, row_group_rows: int) -> None:
     """Pack INPUT files (JSONL, JSONL.gz, Parquet, plain text; folders and globs of them) into a dataset.
 
@@ -59,8 +60,9 @@ def command(inputs: tuple[str, ...], output: Path, context_len: int, tokenizer: 
     try:
         config = PackConfig(inputs=inputs, output=output, context_len=context_len, tokenizer=tokenizer,
                             text_field=text_field, overflow=overflow, append_eos=eos, include=include,
-                            exclude=exclude, strict=strict, workers=workers, rows_per_file=rows_per_file,
-                            row_group_rows=row_group_rows, force=force)
+                            exclude=exclude, strict=strict,
+                            workers=_default_workers() if workers is None else workers,
+                            rows_per_file=rows_per_file, row_group_rows=row_group_rows, force=force)
     except ValueError as e:
         raise FlashcpError(str(e)) from None
     try:
