@@ -329,6 +329,28 @@ def test_existing_output_is_refused_unless_same_or_forced(tmp_path):
     assert pack(src, other, "--force").exit_code == 0 and (other / "mine.txt").read_text() == "keep me"
 
 
+def test_output_inside_an_input_folder_is_not_read(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", random_docs(40))
+    assert pack(tmp_path, tmp_path / "out").exit_code == 0
+    result = pack(tmp_path, tmp_path / "out")  # the dataset's own Parquet files are not inputs
+    assert result.exit_code == 0 and "already holds this dataset" in result.output
+
+
+def test_a_folder_being_written_is_refused(tmp_path):
+    import fcntl
+
+    src = write_jsonl(tmp_path / "in.jsonl", random_docs(40))
+    (tmp_path / "out").mkdir()
+    fd = os.open(tmp_path / "out", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        result = pack(src, tmp_path / "out")
+        assert result.exit_code == 1 and "another flashcp pack is writing to" in result.output
+    finally:
+        os.close(fd)
+    assert pack(src, tmp_path / "out").exit_code == 0
+
+
 def test_finished_dataset_with_a_damaged_file_is_refused(tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", random_docs(50))
     out = tmp_path / "out"

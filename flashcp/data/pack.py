@@ -350,7 +350,8 @@ def run_pack(config: PackConfig, *, on_rows: Callable[[int], None] = lambda n: N
     started = time.perf_counter()
     spec = resolve_tokenizer(config.tokenizer)
     encoder = Encoder(spec, append_eos=config.append_eos)
-    inputs, warnings = discover_inputs(config.inputs, include=config.include, exclude=config.exclude)
+    inputs, warnings = discover_inputs(config.inputs, include=config.include, exclude=config.exclude,
+                                       skip=(config.output,))
     input_entries = _hash_inputs(inputs)
     empty = [str(i.path) for i in inputs if i.bytes == 0]
     if empty:
@@ -370,6 +371,7 @@ def run_pack(config: PackConfig, *, on_rows: Callable[[int], None] = lambda n: N
     identity_sha256 = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     out = prepare_output(config.output, identity_sha256, identity, force=config.force)
     if out.finished is not None:
+        out.release()
         return PackResult(manifest=out.finished, resumed_parts=0, already_done=True,
                           seconds=time.perf_counter() - started, warnings=tuple(warnings))
     resumed_parts = len(out.parts)

@@ -12,6 +12,7 @@ Only files that ``pack`` owns are ever removed: ``manifest.json``, ``pack-state.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -71,12 +72,18 @@ class OutputFolder:
                                                    "parts": [p.to_json() for p in self.parts]})
 
     def remove_state(self) -> None:
-        """Drop the state file once the manifest exists."""
+        """Drop the state file once the manifest exists, and release the folder."""
         (self.root / STATE_NAME).unlink(missing_ok=True)
+        self.release()
+
+    def release(self) -> None:
+        """Let other processes write to the folder again."""
+        _unlock(self.root)
 
     def discard(self) -> None:
         """Remove everything this pack wrote (after a fatal error): no partial dataset is left behind."""
         _remove_pack_files(self.root, plans=False)
+        self.release()
         if self.created:
             try:
                 self.root.rmdir()
@@ -156,6 +163,29 @@ def _check_writable(root: Path) -> bool:
     return created
 
 
+_locks: dict[Path, int] = {}  # folder -> open descriptor holding its lock, for the life of the process
+
+
+def _lock(root: Path) -> None:
+    """Hold an exclusive lock on the folder itself (no lock file is left behind), or refuse."""
+    key = root.resolve()
+    if key in _locks:
+        return
+    fd = os.open(key, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise FlashcpError(f"another flashcp pack is writing to {root}; wait for it to finish") from None
+    _locks[key] = fd
+
+
+def _unlock(root: Path) -> None:
+    fd = _locks.pop(root.resolve(), None)
+    if fd is not None:
+        os.close(fd)
+
+
 def _verified_parts(root: Path, parts: list[PartRecord]) -> list[PartRecord]:
     """The leading parts whose files still hash as recorded; the files after them are removed."""
     good: list[PartRecord] = []
@@ -182,6 +212,16 @@ def prepare_output(root: str | Path, identity_sha256: str, identity: dict, *, fo
     """
     root = Path(root)
     created = _check_writable(root)
+    _lock(root)
+    try:
+        return _prepare_locked(root, created, identity_sha256, identity, force=force)
+    except BaseException:
+        _unlock(root)
+        raise
+
+
+def _prepare_locked(root: Path, created: bool, identity_sha256: str, identity: dict, *,
+                    force: bool) -> OutputFolder:
     if force:
         _remove_pack_files(root, plans=True)
         return OutputFolder(root=root, created=created, parts=[])

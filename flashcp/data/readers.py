@@ -85,12 +85,14 @@ def _excluded(name: str, rel: str, exclude: tuple[str, ...]) -> bool:
     return name.startswith(".") or any(fnmatch.fnmatch(name, g) or fnmatch.fnmatch(rel, g) for g in exclude)
 
 
-def _walk(folder: Path, include: tuple[str, ...], exclude: tuple[str, ...]) -> list[tuple[Path, str]]:
+def _walk(folder: Path, include: tuple[str, ...], exclude: tuple[str, ...],
+          skip: frozenset[Path]) -> list[tuple[Path, str]]:
     """Files under ``folder`` with a known format, sorted by relative path; hidden, excluded ones pruned."""
     found: list[tuple[tuple[str, ...], Path, str]] = []
     for dirpath, dirnames, filenames in os.walk(folder, onerror=_raise_walk_error):
         rel_dir = Path(dirpath).relative_to(folder)
-        dirnames[:] = [d for d in dirnames if not _excluded(d, (rel_dir / d).as_posix(), exclude)]
+        dirnames[:] = [d for d in dirnames if not _excluded(d, (rel_dir / d).as_posix(), exclude)
+                       and (Path(dirpath) / d).resolve() not in skip]
         for name in filenames:
             rel = (rel_dir / name).as_posix()
             if _excluded(name, rel, exclude):
@@ -108,21 +110,26 @@ def _raise_walk_error(error: OSError) -> None:
 
 
 def discover_inputs(args: list[str] | tuple[str, ...], *, include: tuple[str, ...] = (),
-                    exclude: tuple[str, ...] = ()) -> tuple[list[InputFile], list[str]]:
+                    exclude: tuple[str, ...] = (),
+                    skip: tuple[Path, ...] = ()) -> tuple[list[InputFile], list[str]]:
     """Expand input arguments (files, folders, globs) into the ordered list of input files.
 
     Folders are searched recursively for ``.jsonl``, ``.jsonl.gz``, ``.parquet`` and ``.txt`` files and for
     files matching an ``include`` glob (read as plain text, one document per file); entries whose name starts
     with ``.`` or that match an ``exclude`` glob are skipped. Globs match the file name or the path relative
-    to the folder. Returns ``(inputs, warnings)``; a file reached twice is read once, with a warning.
+    to the folder; nothing inside the folders in ``skip`` (the output) is read. Returns
+    ``(inputs, warnings)``; a file reached twice is read once, with a warning.
     Raises FlashcpError for a missing input, a file of unknown format, or a folder or pattern with no inputs.
     """
     inputs: list[InputFile] = []
     warnings: list[str] = []
+    skip_dirs = frozenset(Path(p).resolve() for p in skip)
     seen: set[Path] = set()
 
     def add(path: Path, fmt: str) -> None:
         path = path.resolve()
+        if skip_dirs and not skip_dirs.isdisjoint(path.parents):
+            return  # inside the output folder
         if path in seen:
             warnings.append(f"input {path} is listed more than once; it is read once")
             return
@@ -136,7 +143,7 @@ def discover_inputs(args: list[str] | tuple[str, ...], *, include: tuple[str, ..
     for arg in args:
         path = Path(arg)
         if path.is_dir():
-            files = _walk(path, include, exclude)
+            files = _walk(path, include, exclude, skip_dirs)
             if not files:
                 raise FlashcpError(f"input folder {arg} holds no .jsonl, .jsonl.gz, .parquet or .txt files; "
                                    "add --include GLOB to read other files as plain text")
@@ -154,7 +161,7 @@ def discover_inputs(args: list[str] | tuple[str, ...], *, include: tuple[str, ..
             for match in matches:
                 match_path = Path(match)
                 if match_path.is_dir():
-                    for file, fmt in _walk(match_path, include, exclude):
+                    for file, fmt in _walk(match_path, include, exclude, skip_dirs):
                         add(file, fmt)
                         taken += 1
                 elif (fmt := _format_of(match_path, include, match_path.name)) is not None:

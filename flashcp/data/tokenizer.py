@@ -18,6 +18,7 @@ import hashlib
 import importlib.resources
 import json
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -177,6 +178,7 @@ def init_worker(spec: TokenizerSpec, append_eos: bool, parent_pid: int) -> None:
     global _worker_encoder
     # a killed parent (SIGKILL, OOM) cannot stop its workers, and they never see their task pipe close
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the pool
     _worker_encoder = Encoder(spec, append_eos=append_eos)
 
 
