@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from flashcp import __version__
@@ -58,8 +59,17 @@ def data_file_name(index: int) -> str:
     return f"{DATA_DIR}/part-{index:05d}.parquet"
 
 
+_NUMPY_TYPES = {pa.int16(): np.int16, pa.int32(): np.int32, pa.int64(): np.int64, pa.float64(): np.float64}
+
+
+def _arrow(values: np.ndarray, value_type: pa.DataType) -> pa.Array:
+    # zero-copy, and unlike pa.array() it does not import pandas (half a second) to inspect its argument
+    values = np.ascontiguousarray(values, dtype=_NUMPY_TYPES[value_type])
+    return pa.Array.from_buffers(value_type, values.size, [None, pa.py_buffer(values)])
+
+
 def _list_array(offsets: np.ndarray, values: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, value_type))
+    return pa.ListArray.from_arrays(_arrow(offsets, pa.int32()), _arrow(values, value_type))
 
 
 def data_table(doc_offsets: np.ndarray, doc_lens: np.ndarray, doc_source: np.ndarray, doc_offset: np.ndarray,
@@ -133,7 +143,7 @@ class DataFileWriter:
         """Append ``table`` as one row group."""
         self._writer.write_table(table, row_group_size=max(1, table.num_rows))
         self.rows += table.num_rows
-        self.tokens += int(table.column("doc_lens").combine_chunks().flatten().to_numpy().sum(dtype=np.int64))
+        self.tokens += int(pc.sum(table.column("doc_lens").combine_chunks().flatten()).as_py() or 0)
 
     def close(self) -> DataFile:
         """Finish the file, move it to its final name, and return its manifest entry."""

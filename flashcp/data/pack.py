@@ -102,6 +102,9 @@ class PackConfig:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
         if self.rows_per_file < 0 or self.row_group_rows < 0:
             raise ValueError("rows per file and rows per row group must be positive (or 0 for automatic)")
+        if self.row_group_rows * self.context_len >= 2**31:
+            raise ValueError(f"a row group of {self.row_group_rows} sequences of {self.context_len} tokens "
+                             "holds 2**31 tokens or more; choose fewer rows per row group")
         if not self.text_field:
             raise ValueError("the text field name is empty")
 

