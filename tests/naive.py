@@ -51,3 +51,31 @@ def naive_document_attention(q, k, v, doc_lens):
     scores = torch.einsum("ihd,jhd->hij", q, k_full) / head_dim ** 0.5
     scores = scores.masked_fill(~keep.to(q.device), float("-inf"))
     return torch.einsum("hij,jhd->ihd", scores.softmax(-1), v_full)
+
+
+def naive_pack(docs: list[list[int]], context_len: int, overflow: str):
+    """Pack documents one token at a time, as DESIGN.md and ``flashcp pack`` describe it.
+
+    Returns ``(rows, tail_len, num_split, num_truncated, tokens_truncated)``; a row is
+    ``(tokens, [(doc_source, doc_offset, length), ...])``. ``split`` continues a document in the next
+    sequence; ``truncate`` drops the rest of a document once the sequence it is in is full.
+    """
+    rows, window, pieces = [], [], []
+    split_docs, truncated_docs, tokens_truncated = set(), 0, 0
+    for source, doc in enumerate(docs):
+        for offset, token in enumerate(doc):
+            if not pieces or pieces[-1][0] != source:
+                pieces.append([source, offset, 0])
+                if offset > 0:
+                    split_docs.add(source)
+            window.append(token)
+            pieces[-1][2] += 1
+            if len(window) == context_len:
+                rows.append((window, [tuple(p) for p in pieces]))
+                window, pieces = [], []
+                if overflow == "truncate":
+                    rest = len(doc) - offset - 1
+                    truncated_docs += rest > 0
+                    tokens_truncated += rest
+                    break
+    return rows, len(window), len(split_docs), truncated_docs, tokens_truncated
