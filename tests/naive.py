@@ -54,7 +54,7 @@ def naive_document_attention(q, k, v, doc_lens):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Strategy references: plain Python, lists and tuples, written from the rules in flashcp/planner/strategies.py.
+# Strategy references: plain Python lists and tuples, written from the rules in flashcp/planner/strategies.py.
 # Each returns a list of (doc, start, length, rank) shards sorted by (rank, doc, start), with touching shards
 # of one document on one rank merged.
 
@@ -152,7 +152,8 @@ def naive_flashcp(doc_lens: list[int], cp: int, target: float = 1.05) -> list[tu
             work[under] += shift
             tokens[over] -= moved
             tokens[under] += moved
-        pieces = fixed + [(doc, start, length, rank) for rank in range(cp) for doc, start, length in stacks[rank]]
+        pieces = fixed + [(doc, start, length, rank)
+                          for rank in range(cp) for doc, start, length in stacks[rank]]
         if naive_ratio(max(work), sum(work), cp) <= target or num_perdoc == len(order):
             return naive_finish(pieces)
     raise AssertionError("unreachable")
@@ -196,7 +197,8 @@ def _plus_candidate(doc_lens, cp, quotas, order, popped, anchored, mean, target)
             anchor = min(range(cp), key=lambda r: (estimate[r], r))
             room = quotas[anchor] - tokens[anchor]
             def fits(t):
-                return W(d - t, t) + W(0, d - t) // cp <= mean - estimate[anchor] and t + -(-(d - t) // cp) <= room
+                head_share = W(0, d - t) // cp
+                return W(d - t, t) + head_share <= mean - estimate[anchor] and t + -(-(d - t) // cp) <= room
 
             # fits() holds for small t and fails beyond some t: search the boundary by halving
             lo, hi = 0, d

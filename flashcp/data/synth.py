@@ -1,4 +1,4 @@
-"""Synthetic datasets: document lengths drawn from a distribution, packed the paper's way, written as a dataset.
+"""Synthetic datasets: document lengths drawn from a distribution, packed the paper's way, written out.
 
 Distributions (``--dist``):
 
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -87,7 +87,7 @@ class Distribution:
     lengths: np.ndarray | None
     """Empirical lengths sampled with replacement, shape (num_lengths,) int64; None for the Pile mixture."""
     source: dict
-    """What the distribution was read from (the manifest's ``inputs`` entry), or a description of the mixture."""
+    """What the distribution was read from (the manifest's ``inputs`` entry) or the mixture's description."""
 
     def mean_length(self) -> float:
         """Mean document length in tokens (before packing)."""
@@ -141,8 +141,8 @@ def load_distribution(spec: str) -> Distribution:
         return Distribution(name=spec, lengths=lengths, source=source)
     path = Path(spec)
     if path.suffix.lower() != ".json" or not path.is_file():
-        raise FlashcpError(f"unknown distribution '{spec}': use wlb, prolong, pile or the path of a JSON file "
-                           "listing document lengths")
+        raise FlashcpError(f"unknown distribution '{spec}': use wlb, prolong, pile or the path of a JSON "
+                           "file listing document lengths")
     lengths = _read_lengths(path, str(path))
     return Distribution(name=str(path), lengths=lengths,
                         source={"path": str(path), "bytes": path.stat().st_size, "sha256": sha256_file(path)})
@@ -246,7 +246,8 @@ def synth_dataset(root: str | Path, *, dist: str, num_seqs: int, context_len: in
     token_rng = np.random.default_rng(seeds[1])
 
     root.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", suffix=".tmp", dir=root.parent))
+    staging = root.parent / f".{root.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    staging.mkdir()  # unlike mkdtemp, honours the umask
     try:
         manifest = _write_files(staging, distribution, row_offsets, doc_lens, doc_source, token_rng,
                                 context_len=context_len, with_tokens=with_tokens, vocab_size=vocab_size,

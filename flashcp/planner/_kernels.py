@@ -168,19 +168,47 @@ def llama3_kernel(lens, cp):
 
 @njit(cache=True)
 def perdoc_kernel(lens, cp):
+    # emitted directly in (rank, doc, start) order: rank i's early chunk of a document precedes its late
+    # chunk, and only rank N-1's two chunks touch (they are merged)
     num_docs = lens.shape[0]
     early = np.empty((num_docs, cp), np.int64)
     late = np.empty((num_docs, cp), np.int64)
     _zigzag_sizes(lens, cp, early, late)
-    capacity = num_docs * 2 * cp
-    pdoc = np.empty(capacity, np.int64)
-    pstart = np.empty(capacity, np.int64)
-    plen = np.empty(capacity, np.int64)
-    prank = np.empty(capacity, np.int64)
-    count = 0
+    early_start = np.empty((num_docs, cp), np.int64)
+    late_start = np.empty((num_docs, cp), np.int64)
     for j in range(num_docs):
-        count = _emit_zigzag(j, 0, early[j], late[j], cp, pdoc, pstart, plen, prank, count)
-    return _finish(pdoc, pstart, plen, prank, count, lens)
+        start = 0
+        for i in range(cp):
+            early_start[j, i] = start
+            start += early[j, i]
+        for i in range(cp - 1, -1, -1):
+            late_start[j, i] = start
+            start += late[j, i]
+    capacity = num_docs * 2 * cp
+    out_doc = np.empty(capacity, np.int64)
+    out_start = np.empty(capacity, np.int64)
+    out_len = np.empty(capacity, np.int64)
+    out_rank = np.empty(capacity, np.int64)
+    m = 0
+    for i in range(cp):
+        for j in range(num_docs):
+            if early[j, i] > 0:
+                out_doc[m] = j
+                out_start[m] = early_start[j, i]
+                out_len[m] = early[j, i]
+                out_rank[m] = i
+                m += 1
+            if late[j, i] > 0:
+                if m > 0 and out_rank[m - 1] == i and out_doc[m - 1] == j and \
+                        out_start[m - 1] + out_len[m - 1] == late_start[j, i]:
+                    out_len[m - 1] += late[j, i]
+                else:
+                    out_doc[m] = j
+                    out_start[m] = late_start[j, i]
+                    out_len[m] = late[j, i]
+                    out_rank[m] = i
+                    m += 1
+    return out_doc[:m], out_start[:m], out_len[:m], out_rank[:m]
 
 
 # ---------------------------------------------------------------------------------------------------------

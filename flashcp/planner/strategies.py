@@ -109,9 +109,9 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy(name="perdoc", code=1, defaults={}, kernel=perdoc_kernel,
              description="every document in 2N chunks, zigzag over ranks"),
     Strategy(name="flashcp", code=2, defaults={"target_imbalance": 1.05}, kernel=flashcp_kernel,
-             description="the paper's Algorithm 1: whole documents, Whole-Doc heads, Per-Doc for the longest"),
+             description="the paper's Algorithm 1: whole docs, Whole-Doc heads, Per-Doc for the longest"),
     Strategy(name="flashcp+", code=3, defaults={"target_imbalance": 1.01}, kernel=flashcp_plus_kernel,
-             description="Algorithm 1 plus tail-anchored splits, token-aware greedy, levers and window swaps"),
+             description="Algorithm 1 + tail-anchored splits, token-aware greedy, levers, window swaps"),
 )}
 
 
@@ -139,9 +139,12 @@ def check_shape(context_len: int, cp: int) -> None:
     """ValueError unless ``1 <= cp <= min(MAX_CP, context_len)`` and the context length is supported."""
     if context_len < 1 or context_len > MAX_CONTEXT_LEN:
         raise ValueError(f"context length must be in [1, {MAX_CONTEXT_LEN}], got {context_len}")
-    if cp < 1 or cp > min(MAX_CP, context_len):
-        raise ValueError(f"cp must be between 1 and the {min(MAX_CP, context_len)} tokens per sequence, "
-                         f"got {cp}")
+    if cp < 1:
+        raise ValueError(f"cp must be at least 1, got {cp}")
+    if cp > context_len:
+        raise ValueError(f"cp {cp} is above the {context_len} tokens per sequence: some rank would get none")
+    if cp > MAX_CP:
+        raise ValueError(f"cp {cp} is above the largest supported CP size {MAX_CP}")
 
 
 def run_kernel(strategy: Strategy, lens: np.ndarray, cp: int, params: dict):
