@@ -102,6 +102,16 @@ class Strategy:
     kernel: Callable
     """The per-sequence Numba kernel."""
 
+    def plan(self, doc_lens, cp: int, *, target_imbalance: float | None = None) -> SequencePlan:
+        """Plan one packed sequence: ``doc_lens`` (num_docs,) positive integers -> SequencePlan."""
+        params = resolve_params(self, target_imbalance)
+        lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
+        if lens.ndim != 1 or lens.size == 0 or (lens <= 0).any():
+            raise ValueError("doc_lens must be a non-empty 1-D array of positive lengths")
+        check_shape(int(lens.sum()), cp)
+        doc, start, length, rank = run_kernel(self, lens, cp, params)
+        return SequencePlan(shard_doc=doc, shard_start=start, shard_len=length, shard_rank=rank, cp=cp)
+
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy(name="llama3", code=0, defaults={}, kernel=llama3_kernel,
@@ -154,14 +164,10 @@ def run_kernel(strategy: Strategy, lens: np.ndarray, cp: int, params: dict):
     return strategy.kernel(lens, cp)
 
 
-def plan_sequence(doc_lens, cp: int, strategy: str = "flashcp", *,
-                  target_imbalance: float | None = None) -> SequencePlan:
-    """Plan one packed sequence. ``doc_lens``: (num_docs,) positive integers; returns a SequencePlan."""
-    chosen = get_strategy(strategy)
-    params = resolve_params(chosen, target_imbalance)
-    lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
-    if lens.ndim != 1 or lens.size == 0 or (lens <= 0).any():
-        raise ValueError("doc_lens must be a non-empty 1-D array of positive lengths")
-    check_shape(int(lens.sum()), cp)
-    doc, start, length, rank = run_kernel(chosen, lens, cp, params)
-    return SequencePlan(shard_doc=doc, shard_start=start, shard_len=length, shard_rank=rank, cp=cp)
+def plan_sequence(strategy: str, doc_lens, cp: int, *, target_imbalance: float | None = None) -> SequencePlan:
+    """Plan one packed sequence with the named strategy.
+
+    ``doc_lens``: (num_docs,) positive integers; ``target_imbalance`` defaults to the strategy's own.
+    Raises ValueError for an unknown strategy or bad input.
+    """
+    return get_strategy(strategy).plan(doc_lens, cp, target_imbalance=target_imbalance)
