@@ -26,6 +26,7 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -41,6 +42,7 @@ __all__ = [
     "NAMED_DISTRIBUTIONS",
     "PILE_SUBSETS",
     "Distribution",
+    "doc_length_sampler",
     "load_distribution",
     "pack_lengths",
     "synth_dataset",
@@ -111,6 +113,12 @@ def _pile_mixture() -> tuple[np.ndarray, np.ndarray]:
     mean_tokens = np.array([kib for _, _, kib in PILE_SUBSETS]) * 1024 * PILE_TOKENS_PER_BYTE
     doc_share = weights / mean_tokens
     return doc_share / doc_share.sum(), mean_tokens
+
+
+def doc_length_sampler(dist: str, rng: np.random.Generator) -> Callable[[int], np.ndarray]:
+    """``sample(n) -> n document lengths`` drawn from the named distribution with ``rng``."""
+    distribution = load_distribution(dist)
+    return lambda n: distribution.draw(rng, n)
 
 
 def _read_lengths(path: Path, label: str) -> np.ndarray:
