@@ -171,8 +171,10 @@ def test_show_out_of_range(dataset, tmp_path):
 
 def test_workers_give_identical_plans(tmp_path):
     root = tmp_path / "lean"
-    result = run("synth", root, "--dist", "pile", "--num-seqs", 2100, "--context-len", 8192, "--no-tokens")
+    result = run("synth", root, "--dist", "pile", "--num-seqs", 2100, "--context-len", 8192, "--no-tokens",
+                 "--rows-per-file", 500)
     assert result.exit_code == 0, result.output
+    assert "in 5 data file(s)" in result.output
     for workers in (1, 2):
         result = run("plan", root, "--cp", 8, "--strategy", "flashcp+", "--workers", workers, "--name",
                      f"w{workers}")

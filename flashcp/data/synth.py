@@ -230,19 +230,23 @@ def _file_layout(context_len: int, has_tokens: bool) -> tuple[int, int]:
 
 
 def synth_dataset(root: str | Path, *, dist: str, num_seqs: int, context_len: int, seed: int = 0,
-                  with_tokens: bool = True, vocab_size: int = 32000) -> dict:
+                  with_tokens: bool = True, vocab_size: int = 32000,
+                  rows_per_file: int | None = None) -> dict:
     """Write a synthetic dataset at ``root`` and return its manifest.
 
     Token ids are uniform in ``[0, vocab_size)``; lengths do not depend on ``with_tokens``, so a
     lengths-only dataset has the same documents as the full one with the same seed. Refuses a ``root`` that
     already holds a dataset or other files. The dataset is written in a hidden folder beside ``root`` and
-    renamed into place once complete, so an interrupted run leaves nothing behind.
+    renamed into place once complete, so an interrupted run leaves nothing behind. ``rows_per_file``
+    defaults to about 256 MiB of token ids per file (8192 rows without tokens).
     """
     root = Path(root)
     if num_seqs < 1:
         raise FlashcpError(f"--num-seqs must be at least 1, got {num_seqs}")
     if context_len < 1 or context_len > 2 ** 31 - 1:
         raise FlashcpError(f"--context-len must be in [1, 2^31), got {context_len}")
+    if rows_per_file is not None and rows_per_file < 1:
+        raise FlashcpError(f"--rows-per-file must be at least 1, got {rows_per_file}")
     if vocab_size < 1 or vocab_size > 2 ** 31 - 1:
         raise FlashcpError(f"--vocab-size must be in [1, 2^31), got {vocab_size}")
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
@@ -259,7 +263,8 @@ def synth_dataset(root: str | Path, *, dist: str, num_seqs: int, context_len: in
     try:
         manifest = _write_files(staging, distribution, row_offsets, doc_lens, doc_source, token_rng,
                                 context_len=context_len, with_tokens=with_tokens, vocab_size=vocab_size,
-                                seed=seed, docs_read=docs_read, truncated=truncated)
+                                seed=seed, docs_read=docs_read, truncated=truncated,
+                                rows_per_file=rows_per_file)
         if root.exists():
             root.rmdir()  # empty, checked above
         os.replace(staging, root)
@@ -271,9 +276,10 @@ def synth_dataset(root: str | Path, *, dist: str, num_seqs: int, context_len: in
 
 def _write_files(root: Path, distribution: Distribution, row_offsets, doc_lens, doc_source, token_rng, *,
                  context_len: int, with_tokens: bool, vocab_size: int, seed: int, docs_read: int,
-                 truncated: int) -> dict:
+                 truncated: int, rows_per_file: int | None) -> dict:
     num_seqs = row_offsets.size - 1
-    rows_per_file, rows_per_group = _file_layout(context_len, with_tokens)
+    default_rows, rows_per_group = _file_layout(context_len, with_tokens)
+    rows_per_file = rows_per_file or default_rows
     files: list[DataFile] = []
     for index, lo in enumerate(range(0, num_seqs, rows_per_file)):
         hi = min(num_seqs, lo + rows_per_file)

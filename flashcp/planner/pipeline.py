@@ -2,8 +2,10 @@
 
 Reusable without the CLI: :func:`plan_dataset` plans a dataset folder, :func:`plan_rows` plans flat arrays
 of sequences, :func:`strategy_metrics` returns per-sequence metrics for lists of ``doc_lens`` (the bench
-uses it). Work is split into (data file, row group) items; ``workers > 1`` plans them in worker processes
-and the output does not depend on the number of workers.
+uses it). Work is split by data file: a job plans a file's row groups one at a time, validates every plan and
+writes the file's plan file into a staging folder; ``workers > 1`` runs jobs in worker processes, and the
+output does not depend on the number of workers. The staging folder becomes ``plans/<name>/`` once every
+file is written, and ``plan.json`` is written last.
 """
 
 from __future__ import annotations
@@ -162,36 +164,54 @@ def summarize(imbalance: np.ndarray, ag: np.ndarray, a2a: np.ndarray, context_le
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _Item:
+class _FileJob:
+    """One data file to plan; the worker writes its plan file into ``staging``."""
+
     root: str
     file_index: int
-    row_group: int
     first_row: int
-    """Global index of the row group's first sequence (for baseline sampling)."""
+    """Global index of the file's first sequence (for baseline sampling)."""
     cp: int
     strategy: str
     params: dict
     context_len: int
     baseline_step: int
+    staging: str
 
 
-def _plan_item(item: _Item) -> tuple[PlannedRows, dict[str, tuple[np.ndarray, ...]]]:
-    dataset = Dataset(item.root)
-    where = f"data file {dataset.files[item.file_index].path}"
-    offsets, lens = read_row_group_lens(dataset, item.file_index, item.row_group)
-    check_rows(offsets, lens, item.context_len, where)
-    planned = plan_rows(offsets, lens, item.cp, item.strategy, item.params, where=where)
-    rows = offsets.size - 1
-    picked = [i for i in range(rows) if (item.first_row + i) % item.baseline_step == 0]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _FileResult:
+    plan_file: dict
+    metrics: tuple[np.ndarray, np.ndarray, np.ndarray]
+    baselines: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _plan_file(job: _FileJob) -> _FileResult:
+    """Plan every row group of one data file, validate, write its plan file; runs in worker processes too."""
+    dataset = Dataset(job.root)
+    where = f"data file {dataset.files[job.file_index].path}"
+    parts, sampled = [], []
+    first = job.first_row
+    for group in range(dataset.parquet(job.file_index).num_row_groups):
+        offsets, lens = read_row_group_lens(dataset, job.file_index, group)
+        check_rows(offsets, lens, job.context_len, where)
+        parts.append(plan_rows(offsets, lens, job.cp, job.strategy, job.params, where=where))
+        sampled += [lens[offsets[i]:offsets[i + 1]] for i in range(offsets.size - 1)
+                    if (first + i) % job.baseline_step == 0]
+        first += offsets.size - 1
+    rows = _concat(parts)
+    table = plan_table(rows.shard_offsets, rows.shard_doc, rows.shard_start, rows.shard_len, rows.shard_rank,
+                       rows.imbalance, rows.ag_comm_tokens, rows.a2a_comm_tokens)
+    plan_file = write_plan_file(Path(job.staging), job.file_index, table)
     baselines = {}
-    if picked:
-        sub_lens = [lens[offsets[i]:offsets[i + 1]] for i in picked]
-        sub_offsets = np.zeros(len(picked) + 1, np.int64)
-        sub_offsets[1:] = np.cumsum([s.size for s in sub_lens])
+    if sampled:
+        sub_offsets = np.zeros(len(sampled) + 1, np.int64)
+        sub_offsets[1:] = np.cumsum([s.size for s in sampled])
         for name in BASELINES:
-            b = plan_rows(sub_offsets, np.concatenate(sub_lens), item.cp, name, where=where)
+            b = plan_rows(sub_offsets, np.concatenate(sampled), job.cp, name, where=where)
             baselines[name] = (b.imbalance, b.ag_comm_tokens, b.a2a_comm_tokens)
-    return planned, baselines
+    metrics = (rows.imbalance, rows.ag_comm_tokens, rows.a2a_comm_tokens)
+    return _FileResult(plan_file=plan_file, metrics=metrics, baselines=baselines)
 
 
 def read_row_group_lens(dataset: Dataset, file_index: int, row_group: int) -> tuple[np.ndarray, np.ndarray]:
@@ -247,42 +267,31 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
 
     total_rows = dataset.num_sequences
     step = max(1, -(-total_rows // BASELINE_MAX_ROWS))
-    items, first_row = [], 0
-    for index in range(len(dataset.files)):
-        pf = dataset.parquet(index)
-        if pf.metadata.num_rows != dataset.files[index].rows:
-            raise FlashcpError(f"data file {dataset.files[index].path} has {pf.metadata.num_rows} rows but "
-                               f"the manifest says {dataset.files[index].rows}; re-create the dataset")
-        for group in range(pf.num_row_groups):
-            items.append(_Item(root=str(dataset.root), file_index=index, row_group=group, first_row=first_row,
-                               cp=cp, strategy=chosen.name, params=params, context_len=dataset.context_len,
-                               baseline_step=step))
-            first_row += pf.metadata.row_group(group).num_rows
-
-    results = _run_items(items, workers, progress)
+    for index, data_file in enumerate(dataset.files):
+        rows = dataset.parquet(index).metadata.num_rows
+        if rows != data_file.rows:
+            raise FlashcpError(f"data file {data_file.path} has {rows} rows but the manifest says "
+                               f"{data_file.rows}; re-create the dataset")
 
     plans_root.mkdir(parents=True, exist_ok=True)
     staging = plans_root / f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
     staging.mkdir()
     try:
-        plan_files, all_parts = [], []
-        for index in range(len(dataset.files)):
-            parts = [planned for item, (planned, _) in zip(items, results) if item.file_index == index]
-            rows = _concat(parts) if parts else None
-            if rows is None:
-                continue
-            all_parts.append(rows)
-            table = plan_table(rows.shard_offsets, rows.shard_doc, rows.shard_start, rows.shard_len,
-                               rows.shard_rank, rows.imbalance, rows.ag_comm_tokens, rows.a2a_comm_tokens)
-            plan_files.append(write_plan_file(staging, index, table))
-        summary = _summary(all_parts, results, dataset.context_len, cp, step)
+        jobs, first_row = [], 0
+        for index, data_file in enumerate(dataset.files):
+            jobs.append(_FileJob(root=str(dataset.root), file_index=index, first_row=first_row, cp=cp,
+                                 strategy=chosen.name, params=params, context_len=dataset.context_len,
+                                 baseline_step=step, staging=str(staging)))
+            first_row += data_file.rows
+        results = _run_jobs(jobs, workers, progress)
+        summary = _summary(results, dataset.context_len, cp, step)
         old = None
         if final.exists():
-            old = plans_root / f".{name}.old-{os.getpid()}"
+            old = plans_root / f".{name}.old-{os.getpid()}-{secrets.token_hex(4)}"
             os.replace(final, old)
         os.replace(staging, final)
         meta = write_plan_json(final, dataset=dataset, strategy=chosen.name, params=params, cp=cp,
-                               plan_files=plan_files, summary=summary)
+                               plan_files=[r.plan_file for r in results], summary=summary)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
@@ -291,31 +300,29 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
     return meta
 
 
-def _run_items(items: list[_Item], workers: int, progress: Callable[[int], None] | None):
-    results = []
-    if workers == 1 or len(items) <= 1:
-        for item in items:
-            results.append(_plan_item(item))
+def _run_jobs(jobs: list[_FileJob], workers: int,
+              progress: Callable[[int], None] | None) -> list[_FileResult]:
+    results: list[_FileResult] = []
+    if workers == 1 or len(jobs) <= 1:
+        for job in jobs:
+            results.append(_plan_file(job))
             if progress:
-                progress(int(results[-1][0].imbalance.size))
+                progress(int(results[-1].metrics[0].size))
         return results
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        for result in pool.map(_plan_item, items):
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context) as pool:
+        for result in pool.map(_plan_file, jobs):
             results.append(result)
             if progress:
-                progress(int(result[0].imbalance.size))
+                progress(int(result.metrics[0].size))
     return results
 
 
-def _summary(parts: list[PlannedRows], results, context_len: int, cp: int, step: int) -> dict:
-    imbalance = np.concatenate([p.imbalance for p in parts])
-    ag = np.concatenate([p.ag_comm_tokens for p in parts])
-    a2a = np.concatenate([p.a2a_comm_tokens for p in parts])
-    summary = summarize(imbalance, ag, a2a, context_len, cp)
+def _summary(results: list[_FileResult], context_len: int, cp: int, step: int) -> dict:
+    summary = summarize(*(np.concatenate(x) for x in zip(*(r.metrics for r in results))), context_len, cp)
     baselines = {}
     for name in BASELINES:
-        got = [b[name] for _, b in results if name in b]
+        got = [r.baselines[name] for r in results if name in r.baselines]
         if got:
             baselines[name] = summarize(*(np.concatenate(x) for x in zip(*got)), context_len, cp)
     summary["baselines"] = baselines
