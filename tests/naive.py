@@ -33,11 +33,11 @@ def naive_metrics(shards: list[tuple[int, int, int, int]], cp: int) -> tuple[flo
     return imbalance, max(contribution), max(received)
 
 
-def naive_document_attention(q, k, v, doc_lens):
+def naive_document_attention(q, k, v, doc_lens, scale=None):
     """Dense attention over the whole packed sequence with a document-causal mask (torch, any dtype).
 
     q: (C, H, D); k, v: (C, K, D) with H % K == 0. Token i attends to token j iff both lie in the same
-    document and j <= i. Scale 1 / sqrt(D).
+    document and j <= i. Scale ``scale``, by default 1 / sqrt(D).
     """
     import torch
 
@@ -48,6 +48,7 @@ def naive_document_attention(q, k, v, doc_lens):
     keep = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
     k_full = k.repeat_interleave(group, dim=1)
     v_full = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("ihd,jhd->hij", q, k_full) / head_dim ** 0.5
+    scale = head_dim ** -0.5 if scale is None else scale
+    scores = torch.einsum("ihd,jhd->hij", q, k_full) * scale
     scores = scores.masked_fill(~keep.to(q.device), float("-inf"))
     return torch.einsum("hij,jhd->ihd", scores.softmax(-1), v_full)
