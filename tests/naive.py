@@ -52,3 +52,38 @@ def naive_document_attention(q, k, v, doc_lens, scale=None):
     scores = torch.einsum("ihd,jhd->hij", q, k_full) * scale
     scores = scores.masked_fill(~keep.to(q.device), float("-inf"))
     return torch.einsum("hij,jhd->ihd", scores.softmax(-1), v_full)
+
+
+def naive_sequence_views(tokens, doc_lens, vocab_size):
+    """Whole-sequence (input_ids, position_ids, labels), token by token; ids folded into ``vocab_size``."""
+    import torch
+
+    ids, positions, labels = [], [], []
+    offset = 0
+    for n in doc_lens:
+        for p in range(int(n)):
+            ids.append(int(tokens[offset + p]) % vocab_size)
+            positions.append(p)
+            labels.append(int(tokens[offset + p + 1]) % vocab_size if p + 1 < n else -100)
+        offset += int(n)
+    return torch.tensor(ids), torch.tensor(positions), torch.tensor(labels)
+
+
+def naive_training(model, logits_fn, sequences, optimizer, vocab_size):
+    """Train without CP on whole sequences; returns the loss of each step (before its update).
+
+    ``sequences``: (tokens, doc_lens) per step. ``logits_fn(model, ids, positions, doc_lens) -> (C, V)``
+    must apply the document mask itself. Loss: mean cross-entropy over the sequence's labels.
+    """
+    import torch.nn.functional as F
+
+    losses = []
+    for tokens, doc_lens in sequences:
+        ids, positions, labels = naive_sequence_views(tokens, doc_lens, vocab_size)
+        optimizer.zero_grad()
+        logits = logits_fn(model, ids, positions, doc_lens)
+        loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum") / (labels != -100).sum()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
