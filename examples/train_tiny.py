@@ -67,14 +67,15 @@ def main(argv=None) -> int:
     rank = dist.get_rank() if distributed else 0
     try:
         run_training(options, group=None, device=device, log=info, show_progress=True)
-        return 0
+        status = 0
     except FlashcpError as e:  # raised alike on every rank: say it once
         if rank == 0:
             error(str(e))
-        return 1
-    finally:
-        if distributed:
-            dist.destroy_process_group()
+        status = 1
+    if distributed:  # leave together: a rank tearing down while a peer still talks to it can abort the peer
+        dist.barrier()
+        dist.destroy_process_group()
+    return status
 
 
 if __name__ == "__main__":

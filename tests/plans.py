@@ -6,6 +6,7 @@ matter to the runtime (documents cut across chunk boundaries, a document on ever
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -105,8 +106,8 @@ def plan_builders() -> dict:
     """Name -> ``plan_fn(doc_lens, cp) -> SequencePlan`` for end-to-end tests and benchmarks.
 
     The stand-ins (a Llama3-like baseline, a FlashCP-like greedy, random plans), plus every strategy of
-    ``flashcp.planner.strategies`` when that module exists (``strategy_builders()`` there, or a
-    ``STRATEGIES`` dict of name -> ``plan_fn``).
+    ``flashcp.planner.strategies`` when that module exists: ``plan_sequence(name, doc_lens, cp)`` for each
+    name in ``STRATEGIES`` (the interface ``bench/gpu_check.py`` expects too).
     """
     builders = {"llama3-like": llama3_like_plan, "whole-doc-greedy": whole_doc_greedy_plan,
                 "random": random_plan_builder(0)}
@@ -114,11 +115,13 @@ def plan_builders() -> dict:
         from flashcp.planner import strategies
     except ImportError:
         return builders
-    if hasattr(strategies, "strategy_builders"):
-        builders.update(strategies.strategy_builders())
-    else:
-        builders.update(strategies.STRATEGIES)
+    for name in strategies.STRATEGIES:
+        builders[name] = partial(_plan_with_strategy, strategies.plan_sequence, name)
     return builders
+
+
+def _plan_with_strategy(plan_sequence, name, doc_lens, cp):
+    return plan_sequence(name, doc_lens, cp)
 
 
 def write_dataset(root: Path, files: list[list[np.ndarray]], context_len: int, rng: np.random.Generator,

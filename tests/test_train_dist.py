@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -201,11 +202,18 @@ def test_the_comparison_can_fail(planned, references):
 def test_plan_for_another_world_size_stops_every_rank_with_one_sentence(planned):
     root, _, _ = planned
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-                           "--master-port", str(free_port()), str(REPO / "examples" / "train_tiny.py"),
-                           str(root), "--plan", "cp8-llama3-like", "--steps", "1"],
-                          capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
-    output = proc.stdout + proc.stderr
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+               str(free_port()), str(REPO / "examples" / "train_tiny.py"), str(root),
+               "--plan", "cp8-llama3-like", "--steps", "1"]
+    # a session of its own, so that a hang can be ended together with the workers torchrun started
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=REPO, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the ranks did not stop within 120 s:\n{output}")
     sentence = ("error: plan 'cp8-llama3-like' was made for cp 8 but world_size is 4; launch 8 ranks or run "
                 "'flashcp plan --cp 4'")
     assert proc.returncode == 1, output
