@@ -10,7 +10,8 @@ equal-token quotas exactly; the last document of a sequence is cut to fit. Token
 - ``cp{N}-perdoc``: every document in ``2N`` chunks, same assignment (DESIGN.md's perdoc on these lengths);
 - ``cp{N}-whole-doc-greedy``: a stand-in with FlashCP's pattern (longest documents first, kept whole on
   the least-loaded rank with room, heads split off only when nothing fits);
-- every strategy of ``flashcp.planner.strategies`` when it exists, as ``cp{N}-<name>``.
+- every strategy of ``flashcp.planner.strategies`` when it exists, as ``cp{N}-<name>`` (the real ``llama3``
+  and ``perdoc`` then replace the stand-ins).
 
 Once ``flashcp synth`` and ``flashcp plan`` exist, they make the same kind of dataset.
 """
@@ -28,7 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.plans import perdoc_like_plan, plan_builders, write_dataset, write_plan  # noqa: E402
+from tests.plans import (  # noqa: E402
+    llama3_like_plan,
+    perdoc_like_plan,
+    plan_builders,
+    whole_doc_greedy_plan,
+    write_dataset,
+    write_plan,
+)
 
 
 def sequence_lengths(rng, lengths, context_len: int, multiple: int) -> np.ndarray:
@@ -59,8 +67,10 @@ def main(argv=None) -> None:
     lengths = np.array(json.loads(dist_file.read_text()), dtype=np.int64)
     rows = [sequence_lengths(rng, lengths, args.context_len, 2 * args.cp) for _ in range(args.num_seqs)]
     dataset, _ = write_dataset(args.data, [rows], args.context_len, rng, row_group_rows=4)
-    builders = {"llama3": plan_builders()["llama3-like"], "perdoc": perdoc_like_plan,
-                **{k: v for k, v in plan_builders().items() if k not in ("llama3-like", "random")}}
+    builders = {"llama3": llama3_like_plan, "perdoc": perdoc_like_plan,
+                "whole-doc-greedy": whole_doc_greedy_plan}
+    # the real strategies, when the planner has them, replace the stand-ins of the same name
+    builders.update({k: v for k, v in plan_builders().items() if k not in ("llama3-like", "random")})
     for name, build in builders.items():
         plans = [build(lens, args.cp) for lens in rows]
         for plan, lens in zip(plans, rows):

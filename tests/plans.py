@@ -105,16 +105,15 @@ def random_plan_builder(seed: int):
 def plan_builders() -> dict:
     """Name -> ``plan_fn(doc_lens, cp) -> SequencePlan`` for end-to-end tests and benchmarks.
 
-    The stand-ins (a Llama3-like baseline, a FlashCP-like greedy, random plans), plus every strategy of
-    ``flashcp.planner.strategies`` when that module exists: ``plan_sequence(name, doc_lens, cp)`` for each
-    name in ``STRATEGIES`` (the interface ``bench/gpu_check.py`` expects too).
+    Random plans (harsh patterns) always; then every strategy of ``flashcp.planner.strategies`` when that
+    module exists (``plan_sequence(name, doc_lens, cp)`` for each name in ``STRATEGIES``, the interface
+    ``bench/gpu_check.py`` expects too), else the stand-ins: a Llama3-like baseline and a FlashCP-like greedy.
     """
-    builders = {"llama3-like": llama3_like_plan, "whole-doc-greedy": whole_doc_greedy_plan,
-                "random": random_plan_builder(0)}
+    builders = {"random": random_plan_builder(0)}
     try:
         from flashcp.planner import strategies
     except ImportError:
-        return builders
+        return {"llama3-like": llama3_like_plan, "whole-doc-greedy": whole_doc_greedy_plan, **builders}
     for name in strategies.STRATEGIES:
         builders[name] = partial(_plan_with_strategy, strategies.plan_sequence, name)
     return builders

@@ -143,7 +143,7 @@ def _worker(rank, world, root, builders, references, ckpt_dir):
 def _resume_checks(root, ckpt_dir):
     """Stop after step 2, resume: steps 3 and 4 (second epoch) equal the uninterrupted run, bit for bit."""
     failures = []
-    base = dict(data=str(root), plan="cp2-llama3-like", model="tiny", dtype="float64", vocab_size=VOCAB,
+    base = dict(data=str(root), plan="cp2-random", model="tiny", dtype="float64", vocab_size=VOCAB,
                 dim=DIM, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, lr=LR, seed=3,
                 comm="a2a")
     full_ckpt, part_ckpt = f"{ckpt_dir}/full.pt", f"{ckpt_dir}/part.pt"

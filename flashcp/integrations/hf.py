@@ -134,10 +134,10 @@ def tiny_hf_model(arch: str, *, vocab_size: int, dim: int, num_layers: int, num_
     """
     if attn_implementation == ATTN_IMPLEMENTATION:
         register_flashcp_attention()
-    shape = dict(vocab_size=vocab_size, hidden_size=dim, intermediate_size=ffn_dim,
-                 num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                 num_key_value_heads=num_kv_heads, max_position_embeddings=1 << 20, attention_dropout=0.0,
-                 tie_word_embeddings=False)
+    shape: dict[str, Any] = dict(vocab_size=vocab_size, hidden_size=dim, intermediate_size=ffn_dim,
+                                 num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                                 num_key_value_heads=num_kv_heads, max_position_embeddings=1 << 20,
+                                 attention_dropout=0.0, tie_word_embeddings=False)
     if arch == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 

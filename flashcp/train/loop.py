@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -131,8 +132,9 @@ class StepLog:
 def build_model(options: TrainOptions, device: torch.device) -> tuple[nn.Module, LossSumFn]:
     """The model of ``options`` on ``device`` (weights from torch's RNG) and its loss hook for train_step."""
     dtype = DTYPES[options.dtype]
-    shape = dict(vocab_size=options.vocab_size, dim=options.dim, num_layers=options.num_layers,
-                 num_heads=options.num_heads, num_kv_heads=options.num_kv_heads)
+    shape: dict[str, Any] = dict(vocab_size=options.vocab_size, dim=options.dim,
+                                 num_layers=options.num_layers, num_heads=options.num_heads,
+                                 num_kv_heads=options.num_kv_heads)
     if options.model == "tiny":
         return TinyDecoder(TinyConfig(**shape, ffn_dim=2 * options.dim)).to(device, dtype), tiny_loss_sum
     from flashcp.integrations.hf import hf_loss_sum, tiny_hf_model
