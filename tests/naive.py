@@ -33,11 +33,11 @@ def naive_metrics(shards: list[tuple[int, int, int, int]], cp: int) -> tuple[flo
     return imbalance, max(contribution), max(received)
 
 
-def naive_document_attention(q, k, v, doc_lens):
+def naive_document_attention(q, k, v, doc_lens, scale=None):
     """Dense attention over the whole packed sequence with a document-causal mask (torch, any dtype).
 
     q: (C, H, D); k, v: (C, K, D) with H % K == 0. Token i attends to token j iff both lie in the same
-    document and j <= i. Scale 1 / sqrt(D).
+    document and j <= i. Scale ``scale``, by default 1 / sqrt(D).
     """
     import torch
 
@@ -48,7 +48,8 @@ def naive_document_attention(q, k, v, doc_lens):
     keep = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
     k_full = k.repeat_interleave(group, dim=1)
     v_full = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("ihd,jhd->hij", q, k_full) / head_dim ** 0.5
+    scale = head_dim ** -0.5 if scale is None else scale
+    scores = torch.einsum("ihd,jhd->hij", q, k_full) * scale
     scores = scores.masked_fill(~keep.to(q.device), float("-inf"))
     return torch.einsum("hij,jhd->ihd", scores.softmax(-1), v_full)
 
@@ -368,3 +369,38 @@ def _plus_candidate(doc_lens, cp, quotas, order, popped, anchored, mean, target)
             out.append((doc, start, late[i], i))
             start += late[i]
     return naive_ratio(max(work), sum(work), cp), out
+
+
+def naive_sequence_views(tokens, doc_lens, vocab_size):
+    """Whole-sequence (input_ids, position_ids, labels), token by token; ids folded into ``vocab_size``."""
+    import torch
+
+    ids, positions, labels = [], [], []
+    offset = 0
+    for n in doc_lens:
+        for p in range(int(n)):
+            ids.append(int(tokens[offset + p]) % vocab_size)
+            positions.append(p)
+            labels.append(int(tokens[offset + p + 1]) % vocab_size if p + 1 < n else -100)
+        offset += int(n)
+    return torch.tensor(ids), torch.tensor(positions), torch.tensor(labels)
+
+
+def naive_training(model, logits_fn, sequences, optimizer, vocab_size):
+    """Train without CP on whole sequences; returns the loss of each step (before its update).
+
+    ``sequences``: (tokens, doc_lens) per step. ``logits_fn(model, ids, positions, doc_lens) -> (C, V)``
+    must apply the document mask itself. Loss: mean cross-entropy over the sequence's labels.
+    """
+    import torch.nn.functional as F
+
+    losses = []
+    for tokens, doc_lens in sequences:
+        ids, positions, labels = naive_sequence_views(tokens, doc_lens, vocab_size)
+        optimizer.zero_grad()
+        logits = logits_fn(model, ids, positions, doc_lens)
+        loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum") / (labels != -100).sum()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
