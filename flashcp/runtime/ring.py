@@ -117,7 +117,8 @@ class _PendingP2P:
     __slots__ = ("requests", "send", "recv")
 
     def __init__(self, requests, send: torch.Tensor, recv: torch.Tensor):
-        self.requests, self.send, self.recv = requests, send, recv  # `send` stays alive until done
+        self.requests, self.recv = requests, recv
+        self.send: torch.Tensor | None = send  # kept alive until the send is done
 
     def wait(self) -> torch.Tensor:
         for request in self.requests:
