@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from flashcp.planner.cost import rank_workloads, ring_comm_tokens, ring_step_work, token_quotas
 from flashcp.planner.ring import ring_plan
-from flashcp.runtime import CPAttnMeta, cp_attention
+from flashcp.runtime import CPAttnMeta, cp_attention, kernels
 from flashcp.runtime.emulate import emulate_cp_attention, random_plan
 from flashcp.runtime.kernels import (
     BackendUnavailableError,
@@ -147,9 +147,12 @@ def dense(q, k, v, causal):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vf), torch.logsumexp(scores, -1).T
 
 
+@pytest.mark.parametrize("formulas", [False, True], ids=["cpu-flash-ops", "written-out"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
-def test_reference_lse_kernels_equal_autograd(causal, heads):
+def test_reference_lse_kernels_equal_autograd(causal, heads, formulas, monkeypatch):
+    if formulas:  # the path the reference backend takes off CPU
+        monkeypatch.setattr(kernels, "_use_cpu_flash", lambda q: False)
     q_lens, k_lens = [1, 3, 5, 1], [1, 7, 5, 4]  # length-1 sequences, exact squares, longer prefixes
     q = rand(sum(q_lens), heads[0], 8, seed=1).requires_grad_()
     k = rand(sum(k_lens), heads[1], 8, seed=2).requires_grad_()

@@ -12,7 +12,9 @@ attends to every key of its sequence); ``varlen_attention_backward`` computes dq
 the *merged* output and log-sum-exp of all blocks, so that per-block gradients add up to the exact gradient
 (``P = exp(S - lse)``, ``dS = P * (dO V^T - rowsum(dO * O))``). The backends use flash_attn's
 ``_flash_attn_varlen_backward`` and torch's ``torch_attn::_varlen_attn_backward`` op; the reference backend
-writes the same formulas out in PyTorch (exact in float64).
+uses, on CPU in float32/float64, the CPU flash-attention ops that ``scaled_dot_product_attention`` itself runs
+there (they return and take the log-sum-exp; exact in float64), and elsewhere the same formulas written out in
+PyTorch.
 
 Shape legend: ``T`` packed query tokens, ``S`` packed key tokens, ``H`` query heads, ``K`` key/value heads
 (``H % K == 0``; grouped-query attention when ``K < H``), ``D`` head dim, ``B`` sequences in the batch.
@@ -325,12 +327,49 @@ def _sequences(cu_seqlens_q, cu_seqlens_k):
         yield slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
 
 
+@functools.cache
+def _cpu_flash_ops():
+    """The CPU flash-attention forward / backward ops (what SDPA runs on CPU), or None when missing."""
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_flash_attention_for_cpu_backward")
+    if not all(hasattr(aten, name) for name in names):
+        return None
+    return tuple(getattr(aten, name) for name in names)
+
+
+def _use_cpu_flash(q_THD: torch.Tensor) -> bool:
+    return q_THD.device.type == "cpu" and q_THD.dtype in (torch.float32, torch.float64) and \
+        _cpu_flash_ops() is not None
+
+
+def _cpu_flash_inputs(q_QHD, k_KKD, v_KKD, group: int, causal: bool):
+    """``((q, k, v) as (1, H, n, D) with K/V heads repeated, is_causal, additive mask or None)``."""
+    num_q, num_k = q_QHD.shape[0], k_KKD.shape[0]
+    tensors = tuple(t.repeat_interleave(r, dim=1).transpose(0, 1).unsqueeze(0)
+                    for t, r in ((q_QHD, 1), (k_KKD, group), (v_KKD, group)))
+    if not causal or num_q == num_k:  # the op's causal mask is top-left aligned: right only when square
+        return tensors, causal, None
+    if num_k < num_q:
+        raise ValueError(f"a causal sequence has {num_q} queries but only {num_k} keys")
+    keep = (torch.arange(num_k, device=q_QHD.device)[None, :]
+            <= torch.arange(num_q, device=q_QHD.device)[:, None] + (num_k - num_q))
+    mask = torch.zeros(num_q, num_k, dtype=q_QHD.dtype, device=q_QHD.device).masked_fill(~keep, float("-inf"))
+    return tensors, False, mask
+
+
 def _reference_forward(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, causal):
     acc = lse_dtype(q_THD.dtype)
     group = q_THD.shape[1] // k_SKD.shape[1]
     out = torch.empty_like(q_THD)
     lse = q_THD.new_empty(q_THD.shape[:2], dtype=acc)
+    use_flash = _use_cpu_flash(q_THD)
     for qs, ks in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if use_flash:
+            (q, k, v), is_causal, mask = _cpu_flash_inputs(q_THD[qs], k_SKD[ks], v_SKD[ks], group, causal)
+            out_1HQD, lse_1HQ = _cpu_flash_ops()[0](q, k, v, 0.0, is_causal, attn_mask=mask)
+            out[qs], lse[qs] = out_1HQD[0].transpose(0, 1), lse_1HQ[0].transpose(0, 1)
+            continue
         scores, _ = _reference_scores(q_THD[qs], k_SKD[ks], group, causal)
         lse_HQ = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - lse_HQ[..., None])
@@ -346,7 +385,18 @@ def _reference_backward(grad_out_THD, q_THD, k_SKD, v_SKD, out_THD, lse_TH, cu_s
     group = q_THD.shape[1] // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim)
     dq, dk, dv = torch.empty_like(q_THD), torch.zeros_like(k_SKD), torch.zeros_like(v_SKD)
+    use_flash = _use_cpu_flash(q_THD)
     for qs, ks in _sequences(cu_seqlens_q, cu_seqlens_k):
+        num_k = ks.stop - ks.start
+        if use_flash:
+            (q, k, v), is_causal, mask = _cpu_flash_inputs(q_THD[qs], k_SKD[ks], v_SKD[ks], group, causal)
+            dout, out = (t[qs].transpose(0, 1).unsqueeze(0) for t in (grad_out_THD, out_THD))
+            lse = lse_TH[qs].to(q_THD.dtype).transpose(0, 1).unsqueeze(0).contiguous()
+            dq_1, dk_1, dv_1 = _cpu_flash_ops()[1](dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask)
+            dq[qs] = dq_1[0].transpose(0, 1)
+            dk[ks] = dk_1[0].transpose(0, 1).reshape(num_k, num_kv_heads, group, head_dim).sum(2)
+            dv[ks] = dv_1[0].transpose(0, 1).reshape(num_k, num_kv_heads, group, head_dim).sum(2)
+            continue
         scores, k_full = _reference_scores(q_THD[qs], k_SKD[ks], group, causal)
         probs = torch.exp(scores - lse_TH[qs].to(acc).transpose(0, 1)[..., None])  # (H, Q, Kn)
         dout = grad_out_THD[qs].to(acc)
@@ -354,7 +404,6 @@ def _reference_backward(grad_out_THD, q_THD, k_SKD, v_SKD, out_THD, lse_TH, cu_s
         dprobs = torch.einsum("qhd,khd->hqk", dout, v_full)
         delta = (dout * out_THD[qs].to(acc)).sum(-1).transpose(0, 1)[..., None]  # (H, Q, 1)
         dscores = probs * (dprobs - delta) * scale
-        num_k = k_full.shape[0]
         dq[qs] = torch.einsum("hqk,khd->qhd", dscores, k_full)
         dk[ks] = torch.einsum("hqk,qhd->khd", dscores, q_THD[qs].to(acc)).view(
             num_k, num_kv_heads, group, head_dim).sum(2)
