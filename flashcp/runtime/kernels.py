@@ -56,27 +56,33 @@ def _flash_attn_func():
 
 @functools.cache
 def _flash_attn_lse_funcs():
-    """``(flash_attn_varlen_func, _flash_attn_varlen_backward, its parameter names)`` or None."""
+    """``(flash_attn_varlen_func, _flash_attn_varlen_backward, its parameters)`` or None."""
     if _flash_attn_func() is None:
         return None
     try:
         from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
     except ImportError:
         return None
-    return _flash_attn_func(), _flash_attn_varlen_backward, tuple(
-        inspect.signature(_flash_attn_varlen_backward).parameters)
+    return _flash_attn_func(), _flash_attn_varlen_backward, inspect.signature(
+        _flash_attn_varlen_backward).parameters
 
 
 @functools.cache
 def _torch_varlen_lse_ops():
-    """``(forward op, backward op, backward argument names)`` of torch's varlen attention, or None."""
+    """``(forward op, backward op, {op: argument names})`` of torch's varlen attention, or None."""
     if _torch_varlen_func()[0] is None:
         return None
     ops = torch.ops.torch_attn
     if not (hasattr(ops, "_varlen_attn") and hasattr(ops, "_varlen_attn_backward")):
         return None
-    names = tuple(a.name for a in ops._varlen_attn_backward.default._schema.arguments)
-    return ops._varlen_attn, ops._varlen_attn_backward, names
+    forward, backward = ops._varlen_attn, ops._varlen_attn_backward
+    names = {op: tuple(a.name for a in op.default._schema.arguments) for op in (forward, backward)}
+    return forward, backward, names
+
+
+def _call_by_schema(op, names, required: list, optional: dict):
+    """``op(*required, **the optional arguments its schema has)``."""
+    return op(*required, **{name: value for name, value in optional.items() if name in names[op]})
 
 
 @functools.cache
@@ -211,11 +217,11 @@ def _lse_backend(backend: str, q: torch.Tensor) -> str:
 
 
 def _lse_TH(lse: torch.Tensor, num_tokens: int, num_heads: int, backend: str) -> torch.Tensor:
-    # flash-attn 2 (>= 2.4) and torch's varlen op return the varlen log-sum-exp as (H, T) float32
+    # recent flash-attn 2 releases and torch's varlen op return the varlen log-sum-exp packed, (H, T) float32
     if lse.shape != (num_heads, num_tokens):
         raise BackendUnavailableError(f"attention backend '{backend}' returned a log-sum-exp of shape "
-                                      f"{tuple(lse.shape)}, expected (H, T) = ({num_heads}, {num_tokens}); "
-                                      "flash-attn older than 2.4 is not supported for block-wise attention")
+                                      f"{tuple(lse.shape)}, not the packed (H, T) = ({num_heads}, "
+                                      f"{num_tokens}) that block-wise attention needs; upgrade flash-attn")
     return lse.transpose(0, 1)
 
 
@@ -241,9 +247,11 @@ def varlen_attention_forward(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: to
                               causal=causal, return_attn_probs=True)
         return out, _lse_TH(lse, num_tokens, num_heads, backend)
     if backend == "torch_varlen":
-        forward = _torch_varlen_lse_ops()[0]
-        out, lse, _ = forward(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              causal, None, [-1, 0] if causal else [-1, -1], k_SKD.shape[1] != num_heads)
+        forward, _, names = _torch_varlen_lse_ops()
+        out, lse, _ = _call_by_schema(
+            forward, names, [q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k],
+            {"is_causal": causal, "window_size": [-1, 0] if causal else [-1, -1],
+             "enable_gqa": k_SKD.shape[1] != num_heads})
         return out, _lse_TH(lse, num_tokens, num_heads, backend)
     return _reference_forward(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, causal)
 
@@ -277,7 +285,7 @@ def varlen_attention_backward(grad_out_THD: torch.Tensor, q_THD: torch.Tensor, k
         return q_THD.clone(), torch.zeros_like(k_SKD), torch.zeros_like(v_SKD)
     grad_out_THD, lse_HT = grad_out_THD.contiguous(), lse_TH.transpose(0, 1).float().contiguous()
     if backend == "flash_attn":
-        _, backward, names = _flash_attn_lse_funcs()
+        _, backward, params = _flash_attn_lse_funcs()
         dq, dk, dv = torch.empty_like(q_THD), torch.empty_like(k_SKD), torch.empty_like(v_SKD)
         known = {"dout": grad_out_THD, "q": q_THD, "k": k_SKD, "v": v_SKD, "out": out_THD,
                  "softmax_lse": lse_HT, "dq": dq, "dk": dk, "dv": dv, "cu_seqlens_q": cu_seqlens_q,
@@ -286,19 +294,20 @@ def varlen_attention_backward(grad_out_THD: torch.Tensor, q_THD: torch.Tensor, k
                  "window_size": (-1, 0) if causal else (-1, -1), "window_size_left": -1,
                  "window_size_right": 0 if causal else -1, "softcap": 0.0, "alibi_slopes": None,
                  "deterministic": False, "rng_state": None}
-        missing = [n for n in names if n not in known and n != "zero_tensors"]
+        # its signature moved between releases (window_size -> window_size_left/right, softcap, ...)
+        missing = [n for n, p in params.items() if n not in known and p.default is inspect.Parameter.empty]
         if missing:
-            raise BackendUnavailableError(f"flash_attn's _flash_attn_varlen_backward takes arguments flashcp "
+            raise BackendUnavailableError(f"flash_attn's _flash_attn_varlen_backward needs arguments flashcp "
                                           f"does not know: {', '.join(missing)}")
-        backward(**{n: known[n] for n in names if n in known})
+        backward(**{n: known[n] for n in params if n in known})
         return dq, dk, dv
     if backend == "torch_varlen":
         _, backward, names = _torch_varlen_lse_ops()
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q_THD.device)  # no dropout
-        args = [grad_out_THD, q_THD, k_SKD, v_SKD, out_THD, lse_HT, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                max_seqlen_k, causal, rng_state]
-        extra = {"scale": None, "window_size": [-1, 0] if causal else [-1, -1]}
-        return backward(*args, **{n: value for n, value in extra.items() if n in names})
+        return _call_by_schema(
+            backward, names, [grad_out_THD, q_THD, k_SKD, v_SKD, out_THD, lse_HT, cu_seqlens_q, cu_seqlens_k,
+                              max_seqlen_q, max_seqlen_k, causal, rng_state],
+            {"window_size": [-1, 0] if causal else [-1, -1]})
     return _reference_backward(grad_out_THD, q_THD, k_SKD, v_SKD, out_THD, lse_TH, cu_seqlens_q, cu_seqlens_k,
                                causal)
 
