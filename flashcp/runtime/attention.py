@@ -96,7 +96,7 @@ def pack_send(k_TKD: torch.Tensor, v_TKD: torch.Tensor, exchange: Exchange) -> t
 
 def _attend(q_THD, k_SKD, v_SKD, part: QueryPart, kv_index: torch.Tensor, backend: str) -> torch.Tensor:
     if part.num_tokens == 0:
-        return q_THD.new_zeros((0, *q_THD.shape[1:]))
+        return q_THD[:0]  # empty, but in q's graph: a rank holding no tokens still runs the backward
     return varlen_attention(q_THD.index_select(0, part.q_index), k_SKD.index_select(0, kv_index),
                             v_SKD.index_select(0, kv_index), part.cu_seqlens_q, part.cu_seqlens_k,
                             part.max_seqlen_q, part.max_seqlen_k, backend)
@@ -116,7 +116,7 @@ def remote_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tens
     V in ``[:, 1]``).
     """
     if meta.remote.num_tokens == 0:
-        return q_THD.new_zeros((0, *q_THD.shape[1:]))
+        return q_THD[:0]
     k_SKD = torch.cat((k_TKD, recv_RKD[:, 0]))
     v_SKD = torch.cat((v_TKD, recv_RKD[:, 1]))
     return _attend(q_THD, k_SKD, v_SKD, meta.remote, exchange.kv_index, backend)
