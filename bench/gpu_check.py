@@ -181,7 +181,7 @@ def time_rank(meta, backend, device, heads, kv_heads, head_dim, reps, comm="auto
     grad = torch.randn_like(q)
     meta = meta.to(device)
     if comm == "ring":
-        blocks = [torch.randn(rows, 2, kv_heads, head_dim, device=device, dtype=torch.bfloat16,
+        blocks = [torch.randn(2, rows, kv_heads, head_dim, device=device, dtype=torch.bfloat16,
                               requires_grad=True) for rows in meta.ring.block_rows]
 
         def run():

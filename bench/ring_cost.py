@@ -5,9 +5,10 @@
 For sequences packed from the shipped WLB-LLM lengths and a log-normal Pile stand-in (each length rounded up
 to a multiple of 2N so that the stand-in per-doc layout is exact), prints per layout + comm mode, averaged
 over sequences (per-rank numbers: the largest over ranks): imbalance, kernel calls and varlen sequences
-(query shards, summed over calls), the query rows merged by log-sum-exp and the keys gathered for the
-kernels (relative to the rank's tokens T), and K/V tokens received per forward pass relative to C (backward
-moves the same again for the collectives, twice that for the ring). All from
+(query shards, summed over calls), the query rows merged by log-sum-exp and the keys the kernels read
+(relative to the rank's tokens T; gathered copies unless they form one run of rows, as in the ring layout),
+and K/V tokens received per forward pass relative to C (backward moves the same again for the collectives,
+twice that for the ring). All from
 ``flashcp.planner.cost`` (``ring_step_work``, ``ring_comm_tokens``); layouts from the strategies registry when
 present, else the test stand-ins.
 """

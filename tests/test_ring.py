@@ -132,6 +132,21 @@ def test_ring_schedule_matches_the_cost_model():
                                                              work.sequences[rank, step])
                 assert s.kv_index.numel() == k.sum()
                 assert s.kv_index.numel() == 0 or int(s.kv_index.max()) < ring.block_rows[s.source]
+                for rows, index in ((s.q_range, part.q_index), (s.kv_range, s.kv_index)):
+                    n = index.numel()
+                    contiguous = n > 0 and (index - index[0]).tolist() == list(range(n))
+                    assert (rows is not None) == contiguous
+                    assert rows is None or index.tolist() == list(range(*rows))
+
+
+def test_ring_layout_steps_read_slices_not_copies():
+    rng = np.random.default_rng(3)
+    for cp in (2, 3, 4, 8):
+        doc_lens = rng.integers(1, 40, size=8)
+        for meta in build_rank_metas(ring_plan(doc_lens, cp), doc_lens):
+            for step in meta.ring.steps:
+                if step.part.num_tokens:
+                    assert step.q_range is not None and step.kv_range is not None
 
 
 # ---------------------------------------------------------------- kernels and merge

@@ -251,7 +251,7 @@ class RingStepWork:
     query_tokens: np.ndarray
     """Query tokens that attend to the visiting block: rows of partial output merged by log-sum-exp."""
     key_tokens: np.ndarray
-    """Keys gathered for the step's kernel, summed over its query shards."""
+    """Keys the step's kernel reads, summed over its query shards."""
     sequences: np.ndarray
     """Query shards with at least one visible key: the sequences of the step's varlen kernel call."""
 

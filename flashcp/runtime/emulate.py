@@ -52,7 +52,7 @@ def emulate_cp_attention(q_CHD: torch.Tensor, k_CKD: torch.Tensor, v_CKD: torch.
     out = q_CHD.new_zeros(q_CHD.shape)
     if metas[0].resolve_comm(comm) == "ring":
         backend = resolve_backend(backend, q_CHD)
-        blocks = [torch.stack((k, v), dim=1) for k, v in zip(ks, vs)]
+        blocks = [torch.stack((k, v)) for k, v in zip(ks, vs)]
         for r, meta in enumerate(metas):
             ring = meta.to(q_CHD.device).ring
             out_r = ring_attention_from_blocks(q_CHD[positions[r]], blocks, ring, backend)

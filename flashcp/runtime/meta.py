@@ -115,6 +115,10 @@ class RingStep:
     ``cu_seqlens_k`` counts the visible keys of each shard."""
     kv_index: torch.Tensor
     """(Sk,) int64: for each key of ``part`` (shard after shard, in document order), its row in the block."""
+    q_range: tuple[int, int] | None
+    """``(a, b)`` when ``part.q_index`` is ``arange(a, b)``: the kernel then reads a slice, not a copy."""
+    kv_range: tuple[int, int] | None
+    """``(a, b)`` when ``kv_index`` is ``arange(a, b)`` (e.g. every step of the ``ring`` layout)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -253,6 +257,13 @@ def _within_rank_offsets(lengths: np.ndarray, shard_rank: np.ndarray) -> np.ndar
     return out
 
 
+def _as_range(index: np.ndarray) -> tuple[int, int] | None:
+    """``(a, b)`` when ``index`` is ``arange(a, b)`` with ``b > a``, else None."""
+    if index.size == 0 or index[-1] - index[0] + 1 != index.size or (np.diff(index) != 1).any():
+        return None
+    return int(index[0]), int(index[-1]) + 1
+
+
 def _long(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
@@ -349,7 +360,8 @@ class _SequenceLayout:
                              max_seqlen_q=int(length[seen].max(initial=0)),
                              max_seqlen_k=int(count[seen].max(initial=0)))
             kv_index = self.local_pos[owned[_ranges(first[seen], count[seen])]]
-            steps.append(RingStep(source=source, causal=step == 0, part=part, kv_index=_long(kv_index)))
+            steps.append(RingStep(source=source, causal=step == 0, part=part, kv_index=_long(kv_index),
+                                  q_range=_as_range(part.q_index.numpy()), kv_range=_as_range(kv_index)))
         total = self.context_len
         return RingSchedule(rank=rank, steps=tuple(steps), block_rows=tuple(int(t) for t in self.rank_tokens),
                             wire_send_tokens=total - int(self.rank_tokens[(rank + 1) % cp]),

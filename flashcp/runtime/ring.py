@@ -1,7 +1,8 @@
 """The ``ring`` comm mode: K/V blocks travel around the CP ranks point-to-point (the Ring-Attn baselines).
 
-Each rank's block is its whole K/V, ``(T_r, 2, K, D)`` (K in ``[:, 0]``, V in ``[:, 1]``), in local layout
-order. At step ``s = 0 .. N-1`` rank ``r`` holds the block of rank ``(r - s) mod N`` and computes one varlen
+Each rank's block is its whole K/V, ``(2, T_r, K, D)`` (K in ``[0]``, V in ``[1]``), in local layout order:
+a step's keys, when they are one run of rows (every step of the ``ring`` layout), are then a contiguous slice
+and nothing is copied for the kernel. At step ``s = 0 .. N-1`` rank ``r`` holds the block of rank ``(r - s) mod N`` and computes one varlen
 kernel call over it (``RingStep`` in ``flashcp.runtime.meta``); meanwhile the block moves on to rank
 ``r + 1`` and the next one arrives from ``r - 1`` (``N - 1`` transfers, each overlapping one step's compute).
 Each step returns partial outputs and their log-sum-exps, merged in ``lse_dtype`` (float32 or wider):
@@ -62,8 +63,13 @@ def merge_partial(out_TAHD: torch.Tensor, lse_TH: torch.Tensor, index: torch.Ten
     lse_TH.index_copy_(0, index, new_lse)
 
 
-def _block_kv(block_RKD: torch.Tensor, step: RingStep) -> tuple[torch.Tensor, torch.Tensor]:
-    return block_RKD[:, 0].index_select(0, step.kv_index), block_RKD[:, 1].index_select(0, step.kv_index)
+def _rows(x: torch.Tensor, index: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
+    """``x[index]`` along dim 0: a slice (no copy) when ``index`` is the range ``rows``."""
+    return x[rows[0]:rows[1]] if rows is not None else x.index_select(0, index)
+
+
+def _block_kv(block_2RKD: torch.Tensor, step: RingStep) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rows(block_2RKD[0], step.kv_index, step.kv_range), _rows(block_2RKD[1], step.kv_index, step.kv_range)
 
 
 def _forward_steps(q_THD: torch.Tensor, ring: RingSchedule, blocks: Iterable[torch.Tensor],
@@ -78,7 +84,7 @@ def _forward_steps(q_THD: torch.Tensor, ring: RingSchedule, blocks: Iterable[tor
             continue
         k, v = _block_kv(block, step)
         block_out, block_lse = varlen_attention_forward(
-            q_THD.index_select(0, part.q_index), k, v, part.cu_seqlens_q, part.cu_seqlens_k,
+            _rows(q_THD, part.q_index, step.q_range), k, v, part.cu_seqlens_q, part.cu_seqlens_k,
             part.max_seqlen_q, part.max_seqlen_k, step.causal, backend)
         if step.causal:  # step 0 comes first and covers every query: nothing to merge with yet
             out.index_copy_(0, part.q_index, block_out.to(acc))
@@ -91,7 +97,7 @@ def _forward_steps(q_THD: torch.Tensor, ring: RingSchedule, blocks: Iterable[tor
 def _backward_steps(grad_out_THD: torch.Tensor, q_THD: torch.Tensor, out_THD: torch.Tensor,
                     lse_TH: torch.Tensor, ring: RingSchedule, blocks: Iterable[torch.Tensor], backend: str,
                     take_grad: Callable[[int, RingStep, torch.Tensor], None]) -> torch.Tensor:
-    """Return dq (q's dtype); hand each step's block gradient, (R, 2, K, D) in lse_dtype, to ``take_grad``."""
+    """Return dq (q's dtype); hand each step's block gradient, (2, R, K, D) in lse_dtype, to ``take_grad``."""
     acc = lse_dtype(q_THD.dtype)
     dq = q_THD.new_zeros(q_THD.shape, dtype=acc)
     grad_out_THD = grad_out_THD.contiguous()
@@ -99,14 +105,14 @@ def _backward_steps(grad_out_THD: torch.Tensor, q_THD: torch.Tensor, out_THD: to
         part = step.part
         grad_block = block.new_zeros(block.shape, dtype=acc)
         if part.num_tokens:
-            rows = part.q_index
             k, v = _block_kv(block, step)
+            dout, q, out, lse = (_rows(x, part.q_index, step.q_range)
+                                 for x in (grad_out_THD, q_THD, out_THD, lse_TH))
             dq_part, dk, dv = varlen_attention_backward(
-                grad_out_THD.index_select(0, rows), q_THD.index_select(0, rows), k, v,
-                out_THD.index_select(0, rows), lse_TH.index_select(0, rows), part.cu_seqlens_q,
-                part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k, step.causal, backend)
-            dq.index_add_(0, rows, dq_part.to(acc))
-            grad_block.index_add_(0, step.kv_index, torch.stack((dk, dv), dim=1).to(acc))
+                dout, q, k, v, out, lse, part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q,
+                part.max_seqlen_k, step.causal, backend)
+            dq.index_add_(0, part.q_index, dq_part.to(acc))
+            grad_block.index_add_(1, step.kv_index, torch.stack((dk, dv)).to(acc))
         take_grad(index, step, grad_block)
     return dq.to(q_THD.dtype)
 
@@ -143,25 +149,25 @@ class _RingP2P:
     def start(self, send: torch.Tensor, recv_rows: int, tag: int, direction: str, tensor: str) -> _PendingP2P:
         """Send ``send`` to the next rank, receive ``recv_rows`` rows from the previous one; asynchronous."""
         send = send.contiguous()
-        recv = send.new_empty((recv_rows, *send.shape[1:]))
+        recv = send.new_empty((2, recv_rows, *send.shape[2:]))
+        rows_out = int(send.shape[1])
         ops = []
-        if send.shape[0]:
+        if rows_out:
             ops.append(dist.P2POp(dist.isend, send, self.next_peer, group=self.group, tag=tag))
         if recv_rows:
             ops.append(dist.P2POp(dist.irecv, recv, self.prev_peer, group=self.group, tag=tag))
         requests = dist.batch_isend_irecv(ops) if ops else []
         if self.stats is not None:
-            row_bytes = math.prod(send.shape[1:]) * send.element_size()
-            rows_out = int(send.shape[0])
+            row_bytes = 2 * math.prod(send.shape[2:]) * send.element_size()
             self.stats.records.append(CommRecord(
                 mode="ring", direction=direction, tensor=tensor, input_rows=rows_out, payload_rows=rows_out,
                 sent_tokens=rows_out, recv_tokens=recv_rows, sent_bytes=rows_out * row_bytes,
                 recv_bytes=recv_rows * row_bytes))
         return _PendingP2P(requests, send, recv)
 
-    def rotate(self, kv_RKD: torch.Tensor, direction: str) -> Iterator[torch.Tensor]:
+    def rotate(self, kv_2TKD: torch.Tensor, direction: str) -> Iterator[torch.Tensor]:
         """Yield the block of each step, starting the next block's transfer before yielding this one."""
-        block = kv_RKD
+        block = kv_2TKD
         for index in range(self.cp):
             pending = None
             if index + 1 < self.cp:
@@ -202,7 +208,7 @@ class _TravellingGrad:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_THD, k_TKD, v_TKD, p2p: _RingP2P, backend: str):
-        kv = torch.stack((k_TKD, v_TKD), dim=1)
+        kv = torch.stack((k_TKD, v_TKD))
         out, lse = _forward_steps(q_THD, p2p.ring, p2p.rotate(kv, "forward"), backend)
         ctx.save_for_backward(q_THD, kv, out, lse)
         ctx.p2p, ctx.backend = p2p, backend
@@ -216,7 +222,7 @@ class _RingAttention(torch.autograd.Function):
         dq = _backward_steps(grad_out, q, out, lse, p2p.ring, p2p.rotate(kv, "backward"), ctx.backend,
                              travelling.take)
         dkv = travelling.finish().to(kv.dtype)
-        return dq, dkv[:, 0], dkv[:, 1], None, None
+        return dq, dkv[0], dkv[1], None, None
 
 
 def ring_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, ring: RingSchedule,
@@ -262,7 +268,7 @@ def ring_attention_from_blocks(q_THD: torch.Tensor, blocks: list[torch.Tensor], 
                                backend: str = "reference") -> torch.Tensor:
     """What ``ring_attention`` computes on this rank, given every rank's block instead of a process group.
 
-    ``blocks[r]`` is rank r's K/V, (T_r, 2, K, D). The same step kernels and merges run, without transfers;
+    ``blocks[r]`` is rank r's K/V, (2, T_r, K, D). The same step kernels and merges run, without transfers;
     differentiable in q and every block (each block's gradient sums its steps' shares). For single-process
     emulation and for timing a rank's block-wise attention.
     """
