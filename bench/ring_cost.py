@@ -27,14 +27,17 @@ if str(ROOT) not in sys.path:
 
 from bench.ring_cpu import SYSTEMS, draw_sequence, planners  # noqa: E402
 from flashcp.planner.cost import rank_tokens, rank_workloads, ring_comm_tokens, ring_step_work  # noqa: E402
+from flashcp.runtime.meta import build_rank_metas  # noqa: E402
 
 
-def collective_row(plan, cp: int) -> dict:
+def collective_row(plan, doc_lens, cp: int) -> dict:
     """A collective mode (``full``): a local and a remote kernel call at most, shards over key prefixes."""
     tokens = rank_tokens(plan.shard_len, plan.shard_rank, cp)
     shards = np.bincount(plan.shard_rank, minlength=cp)
     prefix_keys = np.bincount(plan.shard_rank, weights=plan.shard_start + plan.shard_len, minlength=cp)
-    return {"calls": 2.0, "sequences": float(shards.max()), "merged": 0.0,
+    metas = build_rank_metas(plan, doc_lens)
+    calls = max((m.local.num_tokens > 0) + (m.remote.num_tokens > 0) for m in metas)
+    return {"calls": float(calls), "sequences": float(shards.max()), "merged": 0.0,
             "gathered": float((prefix_keys / tokens).max()), "recv": float((cp - 1) * tokens.max())}
 
 
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
             for doc_lens in sequences:
                 plan = layouts[layout](doc_lens, cp)
                 work = rank_workloads(plan.shard_start, plan.shard_len, plan.shard_rank, cp)
-                row = ring_row(plan, cp) if comm == "ring" else collective_row(plan, cp)
+                row = ring_row(plan, cp) if comm == "ring" else collective_row(plan, doc_lens, cp)
                 rows.append({"imbalance": work.max() / work.mean(), **row})
             mean = {key: float(np.mean([r[key] for r in rows])) for key in rows[0]}
             print(f"  {dist_name:<5} {SYSTEMS[(layout, comm)]:<19} {layout + '+' + comm:<12} "
