@@ -2,9 +2,10 @@
 
 Each rank's block is its whole K/V, ``(2, T_r, K, D)`` (K in ``[0]``, V in ``[1]``), in local layout order:
 a step's keys, when they are one run of rows (every step of the ``ring`` layout), are then a contiguous slice
-and nothing is copied for the kernel. At step ``s = 0 .. N-1`` rank ``r`` holds the block of rank ``(r - s) mod N`` and computes one varlen
-kernel call over it (``RingStep`` in ``flashcp.runtime.meta``); meanwhile the block moves on to rank
-``r + 1`` and the next one arrives from ``r - 1`` (``N - 1`` transfers, each overlapping one step's compute).
+and nothing is copied for the kernel. At step ``s = 0 .. N-1`` rank ``r`` holds the block of rank
+``(r - s) mod N`` and computes one varlen kernel call over it (``RingStep`` in ``flashcp.runtime.meta``);
+meanwhile the block moves on to rank ``r + 1`` and the next one arrives from ``r - 1`` (``N - 1`` transfers,
+each overlapping one step's compute).
 Each step returns partial outputs and their log-sum-exps, merged in ``lse_dtype`` (float32 or wider):
 
     lse = logaddexp(lse_a, lse_b);  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
@@ -69,7 +70,8 @@ def _rows(x: torch.Tensor, index: torch.Tensor, rows: tuple[int, int] | None) ->
 
 
 def _block_kv(block_2RKD: torch.Tensor, step: RingStep) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rows(block_2RKD[0], step.kv_index, step.kv_range), _rows(block_2RKD[1], step.kv_index, step.kv_range)
+    k_SKD = _rows(block_2RKD[0], step.kv_index, step.kv_range)
+    return k_SKD, _rows(block_2RKD[1], step.kv_index, step.kv_range)
 
 
 def _forward_steps(q_THD: torch.Tensor, ring: RingSchedule, blocks: Iterable[torch.Tensor],
