@@ -244,3 +244,17 @@ def test_check_batch_agrees_with_validate(label, lens, arrays, code):
     else:
         with pytest.raises(PlanError):
             plan.validate(lens)
+
+
+@pytest.mark.parametrize("dist", ["wlb", "prolong", "pile"])
+def test_quality_on_synthetic_sequences(dist):
+    # seeded checks at the paper's scale; bench/plan_quality.py reports the full numbers
+    from flashcp.data.synth import load_distribution, pack_lengths
+
+    offsets, lens, _, _, _ = pack_lengths(load_distribution(dist), np.random.default_rng(11), 150, 131072)
+    rows = {name: plan_rows(offsets, lens, 8, name) for name in ("flashcp", "flashcp+")}
+    alg1, plus = rows["flashcp"], rows["flashcp+"]
+    assert alg1.imbalance.max() <= 1.05 and plus.imbalance.max() <= 1.01
+    assert plus.imbalance.mean() < alg1.imbalance.mean()
+    assert plus.ag_comm_tokens.mean() < alg1.ag_comm_tokens.mean()
+    assert plus.a2a_comm_tokens.mean() < alg1.a2a_comm_tokens.mean()
