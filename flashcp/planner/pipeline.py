@@ -229,6 +229,11 @@ def read_row_group_lens(dataset: Dataset, file_index: int, row_group: int) -> tu
 
 
 def _concat(parts: list[PlannedRows]) -> PlannedRows:
+    if not parts:  # a data file without rows
+        empty = np.zeros(0, np.int64)
+        return PlannedRows(shard_offsets=np.zeros(1, np.int64), shard_doc=empty, shard_start=empty,
+                           shard_len=empty, shard_rank=empty, imbalance=np.zeros(0), ag_comm_tokens=empty,
+                           a2a_comm_tokens=empty)
     offsets = [np.zeros(1, np.int64)]
     base = 0
     for p in parts:
