@@ -15,11 +15,12 @@ from tests.naive import (
     naive_llama3,
     naive_metrics,
     naive_perdoc,
+    naive_ring_plan,
     naive_workload,
 )
 
 REFERENCES = {"llama3": naive_llama3, "perdoc": naive_perdoc, "flashcp": naive_flashcp,
-              "flashcp+": naive_flashcp_plus}
+              "flashcp+": naive_flashcp_plus, "ring": naive_ring_plan}
 
 
 def examples(n):
@@ -52,7 +53,7 @@ def assert_same_as_reference(name, lens, cp, **params):
     return got
 
 
-@pytest.mark.parametrize("name", ["perdoc", "flashcp", "flashcp+"])
+@pytest.mark.parametrize("name", ["perdoc", "flashcp", "flashcp+", "ring"])
 @examples(600)
 @given(case=sequences())
 def test_kernel_equals_reference(name, case):

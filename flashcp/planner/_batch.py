@@ -16,6 +16,7 @@ from flashcp.planner._kernels import (
     flashcp_kernel,
     llama3_kernel,
     perdoc_kernel,
+    ring_kernel,
 )
 from flashcp.planner._plus import flashcp_plus_kernel
 from flashcp.planner.cost import _allgather_contributions, _exact_need_received, _rank_workloads
@@ -32,6 +33,8 @@ def _plan_one(lens, cp, code, target):
         return perdoc_kernel(lens, cp)
     if code == 2:
         return flashcp_kernel(lens, cp, target)
+    if code == 4:
+        return ring_kernel(lens, cp)
     return flashcp_plus_kernel(lens, cp, target)
 
 

@@ -167,6 +167,34 @@ def llama3_kernel(lens, cp):
 
 
 @njit(cache=True)
+def ring_kernel(lens, cp):
+    """Ring-Attn layout: N contiguous chunks of the equal-token quotas, chunk i on rank i."""
+    offsets = _doc_offsets(lens)
+    quotas = _quotas(offsets[-1], cp)
+    capacity = lens.shape[0] + cp + 1
+    pdoc = np.empty(capacity, np.int64)
+    pstart = np.empty(capacity, np.int64)
+    plen = np.empty(capacity, np.int64)
+    prank = np.empty(capacity, np.int64)
+    count = 0
+    doc = 0
+    pos = 0
+    for rank in range(cp):
+        end = pos + quotas[rank]
+        while pos < end:
+            while offsets[doc + 1] <= pos:
+                doc += 1
+            take = min(end, offsets[doc + 1]) - pos
+            pdoc[count] = doc
+            pstart[count] = pos - offsets[doc]
+            plen[count] = take
+            prank[count] = rank
+            count += 1
+            pos += take
+    return _finish(pdoc, pstart, plen, prank, count, lens)
+
+
+@njit(cache=True)
 def perdoc_kernel(lens, cp):
     # emitted directly in (rank, doc, start) order: rank i's early chunk of a document precedes its late
     # chunk, and only rank N-1's two chunks touch (they are merged)

@@ -1,7 +1,8 @@
 """The Ring-Attn layout: the packed sequence cut into ``N`` contiguous chunks, chunk ``i`` on rank ``i``.
 
 This is the original Ring-Attn sharding (no balancing): chunk sizes are the equal-token quotas
-(``cost.token_quotas``), and a chunk is cut into shards at document boundaries. Ring-Attn (zigzag) uses the
+(``cost.token_quotas``), and a chunk is cut into shards at document boundaries
+(the ``ring`` strategy of the registry). Ring-Attn (zigzag) uses the
 ``perdoc`` assignment instead; both run with the ``ring`` comm mode of ``cp_attention``.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashcp.planner.cost import token_quotas
+from flashcp.planner._kernels import ring_kernel
 from flashcp.planner.plan import SequencePlan
 
 __all__ = ["ring_plan"]
@@ -27,13 +28,7 @@ def ring_plan(doc_lens, cp: int) -> SequencePlan:
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
     if doc_lens.ndim != 1 or doc_lens.size == 0 or (doc_lens <= 0).any():
         raise ValueError(f"doc_lens must be a non-empty list of positive lengths, got {doc_lens.tolist()}")
-    context_len = int(doc_lens.sum())
-    quotas = token_quotas(context_len, cp)
-    doc_bounds = np.cumsum(doc_lens) - doc_lens
-    rank_bounds = np.cumsum(quotas) - quotas
-    cuts = np.union1d(doc_bounds, rank_bounds[quotas > 0])
-    lengths = np.diff(np.r_[cuts, context_len])
-    doc = np.searchsorted(doc_bounds, cuts, side="right") - 1
-    # ranks with an empty quota share a bound with the next one; side="right" picks the non-empty one
-    rank = np.searchsorted(rank_bounds, cuts, side="right") - 1
-    return SequencePlan.from_arrays(doc, cuts - doc_bounds[doc], lengths, rank, cp)
+    if cp < 1:
+        raise ValueError(f"cp must be at least 1, got {cp}")
+    # the kernel directly, not plan_sequence: the runtime tests use cp > C (ranks with no tokens) too
+    return SequencePlan.from_arrays(*ring_kernel(np.ascontiguousarray(doc_lens), cp), cp=cp)

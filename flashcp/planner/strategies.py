@@ -75,7 +75,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashcp.planner._kernels import flashcp_kernel, llama3_kernel, perdoc_kernel
+from flashcp.planner._kernels import flashcp_kernel, llama3_kernel, perdoc_kernel, ring_kernel
 from flashcp.planner._plus import flashcp_plus_kernel
 from flashcp.planner.plan import SequencePlan
 
@@ -122,6 +122,8 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              description="the paper's Algorithm 1: whole docs, Whole-Doc heads, Per-Doc for the longest"),
     Strategy(name="flashcp+", code=3, defaults={"target_imbalance": 1.01}, kernel=flashcp_plus_kernel,
              description="Algorithm 1 + tail-anchored splits, token-aware greedy, levers, window swaps"),
+    Strategy(name="ring", code=4, defaults={}, kernel=ring_kernel,
+             description="N contiguous equal chunks, chunk i on rank i (the Ring-Attn layout)"),
 )}
 
 
