@@ -38,6 +38,7 @@ from flashcp.data.tokenizer import (
     encode_in_worker,
     init_worker,
     resolve_tokenizer,
+    worker_ready,
 )
 from flashcp.errors import FlashcpError
 from flashcp.fileio import sha256_file
@@ -48,7 +49,7 @@ ROW_GROUP_TOKENS = 1 << 22
 """Default row group: about 4M tokens (16 MiB of int32 ids before compression)."""
 ROW_GROUPS_PER_FILE = 16
 """Default data file: 16 row groups (about 64M tokens); also the unit a resumed run restarts from."""
-BATCH_CHARS = 1 << 20
+BATCH_CHARS = 1 << 19
 """Characters of text per tokenization batch."""
 BATCH_RECORDS = 4096
 """Records per tokenization batch at most."""
@@ -158,21 +159,30 @@ def _batches(records: Iterator[tuple[int, int, int, str | None]]) -> Iterator[_B
         yield batch
 
 
-def _encoded(batches: Iterator[_Batch], encoder: Encoder,
-             workers: int) -> Iterator[tuple[_Batch, np.ndarray, np.ndarray]]:
-    """``(batch, tokens, lens)`` in batch order, tokenized here or in ``workers`` processes."""
-    if workers == 1:
+def _start_pool(config: PackConfig) -> ProcessPoolExecutor:
+    """Start the tokenizer processes now, so that they load while the main process does its own set-up."""
+    name = config.tokenizer
+    if os.path.exists(name):
+        name = str(Path(name).resolve())  # workers resolve it themselves
+    pool = ProcessPoolExecutor(config.workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=init_worker, initargs=(name, config.append_eos, os.getpid()))
+    for _ in range(config.workers):
+        pool.submit(worker_ready)
+    return pool
+
+
+def _encoded(batches: Iterator[_Batch], encoder: Encoder, pool: ProcessPoolExecutor | None,
+             in_flight: int) -> Iterator[tuple[_Batch, np.ndarray, np.ndarray]]:
+    """``(batch, tokens, lens)`` in batch order, tokenized here or in the pool, ``in_flight`` queued."""
+    if pool is None:
         for batch in batches:
             yield batch, *encoder.encode(batch.texts)
         return
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=init_worker,
-                               initargs=(encoder.spec, encoder.eos_id is not None, os.getpid()))
     pending: deque = deque()
     try:
         for batch in batches:
             pending.append((batch, pool.submit(encode_in_worker, batch.texts)))
-            if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
+            if len(pending) >= in_flight:
                 done, future = pending.popleft()
                 yield done, *future.result()
         while pending:
@@ -181,7 +191,8 @@ def _encoded(batches: Iterator[_Batch], encoder: Encoder,
     except BrokenProcessPool:
         raise FlashcpError("a tokenizer worker process died (out of memory?); try fewer --workers") from None
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        for _, future in pending:
+            future.cancel()
 
 
 # ---- the run ----
@@ -204,9 +215,10 @@ def _input_documents(parts: list[PartRecord], num_inputs: int) -> list[int]:
 class _PackRun:
     """One pass over the inputs from a resume point, writing data files as sequences complete."""
 
-    def __init__(self, config: PackConfig, encoder: Encoder, inputs: list[InputFile], out: OutputFolder,
-                 identity: dict, identity_sha256: str, on_rows: Callable[[int], None]):
-        self.config, self.encoder, self.inputs, self.out = config, encoder, inputs, out
+    def __init__(self, config: PackConfig, encoder: Encoder, pool: ProcessPoolExecutor | None,
+                 inputs: list[InputFile], out: OutputFolder, identity: dict, identity_sha256: str,
+                 on_rows: Callable[[int], None]):
+        self.config, self.encoder, self.pool, self.inputs, self.out = config, encoder, pool, inputs, out
         self.identity, self.identity_sha256, self.on_rows = identity, identity_sha256, on_rows
         self.rows_per_file, self.row_group_rows = file_layout(config.context_len, config.rows_per_file,
                                                               config.row_group_rows)
@@ -232,7 +244,8 @@ class _PackRun:
         records = iter_records(self.inputs, text_field=self.config.text_field, strict=self.config.strict,
                                start=(self.resume["input"], self.resume["record"]))
         try:
-            for batch, tokens, lens in _encoded(_batches(records), self.encoder, self.config.workers):
+            for batch, tokens, lens in _encoded(_batches(records), self.encoder, self.pool,
+                                                IN_FLIGHT_PER_WORKER * self.config.workers):
                 at, doc_lens, next_len = 0, lens.tolist(), 0
                 for kind, input_index, record_index in zip(batch.kinds, batch.inputs, batch.records):
                     if kind != DOC:
@@ -351,6 +364,16 @@ def run_pack(config: PackConfig, *, on_rows: Callable[[int], None] = lambda n: N
     needs the usual ``if __name__ == "__main__":`` guard.
     """
     started = time.perf_counter()
+    pool = _start_pool(config) if config.workers > 1 else None
+    try:
+        return _run_pack(config, pool, on_rows, started)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _run_pack(config: PackConfig, pool: ProcessPoolExecutor | None, on_rows: Callable[[int], None],
+              started: float) -> PackResult:
     spec = resolve_tokenizer(config.tokenizer)
     encoder = Encoder(spec, append_eos=config.append_eos)
     inputs, warnings = discover_inputs(config.inputs, include=config.include, exclude=config.exclude,
@@ -380,7 +403,7 @@ def run_pack(config: PackConfig, *, on_rows: Callable[[int], None] = lambda n: N
     resumed_parts = len(out.parts)
     try:
         out.write_state(identity_sha256, identity)  # from now on the folder is recognisably this pack's
-        run = _PackRun(config, encoder, inputs, out, identity, identity_sha256, on_rows)
+        run = _PackRun(config, encoder, pool, inputs, out, identity, identity_sha256, on_rows)
         run.run()
         files = [p.file for p in out.parts] + ([run.last_file] if run.last_file else [])
         num_sequences = sum(f.rows for f in files)

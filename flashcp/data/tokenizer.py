@@ -28,10 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from flashcp.errors import FlashcpError
-from flashcp.fileio import sha256_file
 
 __all__ = ["BUILTINS", "DEFAULT_TOKENIZER", "Encoder", "TokenizerSpec", "encode_in_worker", "init_worker",
-           "resolve_tokenizer"]
+           "resolve_tokenizer", "worker_ready"]
 
 DEFAULT_TOKENIZER = "deepseek-v3"
 BUILTINS = ("deepseek-v3", "byte")
@@ -62,6 +61,15 @@ class TokenizerSpec:
         """The manifest's ``tokenizer`` entry."""
         return {"name": self.name, "sha256": self.sha256, "eos_id": self.eos_id,
                 "vocab_size": self.vocab_size}
+
+
+def _sha256(path: Path) -> str:
+    # not flashcp.fileio's: importing it pulls in pyarrow, which a worker process does not need
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _load_hf(path: str, sha256: str):
@@ -96,7 +104,7 @@ def _eos_from_config(config_path: Path, tokenizer) -> int | None:
 
 
 def _hf_spec(name: str, path: Path, config_path: Path | None) -> TokenizerSpec:
-    sha256 = sha256_file(path)
+    sha256 = _sha256(path)
     tokenizer = _load_hf(str(path), sha256)
     eos_id = None
     if config_path is not None and config_path.is_file():
@@ -171,15 +179,23 @@ class Encoder:
 # ---- worker processes (kept here so that a worker imports numpy and tokenizers only) ----
 
 _worker_encoder: Encoder | None = None
+_worker_error: FlashcpError | None = None
 
 
-def init_worker(spec: TokenizerSpec, append_eos: bool, parent_pid: int) -> None:
-    """Process-pool initializer: build this process's Encoder; exit when the parent process is gone."""
-    global _worker_encoder
+def init_worker(name_or_path: str, append_eos: bool, parent_pid: int) -> None:
+    """Process-pool initializer: build this process's Encoder; exit when the parent process is gone.
+
+    The worker resolves the tokenizer itself, so that workers start while the parent loads its own copy.
+    A failure is kept for ``encode_in_worker`` to raise (the parent has reported it already).
+    """
+    global _worker_encoder, _worker_error
     # a killed parent (SIGKILL, OOM) cannot stop its workers, and they never see their task pipe close
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the pool
-    _worker_encoder = Encoder(spec, append_eos=append_eos)
+    try:
+        _worker_encoder = Encoder(resolve_tokenizer(name_or_path), append_eos=append_eos)
+    except FlashcpError as e:
+        _worker_error = e
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -190,5 +206,11 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 def encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """``Encoder.encode`` with the encoder ``init_worker`` built."""
+    if _worker_error is not None:
+        raise _worker_error
     assert _worker_encoder is not None, "worker used before its initializer ran"
     return _worker_encoder.encode(texts)
+
+
+def worker_ready() -> None:
+    """A no-op task: submitting one per worker makes the pool start all its processes at once."""
