@@ -105,15 +105,11 @@ def random_plan_builder(seed: int):
 def plan_builders() -> dict:
     """Name -> ``plan_fn(doc_lens, cp) -> SequencePlan`` for end-to-end tests and benchmarks.
 
-    Random plans (harsh patterns) always; then every strategy of ``flashcp.planner.strategies`` when that
-    module exists (``plan_sequence(name, doc_lens, cp)`` for each name in ``STRATEGIES``, the interface
-    ``bench/gpu_check.py`` expects too), else the stand-ins: a Llama3-like baseline and a FlashCP-like greedy.
+    Random plans (harsh patterns), then every strategy of the registry (``plan_sequence(name, doc_lens, cp)``).
     """
+    from flashcp.planner import strategies
+
     builders = {"random": random_plan_builder(0)}
-    try:
-        from flashcp.planner import strategies
-    except ImportError:
-        return {"llama3-like": llama3_like_plan, "whole-doc-greedy": whole_doc_greedy_plan, **builders}
     for name in strategies.STRATEGIES:
         builders[name] = partial(_plan_with_strategy, strategies.plan_sequence, name)
     return builders

@@ -19,6 +19,7 @@ from flashcp.planner.cost import (
     token_quotas,
 )
 from flashcp.planner.ring import ring_plan
+from flashcp.planner.strategies import plan_sequence
 from flashcp.runtime import CommStats, CPAttnMeta, cp_attention
 from flashcp.runtime.emulate import random_plan
 from flashcp.runtime.meta import rank_token_positions
@@ -51,6 +52,9 @@ def build_cases(world_size: int) -> list[tuple[str, object, np.ndarray, int, int
     doc_lens = np.r_[rng.integers(1, 9, size=4), 1]
     doc_lens = np.r_[doc_lens, world_size - doc_lens.sum() % world_size]  # C % N == 0: exactly (N-1)/N
     cases.append(("ring-layout", ring_plan(doc_lens, world_size), doc_lens, 4, 1))
+    for name in ("llama3", "perdoc", "flashcp", "flashcp+"):  # the real strategies on a mixed sequence
+        doc_lens = np.r_[rng.integers(1, 8, size=5), rng.integers(10 * world_size, 20 * world_size)]
+        cases.append((f"strategy-{name}", plan_sequence(name, doc_lens, world_size), doc_lens, 4, 2))
     if world_size > 2:  # fewer tokens than ranks: the last ranks hold nothing, yet take part in every step
         doc_lens = np.array([1, world_size - 2])
         cases.append(("empty-ranks", ring_plan(doc_lens, world_size), doc_lens, 4, 2))
