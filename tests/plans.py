@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from flashcp.data.dataset import Dataset, data_table, write_data_file, write_manifest
-from flashcp.planner.cost import token_quotas, workload
+from flashcp.planner.cost import token_quotas
 from flashcp.planner.plan import SequencePlan
 from flashcp.planner.store import plan_table, write_plan_file, write_plan_json
 
@@ -67,28 +67,6 @@ def whole_docs_case(context_len: int, cp: int, rng: np.random.Generator) -> tupl
     order = rng.permutation(len(lens))
     lens, ranks = np.array(lens)[order], np.array(ranks)[order]
     return lens, SequencePlan.from_arrays(np.arange(lens.size), np.zeros(lens.size), lens, ranks, cp)
-
-
-def whole_doc_greedy_plan(doc_lens, cp: int) -> SequencePlan:
-    """Longest document first, kept whole on the least-loaded rank with room for it; when no rank has room,
-    its head goes to the rank with the most room and the rest continues. A stand-in with FlashCP's pattern
-    (mostly whole documents, few cuts) for tests that run before the real strategies exist.
-    """
-    doc_lens = np.asarray(doc_lens, dtype=np.int64)
-    room = token_quotas(int(doc_lens.sum()), cp).astype(np.int64)
-    work = np.zeros(cp)
-    shards = []
-    for d in np.argsort(-doc_lens, kind="stable"):
-        start, left = 0, int(doc_lens[d])
-        while left:
-            fits = np.flatnonzero(room >= left)
-            rank = int(fits[np.argmin(work[fits])]) if fits.size else int(np.argmax(room))
-            take = min(left, int(room[rank]))
-            shards.append((d, start, take, rank))
-            work[rank] += workload(start, take)
-            room[rank] -= take
-            start, left = start + take, left - take
-    return SequencePlan.from_arrays(*np.array(shards).T, cp).sorted()
 
 
 def random_plan_builder(seed: int):
