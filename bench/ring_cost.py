@@ -30,15 +30,16 @@ from flashcp.planner.cost import rank_tokens, rank_workloads, ring_comm_tokens, 
 from flashcp.runtime.meta import build_rank_metas  # noqa: E402
 
 
-def collective_row(plan, doc_lens, cp: int) -> dict:
-    """A collective mode (``full``): a local and a remote kernel call at most, shards over key prefixes."""
+def collective_row(plan, doc_lens, cp: int, comm: str) -> dict:
+    """A collective mode: a local and a remote kernel call at most, shards over key prefixes."""
     tokens = rank_tokens(plan.shard_len, plan.shard_rank, cp)
     shards = np.bincount(plan.shard_rank, minlength=cp)
     prefix_keys = np.bincount(plan.shard_rank, weights=plan.shard_start + plan.shard_len, minlength=cp)
     metas = build_rank_metas(plan, doc_lens)
     calls = max((m.local.num_tokens > 0) + (m.remote.num_tokens > 0) for m in metas)
     return {"calls": float(calls), "sequences": float(shards.max()), "merged": 0.0,
-            "gathered": float((prefix_keys / tokens).max()), "recv": float((cp - 1) * tokens.max())}
+            "gathered": float((prefix_keys / tokens).max()),
+            "recv": float(max(m.wire_tokens(comm)[1] for m in metas))}
 
 
 def ring_row(plan, cp: int) -> dict:
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
             for doc_lens in sequences:
                 plan = layouts[layout](doc_lens, cp)
                 work = rank_workloads(plan.shard_start, plan.shard_len, plan.shard_rank, cp)
-                row = ring_row(plan, cp) if comm == "ring" else collective_row(plan, doc_lens, cp)
+                row = ring_row(plan, cp) if comm == "ring" else collective_row(plan, doc_lens, cp, comm)
                 rows.append({"imbalance": work.max() / work.mean(), **row})
             mean = {key: float(np.mean([r[key] for r in rows])) for key in rows[0]}
             print(f"  {dist_name:<5} {SYSTEMS[(layout, comm)]:<19} {layout + '+' + comm:<12} "
