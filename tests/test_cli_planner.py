@@ -72,7 +72,7 @@ def test_replan_needs_force(dataset, tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--cp", 0], "cp must be at least 1"),
     (["--cp", 5000], "above the 4099 tokens per sequence"),
-    (["--cp", 2, "--strategy", "ring"], "unknown strategy 'ring'"),
+    (["--cp", 2, "--strategy", "zigzag"], "unknown strategy 'zigzag'"),
     (["--cp", 2, "--strategy", "llama3", "--target-imbalance", 1.1], "takes no target imbalance"),
     (["--cp", 2, "--target-imbalance", 0.9], "at least 1.0"),
     (["--cp", 2, "--workers", 0], "--workers must be at least 1"),
