@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from flashcp.runtime.comm import CommStats, start_exchange
-from flashcp.runtime.kernels import resolve_backend, varlen_attention
+from flashcp.runtime.kernels import fold_softmax_scale, resolve_backend, varlen_attention
 from flashcp.runtime.meta import CPAttnMeta, Exchange, QueryPart
 from flashcp.runtime.ring import ring_attention
 
@@ -61,7 +61,8 @@ def cp_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, 
     if mode == "ring":
         if meta.ring.active:
             _check_group(meta, group)
-        return ring_attention(q_THD, k_TKD, v_TKD, meta.ring, group, backend, stats)
+        # the ring's LSE kernels use 1/sqrt(D): fold the requested scale into q
+        return ring_attention(fold_softmax_scale(q_THD, softmax_scale), k_TKD, v_TKD, meta.ring, group, backend, stats)
     exchange = meta.exchange(mode)
     pending = None
     if exchange.active:

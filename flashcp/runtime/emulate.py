@@ -13,7 +13,7 @@ import torch
 from flashcp.planner.cost import token_quotas
 from flashcp.planner.plan import SequencePlan
 from flashcp.runtime.attention import attention_after_exchange, pack_send
-from flashcp.runtime.kernels import resolve_backend
+from flashcp.runtime.kernels import fold_softmax_scale, resolve_backend
 from flashcp.runtime.meta import CPAttnMeta, build_rank_metas, rank_token_positions
 from flashcp.runtime.ring import ring_attention_from_blocks
 
@@ -56,7 +56,8 @@ def emulate_cp_attention(q_CHD: torch.Tensor, k_CKD: torch.Tensor, v_CKD: torch.
         blocks = [torch.stack((k, v)) for k, v in zip(ks, vs)]
         for r, meta in enumerate(metas):
             ring = meta.to(q_CHD.device).ring
-            out_r = ring_attention_from_blocks(q_CHD[positions[r]], blocks, ring, backend)
+            q_r = fold_softmax_scale(q_CHD[positions[r]], softmax_scale)
+            out_r = ring_attention_from_blocks(q_r, blocks, ring, backend)
             out = out.index_put((positions[r],), out_r)
         return out
     recvs = emulate_exchange(metas, ks, vs, comm)

@@ -138,6 +138,13 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
     return backend
 
 
+def fold_softmax_scale(q_THD: torch.Tensor, softmax_scale: float | None) -> torch.Tensor:
+    """``q`` scaled so that a kernel's default ``1 / sqrt(D)`` gives ``softmax_scale`` (None: unchanged)."""
+    if softmax_scale is None:
+        return q_THD
+    return q_THD * (softmax_scale * math.sqrt(q_THD.shape[-1]))
+
+
 def varlen_attention(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                      max_seqlen_k: int, backend: str = "auto",
@@ -172,8 +179,8 @@ def varlen_attention(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Tens
         if softmax_scale is not None:
             if options["scale"]:
                 kwargs["scale"] = softmax_scale
-            else:  # releases without a scale argument: fold the ratio to the default scale into q
-                q_THD = q_THD * (softmax_scale * math.sqrt(q_THD.shape[-1]))
+            else:  # releases without a scale argument
+                q_THD = fold_softmax_scale(q_THD, softmax_scale)
         return varlen_attn(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            **kwargs)
     return reference_varlen_attention(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, softmax_scale)
