@@ -192,6 +192,8 @@ def _pick_short_blocks(lengths: np.ndarray, move_cost: np.ndarray, on_rank: np.n
     take = np.zeros((n, quota + 1), dtype=bool)
     for i in range(n):
         length = int(lengths[i])
+        if length > quota:
+            continue
         candidate = np.full(quota + 1, unreachable, dtype=np.int64)
         candidate[length:] = best[:quota + 1 - length] + values[i]
         take[i] = candidate > best
