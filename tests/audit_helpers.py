@@ -12,20 +12,32 @@ from flashcp.planner.plan import SequencePlan
 from flashcp.planner.store import plan_table, write_plan_file, write_plan_json
 
 
-def greedy_plan(doc_lens, cp: int) -> SequencePlan:
-    """Whole documents to the least-loaded rank (longest first), then heads of the over-full ranks' longest
-    documents cut off and given to the under-full ranks until every rank holds its quota."""
+def greedy_plan(doc_lens, cp: int, per_doc: int = 0) -> SequencePlan:
+    """The ``per_doc`` longest documents cut into 2N zigzag chunks; the others whole to the least-loaded rank
+    (longest first); then heads of the over-full ranks' longest whole documents cut off and given to the
+    under-full ranks until every rank holds its quota."""
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
     quotas = token_quotas(int(doc_lens.sum()), cp)
     work = np.zeros(cp, dtype=np.int64)
     tokens = np.zeros(cp, dtype=np.int64)
-    owner = {}
-    for d in np.argsort(-doc_lens, kind="stable").tolist():
+    owner, pieces = {}, {}
+    by_length = np.argsort(-doc_lens, kind="stable").tolist()
+    for d in by_length[:per_doc]:
+        bounds = np.linspace(0, doc_lens[d], 2 * cp + 1).astype(np.int64)
+        pieces[d] = []
+        for i in range(2 * cp):
+            r = min(i, 2 * cp - 1 - i)
+            start, n = int(bounds[i]), int(bounds[i + 1] - bounds[i])
+            if n:
+                pieces[d].append((start, n, r))
+                work[r] += workload(start, n)
+                tokens[r] += n
+    for d in by_length[per_doc:]:
         r = int(np.argmin(work))
         owner[d] = r
         work[r] += workload(0, int(doc_lens[d]))
         tokens[r] += int(doc_lens[d])
-    pieces = {d: [(0, int(doc_lens[d]), r)] for d, r in owner.items()}
+    pieces.update({d: [(0, int(doc_lens[d]), r)] for d, r in owner.items()})
     deficit = np.maximum(quotas - tokens, 0)
     for a in range(cp):
         excess = int(tokens[a] - quotas[a])
@@ -49,6 +61,15 @@ def greedy_plan(doc_lens, cp: int) -> SequencePlan:
     doc, start, length, rank = (np.array(c) for c in zip(*rows))
     plan = SequencePlan.from_arrays(doc, start, length, rank, cp).sorted()
     plan.validate(doc_lens)
+    return plan
+
+
+def balanced_plan(doc_lens, cp: int, target_imbalance: float = 1.05) -> SequencePlan:
+    """``greedy_plan`` with the fewest zigzag-cut documents that reach ``target_imbalance``."""
+    for per_doc in range(len(doc_lens) + 1):
+        plan = greedy_plan(doc_lens, cp, per_doc)
+        if plan.metrics().imbalance <= target_imbalance:
+            break
     return plan
 
 

@@ -103,6 +103,8 @@ def _table(summary: dict, plan_name: str, granularity: int, time_limit: float) -
     ilp, heur = summary["ilp"], summary["heuristic"]
     table.add_row("communication saving (all-gather)", pct(ilp["comm_saving"]), pct(heur["comm_saving"]))
     table.add_row("workload imbalance ratio", ratio(ilp["imbalance"]), ratio(heur["imbalance"]))
+    diff = summary["comm_saving_gap_pp"]
+    table.add_row("comm saving, ILP - heuristic", "-" if diff is None else f"{diff:+.1f} pp", "")
     table.add_row("communication saving (exact-need)", pct(ilp["a2a_comm_saving"]),
                   pct(heur["a2a_comm_saving"]))
     solve = "-" if summary["solve_s_mean"] is None else (
