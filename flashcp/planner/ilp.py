@@ -156,8 +156,7 @@ class IlpResult:
 class _Model:
     """The CP-SAT model of one sequence and the helpers to hint and read it."""
 
-    def __init__(self, grid: BlockGrid, cp: int, quotas: np.ndarray, quota_slack: int,
-                 workload_cap: int | None, break_symmetry: bool):
+    def __init__(self, grid: BlockGrid, cp: int, quotas: np.ndarray, quota_slack: int, break_symmetry: bool):
         self.grid, self.cp = grid, cp
         num_blocks = grid.num_blocks
         lengths, works = grid.length.tolist(), grid.workloads.tolist()
@@ -177,8 +176,6 @@ class _Model:
         for r in range(cp):
             m.add(cp_model.LinearExpr.weighted_sum([self.x[b][r] for b in range(num_blocks)], works)
                   <= self.max_work)
-        if workload_cap is not None:
-            m.add(self.max_work <= int(workload_cap))
 
         # sent[b]: block b is contributed to the all-gather; z[b][r]: ... by rank r.
         has_next = grid.has_next
@@ -259,14 +256,27 @@ class _Model:
                         dtype=np.int64)
 
 
-def _solve_stage(model: _Model, name: str, objective, scale: float, deadline: float,
-                 options: IlpOptions) -> tuple[StageResult, cp_model.CpSolver, int]:
+class _StopAtWorkload(cp_model.CpSolverSolutionCallback):
+    """Stops the search at the first solution whose largest rank workload is at most ``cap``."""
+
+    def __init__(self, max_work: cp_model.IntVar, cap: int):
+        super().__init__()
+        self.max_work, self.cap = max_work, cap
+
+    def on_solution_callback(self) -> None:
+        if self.value(self.max_work) <= self.cap:
+            self.stop_search()
+
+
+def _solve_stage(model: _Model, name: str, objective, scale: float, deadline: float, options: IlpOptions,
+                 callback: cp_model.CpSolverSolutionCallback | None = None
+                 ) -> tuple[StageResult, cp_model.CpSolver, int]:
     model.model.minimize(objective)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, deadline - time.perf_counter())
     solver.parameters.num_workers = options.num_workers or os.cpu_count() or 1
     solver.parameters.random_seed = options.seed
-    status = solver.solve(model.model)
+    status = solver.solve(model.model, callback)
     has_solution = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
     infeasible = status == cp_model.INFEASIBLE
     result = StageResult(name=name, status=solver.status_name(status),
@@ -282,49 +292,74 @@ class _Attempt:
     block_rank: np.ndarray | None  # the best assignment of the last stage that found one
     solved: bool  # every stage found a solution
     hint_metrics: PlanMetrics | None
+    no_plan_at_all: bool = False  # the first stage found no solution: the quotas themselves failed
 
 
 def _attempt(grid: BlockGrid, quotas: np.ndarray, cp: int, options: IlpOptions, quota_slack: int,
              workload_cap: int | None, hint_rank: np.ndarray | None, deadline: float) -> _Attempt:
-    """Build the model for one quota setting and run its stages until ``deadline``."""
-    model = _Model(grid, cp, quotas, quota_slack, workload_cap, options.break_symmetry)
+    """Build the model for one quota setting and run its stages until ``deadline``.
+
+    Stages: ``weighted``; or ``balance`` then ``comm`` (lexicographic, half the time each at most); or, with a
+    workload cap, ``reach-cap`` (minimise the largest workload until it is within the cap; skipped when the
+    warm start already is) then ``capped-comm``. A stage that finds no solution ends the attempt.
+    """
+    model = _Model(grid, cp, quotas, quota_slack, options.break_symmetry)
     total_work, context_len = model.total_work, model.context_len
-    hint_metrics = None
+    work_scale, comm_scale = cp / total_work, cp / context_len
+    hint_metrics, hint_max_work = None, None
     if hint_rank is not None:
         model.add_hint(hint_rank)
-        hint_works = rank_sums(grid.workloads, hint_rank, cp)
+        hint_max_work = int(rank_sums(grid.workloads, hint_rank, cp).max())
         if ((np.abs(rank_sums(grid.length, hint_rank, cp) - quotas) <= quota_slack).all()
-                and (workload_cap is None or hint_works.max() <= workload_cap)):
+                and (workload_cap is None or hint_max_work <= workload_cap)):
             hint_metrics = block_plan(grid, hint_rank, cp).metrics()
 
-    if workload_cap is not None:
-        plan_stages = [("capped-comm", model.max_comm, cp / context_len)]
-    elif options.lexicographic:
-        plan_stages = [("balance", model.max_work, cp / total_work),
-                       ("comm", model.max_comm, cp / context_len)]
-    else:
+    if workload_cap is None and not options.lexicographic:
         comm_coeff = round(options.comm_weight * total_work)
         if context_len * total_work + comm_coeff * context_len >= _MAX_ACTIVITY:
             raise ValueError(f"the weighted objective of a {context_len}-token sequence overflows CP-SAT's "
                              "integers; use the lexicographic objective")
-        plan_stages = [("weighted", context_len * model.max_work + comm_coeff * model.max_comm,
-                        cp / (total_work * context_len))]
+        stage, solver, status = _solve_stage(
+            model, "weighted", context_len * model.max_work + comm_coeff * model.max_comm,
+            cp / (total_work * context_len), deadline, options)
+        block_rank = model.block_ranks(solver) if stage.objective is not None else None
+        return _Attempt(stages=(stage,), block_rank=block_rank, solved=block_rank is not None,
+                        hint_metrics=hint_metrics, no_plan_at_all=block_rank is None)
 
     stages: list[StageResult] = []
     block_rank = None
-    for i, (name, objective, scale) in enumerate(plan_stages):
-        if i > 0:  # lexicographic: hold the first stage's workload, start from its solution
-            model.model.add(model.max_work <= int(rank_sums(grid.workloads, block_rank, cp).max()))
-            model.add_hint(block_rank)
-        # each remaining stage gets an equal share of the time left
-        stage_deadline = time.perf_counter() + (deadline - time.perf_counter()) / (len(plan_stages) - i)
-        stage, solver, status = _solve_stage(model, name, objective, scale, stage_deadline, options)
+    if workload_cap is None or hint_max_work is None or hint_max_work > workload_cap:
+        name = "balance" if workload_cap is None else "reach-cap"
+        callback = None if workload_cap is None else _StopAtWorkload(model.max_work, workload_cap)
+        half = time.perf_counter() + (deadline - time.perf_counter()) / 2
+        stage, solver, status = _solve_stage(model, name, model.max_work, work_scale, half, options, callback)
         stages.append(stage)
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            break
+        if stage.objective is None:
+            return _Attempt(stages=tuple(stages), block_rank=None, solved=False, hint_metrics=hint_metrics,
+                            no_plan_at_all=True)
         block_rank = model.block_ranks(solver)
-    solved = len(stages) == len(plan_stages) and stages[-1].objective is not None
-    return _Attempt(stages=tuple(stages), block_rank=block_rank, solved=solved, hint_metrics=hint_metrics)
+        reached = int(rank_sums(grid.workloads, block_rank, cp).max())
+        if workload_cap is not None and reached > workload_cap:
+            # OPTIMAL here proves the cap unreachable; otherwise it was not reached in time
+            final = "INFEASIBLE" if status == cp_model.OPTIMAL else "UNKNOWN"
+            stages.append(StageResult(name="capped-comm", status=final, objective=None, bound=None,
+                                      wall_s=0.0))
+            return _Attempt(stages=tuple(stages), block_rank=None, solved=False, hint_metrics=hint_metrics)
+        model.add_hint(block_rank)
+        workload_cap = reached if workload_cap is None else workload_cap
+    model.model.add(model.max_work <= int(workload_cap))
+    name = "comm" if stages and stages[0].name == "balance" else "capped-comm"
+    stage, solver, status = _solve_stage(model, name, model.max_comm, comm_scale, deadline, options)
+    stages.append(stage)
+    if stage.objective is None and len(stages) == 1:  # capped-comm from the warm start found nothing
+        return _Attempt(stages=tuple(stages), block_rank=None, solved=False, hint_metrics=hint_metrics,
+                        no_plan_at_all=True)
+    if stage.objective is not None:
+        block_rank = model.block_ranks(solver)
+    elif stages[0].name == "reach-cap":
+        block_rank = None  # the reach-cap solution is not a comm-minimised answer
+    return _Attempt(stages=tuple(stages), block_rank=block_rank, solved=stage.objective is not None,
+                    hint_metrics=hint_metrics)
 
 
 def solve_sequence(doc_lens, cp: int, options: IlpOptions, *, hint: SequencePlan | None = None,
@@ -334,10 +369,11 @@ def solve_sequence(doc_lens, cp: int, options: IlpOptions, *, hint: SequencePlan
     ``hint``: a plan to warm-start from; it is rounded to blocks (``round_plan_to_blocks``) and, for exact
     quotas, repaired to meet them (``repair_to_quotas``).
     ``quota_slack``: tokens a rank may be off its quota. 0: exact quotas only. None (default): exact quotas,
-    falling back to within one block (the longest block's length) when the exact model yields no plan:
-    proven impossible, or none found in the first half of the time limit when the warm start could not be
-    repaired to meet the quotas (``IlpResult.exact_status`` then says which).
-    ``workload_cap``: largest workload any rank may take; when given, only comm is minimised.
+    falling back to within one block (the longest block's length) when the exact model yields no plan at
+    all: proven impossible, or none found in the first half of the time limit when the warm start could not
+    be repaired to meet the quotas (``IlpResult.exact_status`` then says which).
+    ``workload_cap``: largest workload any rank may take; when given, only comm is minimised (after a stage
+    that brings the largest workload within the cap, unless the warm start already is).
     The model and the objective are described in the module docstring.
     """
     began = time.perf_counter()
@@ -363,7 +399,7 @@ def solve_sequence(doc_lens, cp: int, options: IlpOptions, *, hint: SequencePlan
         exact_deadline = deadline if exact_hint is not None else began + options.time_limit_s / 2
         attempt = _attempt(grid, quotas, cp, options, 0, workload_cap, _or(exact_hint, hint_rank),
                            exact_deadline)
-        if attempt.block_rank is None:
+        if attempt.no_plan_at_all:
             exact_status = attempt.stages[-1].status
             quota_slack = int(grid.length.max())
             attempt = _attempt(grid, quotas, cp, options, quota_slack, workload_cap, hint_rank, deadline)
@@ -374,14 +410,15 @@ def solve_sequence(doc_lens, cp: int, options: IlpOptions, *, hint: SequencePlan
                            _or(exact_hint, hint_rank) if quota_slack == 0 else hint_rank, deadline)
 
     stages = attempt.stages
+    counted = [s for s in stages if s.name != "reach-cap"]  # finding a plan within the cap is a means only
     plan = metrics = None
     if attempt.block_rank is None:
         status = stages[-1].status
     else:
-        status = "OPTIMAL" if attempt.solved and all(s.status == "OPTIMAL" for s in stages) else "FEASIBLE"
+        status = "OPTIMAL" if attempt.solved and all(s.status == "OPTIMAL" for s in counted) else "FEASIBLE"
         plan = block_plan(grid, attempt.block_rank, cp)
         metrics = plan.metrics()
-    gaps = [(s.objective - s.bound) / max(1.0, s.objective) for s in stages
+    gaps = [(s.objective - s.bound) / max(1.0, s.objective) for s in counted
             if s.objective is not None and s.bound is not None]
     return IlpResult(status=status, plan=plan, metrics=metrics,
                      objective=stages[-1].objective if attempt.solved else None, bound=stages[-1].bound,
