@@ -11,7 +11,7 @@ from flashcp.planner.blocks import (
     round_plan_to_blocks,
     sent_blocks,
 )
-from flashcp.planner.cost import allgather_contributions, token_quotas, workload
+from flashcp.planner.cost import allgather_contributions, rank_workloads, token_quotas, workload
 from flashcp.planner.ilp import IlpOptions, normalised_objective, solve_sequence
 from tests.audit_helpers import greedy_plan
 from tests.naive import naive_block_optimum
@@ -203,3 +203,17 @@ def test_bad_arguments_raise_value_errors():
         IlpOptions(time_limit_s=0)
     with pytest.raises(ValueError, match="ranks"):
         solve_sequence([4, 4], 2, options(), hint=greedy_plan([4, 4], 4))
+
+
+def test_workload_cap_skips_the_reach_stage_when_the_warm_start_meets_it():
+    doc_lens, cp = [7, 7, 7, 11], 2
+    heuristic = greedy_plan(doc_lens, cp)  # cuts at whole tokens: on the grid of one-token blocks
+    cap = int(rank_workloads(heuristic.shard_start, heuristic.shard_len, heuristic.shard_rank, cp).max())
+    warm = solve_sequence(doc_lens, cp, options(granularity=1, time_limit_s=3.0), hint=heuristic,
+                          workload_cap=cap)
+    assert [s.name for s in warm.stages] == ["capped-comm"]
+    assert warm.metrics.ag_comm_tokens <= heuristic.metrics().ag_comm_tokens
+    assert warm.metrics.imbalance <= heuristic.metrics().imbalance + 1e-12
+    cold = solve_sequence(doc_lens, cp, options(granularity=1, time_limit_s=3.0), workload_cap=cap)
+    assert [s.name for s in cold.stages] == ["reach-cap", "capped-comm"]
+    assert cold.metrics.imbalance <= heuristic.metrics().imbalance + 1e-12

@@ -24,7 +24,8 @@ The model (``flashcp audit --ilp``):
   ``C * max_W + round(comm_weight * W) * max_comm`` (the same objective times ``W * C / N``; the weight is
   exact to ``1 / W``). ``lexicographic`` instead minimises ``max_W`` first, then ``max_comm`` with ``max_W``
   held at the value found. With a ``workload_cap`` (the audit's ``--match-imbalance``) every rank's workload
-  is capped and only ``comm_ratio`` is minimised.
+  is capped and only ``comm_ratio`` is minimised; when the warm start exceeds the cap, a first stage
+  minimises ``max_W`` until it is within the cap, because CP-SAT rarely finds a capped plan unguided.
 - Ranks with equal quotas are interchangeable; the model orders them by the first block they hold, which
   removes the ``N!`` relabellings of every plan without cutting off any plan's metrics.
 
@@ -192,10 +193,10 @@ class _Model:
                 m.add_bool_or([~self.x[b][r], ~sent, self.z[b][r]])
                 m.add_implication(self.z[b][r], self.x[b][r])
         self.max_comm = m.new_int_var(0, self.context_len, "max_comm")
-        sent_blocks = list(self.z)
+        sendable = list(self.z)
         for r in range(cp):
-            m.add(cp_model.LinearExpr.weighted_sum([self.z[b][r] for b in sent_blocks],
-                                                   [lengths[b] for b in sent_blocks]) <= self.max_comm)
+            m.add(cp_model.LinearExpr.weighted_sum([self.z[b][r] for b in sendable],
+                                                   [lengths[b] for b in sendable]) <= self.max_comm)
 
         # Interchangeable ranks (equal quotas) appear in rank order: rank r's first block comes after rank
         # r-1's. seen[b][r]: rank r holds one of blocks 0..b.
