@@ -192,11 +192,29 @@ class _Model:
                 m.add_bool_or([~self.x[b][r], self.x[b + 1][r], sent])
                 m.add_bool_or([~self.x[b][r], ~sent, self.z[b][r]])
                 m.add_implication(self.z[b][r], self.x[b][r])
+                m.add_implication(self.z[b][r], sent)
+            m.add(sum(self.z[b]) == sent)  # with the clauses: z[b][r] == x[b][r] and sent[b]
         self.max_comm = m.new_int_var(0, self.context_len, "max_comm")
         sendable = list(self.z)
         for r in range(cp):
             m.add(cp_model.LinearExpr.weighted_sum([self.z[b][r] for b in sendable],
                                                    [lengths[b] for b in sendable]) <= self.max_comm)
+        # Redundant cuts that tie comm to balance (they tighten CP-SAT's bound): the blocks of a document
+        # that are not sent form its last shard, on one rank, so their tokens fit a quota and their
+        # workload is at most max_work; and the largest contribution is at least the mean one.
+        sent_tokens = cp_model.LinearExpr.weighted_sum([self.sent[b] for b in sendable],
+                                                       [lengths[b] for b in sendable])
+        m.add(cp * self.max_comm >= sent_tokens)
+        max_quota = int(quotas.max()) + quota_slack
+        for d in range(grid.doc_offsets.size - 1):
+            first, end = int(grid.doc_offsets[d]), int(grid.doc_offsets[d + 1])
+            if end - first < 2:
+                continue
+            doc_sent = [self.sent[b] for b in range(first, end - 1)]
+            sent_work = cp_model.LinearExpr.weighted_sum(doc_sent, works[first:end - 1])
+            m.add(sum(works[first:end]) - sent_work <= self.max_work)
+            sent_tokens = cp_model.LinearExpr.weighted_sum(doc_sent, lengths[first:end - 1])
+            m.add(sum(lengths[first:end]) - sent_tokens <= max_quota)
 
         # Interchangeable ranks (equal quotas) appear in rank order: rank r's first block comes after rank
         # r-1's. seen[b][r]: rank r holds one of blocks 0..b.
