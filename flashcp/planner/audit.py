@@ -79,8 +79,7 @@ class SequenceAudit:
                 return None
             return {"imbalance": m.imbalance, "ag_comm_tokens": m.ag_comm_tokens,
                     "a2a_comm_tokens": m.a2a_comm_tokens,
-                    "comm_saving": comm_saving(m.ag_comm_tokens, context_len, cp),
-                    "a2a_comm_saving": comm_saving(m.a2a_comm_tokens, context_len, cp)}
+                    "comm_saving": comm_saving(m.ag_comm_tokens, context_len, cp)}
 
         return {
             "row": self.row, "num_docs": self.num_docs, "num_blocks": r.num_blocks,
@@ -155,8 +154,8 @@ def summarize(audits: list[SequenceAudit], context_len: int, cp: int) -> dict:
         values = list(values)
         return float(np.mean(values)) if values else None
 
-    def saving(m: PlanMetrics, exact_need: bool = False) -> float:
-        return comm_saving(m.a2a_comm_tokens if exact_need else m.ag_comm_tokens, context_len, cp)
+    def saving(m: PlanMetrics) -> float:
+        return comm_saving(m.ag_comm_tokens, context_len, cp)
 
     gaps = [a.result.gap for a in valid if a.result.gap is not None]
     return {
@@ -165,11 +164,11 @@ def summarize(audits: list[SequenceAudit], context_len: int, cp: int) -> dict:
         "quota_relaxed": sum(1 for a in audits if a.result.plan is not None and a.result.quota_slack > 0),
         "no_solution": sum(1 for a in audits if a.result.plan is None),
         "ilp": {"comm_saving": mean(saving(a.result.metrics) for a in valid),
-                "a2a_comm_saving": mean(saving(a.result.metrics, True) for a in valid),
-                "imbalance": mean(a.result.metrics.imbalance for a in valid)},
+                "imbalance": mean(a.result.metrics.imbalance for a in valid),
+                "a2a_comm_tokens": mean(a.result.metrics.a2a_comm_tokens for a in valid)},
         "heuristic": {"comm_saving": mean(saving(a.heuristic) for a in valid),
-                      "a2a_comm_saving": mean(saving(a.heuristic, True) for a in valid),
-                      "imbalance": mean(a.heuristic.imbalance for a in valid)},
+                      "imbalance": mean(a.heuristic.imbalance for a in valid),
+                      "a2a_comm_tokens": mean(a.heuristic.a2a_comm_tokens for a in valid)},
         "comm_saving_gap_pp": mean(100 * (saving(a.result.metrics) - saving(a.heuristic)) for a in valid),
         "solve_s_mean": mean(a.result.wall_s for a in audits),
         "solve_s_max": max((a.result.wall_s for a in audits), default=None),
