@@ -103,3 +103,15 @@ def test_bad_requests_exit_1_with_one_sentence(dataset, args, message):
 def test_missing_plan_exits_1(dataset):
     result = run(dataset.root, "--plan", "cp8-nothing", "--ilp")
     assert result.exit_code == 1 and "does not exist" in result.output
+
+
+def test_sample_rows_is_seeded_distinct_and_bounded():
+    from flashcp.errors import FlashcpError
+    from flashcp.planner.audit import sample_rows
+
+    a, b = sample_rows(100, 20, seed=3), sample_rows(100, 20, seed=3)
+    assert np.array_equal(a, b) and np.unique(a).size == 20 and a.min() >= 0 and a.max() < 100
+    assert not np.array_equal(a, sample_rows(100, 20, seed=4))
+    assert np.array_equal(sample_rows(5, 20, seed=0), np.arange(5))  # more samples than rows: every row
+    with pytest.raises(FlashcpError):
+        sample_rows(5, 0, seed=0)
