@@ -64,11 +64,11 @@ class SequenceAudit:
         if r.plan is not None:
             return (f"{reason.get(r.exact_status, 'the exact-quota model failed')}; solved with each rank "
                     f"within {r.quota_slack} tokens (one block) of its quota, which is not a valid plan")
+        capped = any(s.name == "capped-comm" for s in r.stages)
+        within = " within the heuristic's largest rank workload" if capped else ""
         if r.status == "INFEASIBLE":
-            return ("no block plan exists at this granularity" +
-                    (" within the heuristic's imbalance" if any(s.name == "capped-comm" for s in r.stages)
-                     else ""))
-        return f"CP-SAT found no plan in the time limit (status {r.status})"
+            return f"no block plan exists at granularity {granularity}{within}"
+        return f"CP-SAT found no plan{within} in the time limit (status {r.status})"
 
     def to_json(self, context_len: int, cp: int, granularity: int) -> dict:
         """The per-sequence record written by ``flashcp audit --json``."""

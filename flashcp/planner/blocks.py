@@ -121,35 +121,64 @@ def sent_blocks(grid: BlockGrid, block_rank: np.ndarray) -> np.ndarray:
     return sent
 
 
-def repair_to_quotas(grid: BlockGrid, block_rank: np.ndarray, quotas: np.ndarray) -> np.ndarray | None:
+def repair_to_quotas(grid: BlockGrid, block_rank: np.ndarray, quotas: np.ndarray, *,
+                     tries: int = 24) -> np.ndarray | None:
     """Move blocks of ``block_rank`` so that rank ``r`` holds exactly ``quotas[r]`` tokens (a greedy).
 
     Returns a new assignment (num_blocks,), or None when the greedy finds none (there may still be one).
 
     Full blocks (``granularity`` tokens) only shift a rank's tokens by multiples of the granularity, so the
     short blocks (ends of documents, short documents) decide feasibility: rank after rank, a knapsack over
-    exact sums picks short blocks whose total is the quota minus a multiple of the granularity, keeping as
-    many tokens on their current rank as possible (a short block moves with the rest of its shard, so that
-    no cut is made); the last rank takes the rest. Full blocks are then moved from ranks with too many to
-    ranks with too few, preferring blocks whose move adds the fewest cuts.
+    exact sums picks short blocks whose total is the quota minus a multiple of the granularity, moving as
+    little workload as it can (a short block moves with the rest of its shard, so that no cut is made); the
+    last rank takes the rest. Full blocks are then moved from ranks with too many to ranks with too few,
+    preferring blocks whose move adds the fewest cuts, then the lightest (document heads: Whole-Doc moves).
+    The greedy depends on the order of the ranks: up to ``tries`` orders are tried (the natural one first,
+    then seeded random ones) and the result with the least ``imbalance + max_comm / (C / N)`` is kept.
     """
+    cp = quotas.shape[0]
+    block_rank = np.asarray(block_rank, dtype=np.int64)
+    if np.array_equal(rank_sums(grid.length, block_rank, cp), quotas):
+        return block_rank.copy()
+    rng = np.random.default_rng(0)
+    orders = [np.arange(cp)] + [rng.permutation(cp) for _ in range(tries - 1)] if cp > 1 else [np.arange(cp)]
+    best, best_score = None, np.inf
+    seen = set()
+    for order in orders:
+        if tuple(order[:-1]) in seen:  # the last rank takes the rest: only the others' order matters
+            continue
+        seen.add(tuple(order[:-1]))
+        repaired = _repair_in_order(grid, block_rank, quotas, order)
+        if repaired is None:
+            continue
+        metrics = block_plan(grid, repaired, cp).metrics()
+        score = metrics.imbalance + metrics.ag_comm_tokens * cp / int(quotas.sum())
+        if score < best_score:
+            best, best_score = repaired, score
+    return best
+
+
+def _repair_in_order(grid: BlockGrid, block_rank: np.ndarray, quotas: np.ndarray,
+                     order: np.ndarray) -> np.ndarray | None:
+    """``repair_to_quotas`` with the ranks' short blocks picked in ``order``."""
     g, cp = grid.granularity, quotas.shape[0]
-    block_rank = np.asarray(block_rank, dtype=np.int64).copy()
+    block_rank = block_rank.copy()
     full = grid.length == g
     full_count = rank_sums(full.astype(np.int64), block_rank, cp)
     short = np.flatnonzero(~full)
     # A short block is a document's last block; it moves together with the rest of its shard (the run of
-    # blocks on its rank before it), so a move cuts nothing. Moving costs the tokens that move.
+    # blocks on its rank before it), so a move cuts nothing. Moving costs the workload that moves.
     run_start = short.copy()
     for i, b in enumerate(short.tolist()):
         while run_start[i] > grid.doc_offsets[grid.doc[b]] and block_rank[run_start[i] - 1] == block_rank[b]:
             run_start[i] -= 1
-    cum = np.r_[0, np.cumsum(grid.length)]
+    cum = np.r_[0, np.cumsum(grid.workloads)]
     move_cost = cum[short + 1] - cum[run_start]
     remaining = np.arange(short.size)
     short_sum = np.zeros(cp, dtype=np.int64)
-    for r in range(cp):
-        if r == cp - 1:
+    moves = []
+    for i, r in enumerate(order.tolist()):
+        if i == cp - 1:
             chosen = short[remaining]
         else:
             on_rank = block_rank[short[remaining]] == r
@@ -160,10 +189,12 @@ def repair_to_quotas(grid: BlockGrid, block_rank: np.ndarray, quotas: np.ndarray
             chosen = short[remaining[picked]]
             remaining = np.delete(remaining, picked)
         short_sum[r] = grid.length[chosen].sum()
-        for b in chosen.tolist():
-            block_rank[run_start[np.searchsorted(short, b)]:b + 1] = r
-    if short_sum[-1] > quotas[-1] or (quotas[-1] - short_sum[-1]) % g:
+        moves += [(b, r) for b in chosen.tolist()]
+    last = int(order[-1])
+    if short_sum[last] > quotas[last] or (quotas[last] - short_sum[last]) % g:
         return None
+    for b, r in moves:
+        block_rank[run_start[np.searchsorted(short, b)]:b + 1] = r
 
     need = (quotas - short_sum) // g - rank_sums(full.astype(np.int64), block_rank, cp)
     while (need != 0).any():
@@ -180,7 +211,8 @@ def _pick_short_blocks(lengths: np.ndarray, move_cost: np.ndarray, on_rank: np.n
     """Indices of a subset of ``lengths`` summing to ``quota - k*g`` (k >= 0) that moves the least.
 
     Taking a block already on this rank gains its ``move_cost``, taking another rank's block loses it; each
-    full block the rank must gain or give to reach ``k`` (it holds ``full_blocks``) loses ``g``.
+    full block the rank must gain or give to reach ``k`` (it holds ``full_blocks``) loses the workload of a
+    document's first block, ``g * (g + 1) / 2``.
     """
     n = lengths.shape[0]
     if n * (quota + 1) > MAX_REPAIR_TABLE:
@@ -200,7 +232,7 @@ def _pick_short_blocks(lengths: np.ndarray, move_cost: np.ndarray, on_rank: np.n
         best = np.maximum(best, candidate)
     targets = np.arange(quota % g, quota + 1, g)
     full_moves = np.abs((quota - targets) // g - full_blocks)
-    target = int(targets[np.argmax(best[targets] - g * full_moves)])
+    target = int(targets[np.argmax(best[targets] - (g * (g + 1) // 2) * full_moves)])
     if best[target] <= unreachable // 2:
         return None
     chosen = []
@@ -213,7 +245,7 @@ def _pick_short_blocks(lengths: np.ndarray, move_cost: np.ndarray, on_rank: np.n
 
 
 def _best_block_to_move(grid: BlockGrid, block_rank: np.ndarray, candidates: np.ndarray, taker: int) -> int:
-    """The candidate block whose move to ``taker`` adds the fewest cuts (the latest block on ties)."""
+    """The candidate block whose move to ``taker`` adds the fewest cuts (the lightest block on ties)."""
     has_next, last = grid.has_next[candidates], grid.num_blocks - 1
     has_prev = np.r_[False, grid.has_next[:-1]][candidates]
     prev_rank = np.where(has_prev, block_rank[np.maximum(candidates - 1, 0)], -1)
@@ -223,6 +255,5 @@ def _best_block_to_move(grid: BlockGrid, block_rank: np.ndarray, candidates: np.
         return (has_prev & (prev_rank != rank)).astype(np.int64) + (has_next & (next_rank != rank))
 
     before, after = cuts(block_rank[candidates]), cuts(taker)
-    score = after - before
-    best = np.flatnonzero(score == score.min())
-    return int(candidates[best[-1]])
+    order = np.lexsort((grid.workloads[candidates], after - before))
+    return int(candidates[order[0]])
