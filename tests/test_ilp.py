@@ -217,3 +217,29 @@ def test_workload_cap_skips_the_reach_stage_when_the_warm_start_meets_it():
     cold = solve_sequence(doc_lens, cp, options(granularity=1, time_limit_s=3.0), workload_cap=cap)
     assert [s.name for s in cold.stages] == ["reach-cap", "capped-comm"]
     assert cold.metrics.imbalance <= heuristic.metrics().imbalance + 1e-12
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 30), min_size=1, max_size=6), st.integers(1, 8), st.integers(1, 4))
+def test_grid_with_plan_cuts_holds_the_plan_exactly(doc_lens, granularity, cp):
+    assume(sum(doc_lens) >= cp)
+    plan = greedy_plan(doc_lens, cp)
+    grid = block_grid(doc_lens, granularity, plan)
+    assert not grid.uniform and (grid.length >= 1).all() and (grid.length <= granularity).all()
+    assert np.array_equal(np.add.reduceat(grid.length, grid.doc_offsets[:-1]), doc_lens)
+    ranks = round_plan_to_blocks(plan, grid)
+    assert block_plan(grid, ranks, cp).metrics() == plan.metrics()
+    assert np.array_equal(rank_sums(grid.length, ranks, cp), token_quotas(sum(doc_lens), cp))
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.integers(100, 3000), min_size=2, max_size=12), st.integers(2, 4))
+def test_ilp_with_plan_cuts_is_never_worse_than_the_plan(doc_lens, cp):
+    heuristic = greedy_plan(doc_lens, cp)
+    result = solve_sequence(doc_lens, cp, options(granularity=512, hint_cuts=True, time_limit_s=2.0),
+                            hint=heuristic)
+    context_len = sum(doc_lens)
+    assert result.quota_slack == 0 and result.hint_metrics == heuristic.metrics()
+    result.plan.validate(doc_lens)
+    assert (normalised_objective(result.metrics, context_len, cp, 1.0)
+            <= normalised_objective(heuristic.metrics(), context_len, cp, 1.0) + 1e-9)

@@ -27,6 +27,8 @@ from flashcp.planner.store import PlanStore
               help="CP-SAT seconds per sequence.")
 @click.option("--granularity", default=1024, show_default=True, type=click.IntRange(min=1),
               help="Block size in tokens: documents are cut into blocks of this size.")
+@click.option("--plan-cuts", is_flag=True,
+              help="Also cut blocks where the audited plan cuts: the ILP starts from the plan itself.")
 @click.option("--comm-weight", default=1.0, show_default=True, type=click.FloatRange(min=0),
               help="Objective: imbalance + WEIGHT * max_comm / (C/N).")
 @click.option("--lexicographic", is_flag=True, help="Minimise imbalance first, then comm at that imbalance.")
@@ -38,8 +40,8 @@ from flashcp.planner.store import PlanStore
 @click.option("--write-plan", help="Write the ILP plans as plans/NAME (other rows keep the audited plan).")
 @click.option("--force", is_flag=True, help="Replace an existing --write-plan folder.")
 def command(data: Path, plan_name: str, ilp: bool, samples: int, seed: int, time_limit: float,
-            granularity: int, comm_weight: float, lexicographic: bool, match_imbalance: bool, workers: int,
-            json_path: Path | None, write_plan: str | None, force: bool) -> None:
+            granularity: int, plan_cuts: bool, comm_weight: float, lexicographic: bool, match_imbalance: bool,
+            workers: int, json_path: Path | None, write_plan: str | None, force: bool) -> None:
     """Compare a plan with CP-SAT's exact sharding of sampled sequences (paper Table 2)."""
     if not ilp:
         raise FlashcpError("flashcp audit needs --ilp (the exact CP-SAT audit is the one audit it runs)")
@@ -49,12 +51,13 @@ def command(data: Path, plan_name: str, ilp: bool, samples: int, seed: int, time
     dataset = Dataset(data)
     store = PlanStore(dataset, plan_name)
     options = IlpOptions(granularity=granularity, comm_weight=comm_weight, lexicographic=lexicographic,
-                         time_limit_s=time_limit, num_workers=workers, seed=seed)
+                         time_limit_s=time_limit, num_workers=workers, seed=seed, hint_cuts=plan_cuts)
     rows = sample_rows(dataset.num_sequences, samples, seed)
     objective = ("comm at the plan's own max workload" if match_imbalance else
                  "imbalance, then comm" if lexicographic else f"imbalance + {comm_weight:g} x comm ratio")
+    grid = f"granularity {granularity}" + (" + the plan's cuts" if plan_cuts else "")
     info(f"auditing plan '{plan_name}' of {data}: {rows.size} of {dataset.num_sequences} sequences, "
-         f"cp {store.cp}, granularity {granularity}, time limit {time_limit:g} s, objective: {objective}")
+         f"cp {store.cp}, {grid}, time limit {time_limit:g} s, objective: {objective}")
 
     with progress("solving", rows.size) as advance:
         def done(audit: SequenceAudit) -> None:
@@ -66,14 +69,14 @@ def command(data: Path, plan_name: str, ilp: bool, samples: int, seed: int, time
 
     cp, context_len = store.cp, dataset.context_len
     summary = summarize(audits, context_len, cp)
-    console.print(_table(summary, plan_name, granularity, time_limit))
+    console.print(_table(summary, plan_name, grid, time_limit))
     for audit in audits:
         if note := audit.note(granularity):
             warn(f"row {audit.row}: {note}")
 
-    params = {"granularity": granularity, "comm_weight": comm_weight, "lexicographic": lexicographic,
-              "match_imbalance": match_imbalance, "time_limit_s": time_limit, "seed": seed,
-              "samples": samples}
+    params = {"granularity": granularity, "plan_cuts": plan_cuts, "comm_weight": comm_weight,
+              "lexicographic": lexicographic, "match_imbalance": match_imbalance, "time_limit_s": time_limit,
+              "seed": seed, "samples": samples}
     if json_path is not None:
         write_json_atomic(json_path, {
             "dataset": str(data), "plan": plan_name, "cp": cp, "context_len": context_len, "options": params,
@@ -85,10 +88,10 @@ def command(data: Path, plan_name: str, ilp: bool, samples: int, seed: int, time
              f"{meta['summary']['num_sequences'] - meta['summary']['ilp_sequences']} from '{plan_name}'")
 
 
-def _table(summary: dict, plan_name: str, granularity: int, time_limit: float) -> Table:
+def _table(summary: dict, plan_name: str, grid: str, time_limit: float) -> Table:
     """The paper's Table 2: ILP against the heuristic, then the solver's own numbers."""
     n, k = summary["valid"], summary["samples"]
-    table = Table(title=f"ILP (granularity {granularity}, {time_limit:g} s limit) vs '{plan_name}': "
+    table = Table(title=f"ILP ({grid}, {time_limit:g} s limit) vs '{plan_name}': "
                         f"means over {n} of {k} sequences with a valid ILP plan")
     table.add_column("metric")
     table.add_column("ILP solver", justify="right")

@@ -42,6 +42,8 @@ class BlockGrid:
     """Shape (num_docs + 1,): document ``d``'s blocks are ``doc_offsets[d]:doc_offsets[d + 1]``."""
     granularity: int
     """Block size in tokens."""
+    uniform: bool = True
+    """Every block is ``granularity`` tokens but a document's last (no extra cuts)."""
 
     @property
     def num_blocks(self) -> int:
@@ -59,19 +61,32 @@ class BlockGrid:
         return np.r_[self.doc[1:] == self.doc[:-1], False]
 
 
-def block_grid(doc_lens, granularity: int) -> BlockGrid:
-    """Cut documents of lengths ``doc_lens`` (num_docs,) into blocks of ``granularity`` tokens."""
+def block_grid(doc_lens, granularity: int, extra_cuts: SequencePlan | None = None) -> BlockGrid:
+    """Cut documents of lengths ``doc_lens`` (num_docs,) into blocks of ``granularity`` tokens.
+
+    ``extra_cuts``: a plan whose shard boundaries cut blocks too (the grid then holds that plan exactly).
+    """
     if granularity < 1:
         raise ValueError(f"granularity must be at least 1 token, got {granularity}")
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
     if doc_lens.size == 0 or (doc_lens <= 0).any():
         raise ValueError("every sequence needs at least one document and every document at least one token")
     counts = -(-doc_lens // granularity)
-    doc_offsets = np.r_[0, np.cumsum(counts)].astype(np.int64)
     doc = np.repeat(np.arange(doc_lens.size, dtype=np.int64), counts)
-    start = (np.arange(doc.size, dtype=np.int64) - doc_offsets[doc]) * granularity
-    length = np.minimum(granularity, doc_lens[doc] - start)
-    return BlockGrid(doc=doc, start=start, length=length, doc_offsets=doc_offsets, granularity=granularity)
+    first_block = np.r_[0, np.cumsum(counts)[:-1]]
+    start = (np.arange(doc.size, dtype=np.int64) - first_block[doc]) * granularity
+    if extra_cuts is not None:
+        cut = extra_cuts.shard_start > 0
+        doc = np.r_[doc, extra_cuts.shard_doc[cut]]
+        start = np.r_[start, extra_cuts.shard_start[cut]]
+        keys = np.unique(doc * (int(doc_lens.max()) + 1) + start)  # sorted by (doc, start), no duplicates
+        doc, start = keys // (int(doc_lens.max()) + 1), keys % (int(doc_lens.max()) + 1)
+    end = np.r_[start[1:], 0]
+    last = np.r_[doc[1:] != doc[:-1], True]
+    length = np.where(last, doc_lens[doc] - start, end - start)
+    doc_offsets = np.searchsorted(doc, np.arange(doc_lens.size + 1)).astype(np.int64)
+    return BlockGrid(doc=doc, start=start, length=length, doc_offsets=doc_offsets, granularity=granularity,
+                     uniform=extra_cuts is None)
 
 
 def round_plan_to_blocks(plan: SequencePlan, grid: BlockGrid) -> np.ndarray:
@@ -80,10 +95,13 @@ def round_plan_to_blocks(plan: SequencePlan, grid: BlockGrid) -> np.ndarray:
     Returns shape (num_blocks,), int64. Exact when every shard boundary lies on the block grid.
     """
     overlap = np.zeros((grid.num_blocks, plan.cp), dtype=np.int64)
-    g = grid.granularity
-    for d, s, n, r in zip(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank):
+    for d, s, n, r in zip(plan.shard_doc.tolist(), plan.shard_start.tolist(), plan.shard_len.tolist(),
+                          plan.shard_rank.tolist()):
         e = s + n
-        lo, hi = grid.doc_offsets[d] + s // g, grid.doc_offsets[d] + (e - 1) // g + 1
+        first, end = grid.doc_offsets[d], grid.doc_offsets[d + 1]
+        starts = grid.start[first:end]
+        lo = first + np.searchsorted(starts, s, side="right") - 1
+        hi = first + np.searchsorted(starts, e, side="left")
         block_start = grid.start[lo:hi]
         overlap[lo:hi, r] += np.minimum(e, block_start + grid.length[lo:hi]) - np.maximum(s, block_start)
     return np.argmax(overlap, axis=1).astype(np.int64)
@@ -125,7 +143,8 @@ def repair_to_quotas(grid: BlockGrid, block_rank: np.ndarray, quotas: np.ndarray
                      tries: int = 24) -> np.ndarray | None:
     """Move blocks of ``block_rank`` so that rank ``r`` holds exactly ``quotas[r]`` tokens (a greedy).
 
-    Returns a new assignment (num_blocks,), or None when the greedy finds none (there may still be one).
+    Returns a new assignment (num_blocks,), or None when the greedy finds none (there may still be one) or
+    the grid is not uniform.
 
     Full blocks (``granularity`` tokens) only shift a rank's tokens by multiples of the granularity, so the
     short blocks (ends of documents, short documents) decide feasibility: rank after rank, a knapsack over
@@ -140,6 +159,8 @@ def repair_to_quotas(grid: BlockGrid, block_rank: np.ndarray, quotas: np.ndarray
     block_rank = np.asarray(block_rank, dtype=np.int64)
     if np.array_equal(rank_sums(grid.length, block_rank, cp), quotas):
         return block_rank.copy()
+    if not grid.uniform:
+        return None
     rng = np.random.default_rng(0)
     orders = [np.arange(cp)] + [rng.permutation(cp) for _ in range(tries - 1)] if cp > 1 else [np.arange(cp)]
     best, best_score = None, np.inf
@@ -148,19 +169,24 @@ def repair_to_quotas(grid: BlockGrid, block_rank: np.ndarray, quotas: np.ndarray
         if tuple(order[:-1]) in seen:  # the last rank takes the rest: only the others' order matters
             continue
         seen.add(tuple(order[:-1]))
-        repaired = _repair_in_order(grid, block_rank, quotas, order)
-        if repaired is None:
-            continue
-        metrics = block_plan(grid, repaired, cp).metrics()
-        score = metrics.imbalance + metrics.ag_comm_tokens * cp / int(quotas.sum())
-        if score < best_score:
-            best, best_score = repaired, score
+        for by_tokens, full_weight in ((False, 1), (True, 1), (True, 4), (True, 16)):
+            repaired = _repair_in_order(grid, block_rank, quotas, order, by_tokens, full_weight)
+            if repaired is None:
+                continue
+            metrics = block_plan(grid, repaired, cp).metrics()
+            score = metrics.imbalance + metrics.ag_comm_tokens * cp / int(quotas.sum())
+            if score < best_score:
+                best, best_score = repaired, score
     return best
 
 
-def _repair_in_order(grid: BlockGrid, block_rank: np.ndarray, quotas: np.ndarray,
-                     order: np.ndarray) -> np.ndarray | None:
-    """``repair_to_quotas`` with the ranks' short blocks picked in ``order``."""
+def _repair_in_order(grid: BlockGrid, block_rank: np.ndarray, quotas: np.ndarray, order: np.ndarray,
+                     by_tokens: bool, full_weight: int) -> np.ndarray | None:
+    """``repair_to_quotas`` with the ranks' short blocks picked in ``order``.
+
+    Moves cost workload, or tokens with ``by_tokens``; each full block moved to fix a rank's count costs
+    ``full_weight`` times a document head's workload (or its tokens: the K/V its new rank must send).
+    """
     g, cp = grid.granularity, quotas.shape[0]
     block_rank = block_rank.copy()
     full = grid.length == g
@@ -172,8 +198,9 @@ def _repair_in_order(grid: BlockGrid, block_rank: np.ndarray, quotas: np.ndarray
     for i, b in enumerate(short.tolist()):
         while run_start[i] > grid.doc_offsets[grid.doc[b]] and block_rank[run_start[i] - 1] == block_rank[b]:
             run_start[i] -= 1
-    cum = np.r_[0, np.cumsum(grid.workloads)]
+    cum = np.r_[0, np.cumsum(grid.length if by_tokens else grid.workloads)]
     move_cost = cum[short + 1] - cum[run_start]
+    full_move_cost = full_weight * (g if by_tokens else g * (g + 1) // 2)
     remaining = np.arange(short.size)
     short_sum = np.zeros(cp, dtype=np.int64)
     moves = []
@@ -183,7 +210,7 @@ def _repair_in_order(grid: BlockGrid, block_rank: np.ndarray, quotas: np.ndarray
         else:
             on_rank = block_rank[short[remaining]] == r
             picked = _pick_short_blocks(grid.length[short[remaining]], move_cost[remaining], on_rank,
-                                        int(quotas[r]), int(full_count[r]), g)
+                                        int(quotas[r]), int(full_count[r]), g, full_move_cost)
             if picked is None:
                 return None
             chosen = short[remaining[picked]]
@@ -207,12 +234,11 @@ def _repair_in_order(grid: BlockGrid, block_rank: np.ndarray, quotas: np.ndarray
 
 
 def _pick_short_blocks(lengths: np.ndarray, move_cost: np.ndarray, on_rank: np.ndarray, quota: int,
-                       full_blocks: int, g: int) -> np.ndarray | None:
+                       full_blocks: int, g: int, full_move_cost: int) -> np.ndarray | None:
     """Indices of a subset of ``lengths`` summing to ``quota - k*g`` (k >= 0) that moves the least.
 
     Taking a block already on this rank gains its ``move_cost``, taking another rank's block loses it; each
-    full block the rank must gain or give to reach ``k`` (it holds ``full_blocks``) loses the workload of a
-    document's first block, ``g * (g + 1) / 2``.
+    full block the rank must gain or give to reach ``k`` (it holds ``full_blocks``) loses ``full_move_cost``.
     """
     n = lengths.shape[0]
     if n * (quota + 1) > MAX_REPAIR_TABLE:
@@ -232,7 +258,7 @@ def _pick_short_blocks(lengths: np.ndarray, move_cost: np.ndarray, on_rank: np.n
         best = np.maximum(best, candidate)
     targets = np.arange(quota % g, quota + 1, g)
     full_moves = np.abs((quota - targets) // g - full_blocks)
-    target = int(targets[np.argmax(best[targets] - (g * (g + 1) // 2) * full_moves)])
+    target = int(targets[np.argmax(best[targets] - full_move_cost * full_moves)])
     if best[target] <= unreachable // 2:
         return None
     chosen = []

@@ -3,7 +3,8 @@
 The model (``flashcp audit --ilp``):
 
 - Every document is cut into blocks of ``granularity`` tokens (the last block of a document may be shorter; a
-  document shorter than the granularity is one block). Boolean ``x[b, r]``: block ``b`` is on rank ``r``; each
+  document shorter than the granularity is one block); with ``hint_cuts`` also at the warm-start plan's
+  shard boundaries. Boolean ``x[b, r]``: block ``b`` is on rank ``r``; each
   block is on exactly one rank.
 - Each rank holds exactly its equal-token quota (``cost.token_quotas``), or, with ``quota_slack > 0``, within
   ``quota_slack`` tokens of it (the audit relaxes to one block when the granularity makes the exact quotas
@@ -90,6 +91,9 @@ class IlpOptions:
     """CP-SAT random seed."""
     break_symmetry: bool = True
     """Order interchangeable ranks by their first block."""
+    hint_cuts: bool = False
+    """Cut blocks at the warm-start plan's shard boundaries too: the plan is then on the grid exactly, so
+    the warm start is the plan itself and the result is never worse than it."""
 
     def __post_init__(self):
         if self.granularity < 1:
@@ -402,12 +406,12 @@ def solve_sequence(doc_lens, cp: int, options: IlpOptions, *, hint: SequencePlan
         raise ValueError(f"cp must be at least 1, got {cp}")
     if quota_slack is not None and quota_slack < 0:
         raise ValueError(f"quota_slack must be 0 or more, got {quota_slack}")
-    grid = block_grid(doc_lens, options.granularity)
+    if hint is not None and hint.cp != cp:
+        raise ValueError(f"the hint plan is for {hint.cp} ranks, not {cp}")
+    grid = block_grid(doc_lens, options.granularity, hint if options.hint_cuts else None)
     quotas = token_quotas(int(doc_lens.sum()), cp)
     hint_rank = exact_hint = None
     if hint is not None:
-        if hint.cp != cp:
-            raise ValueError(f"the hint plan is for {hint.cp} ranks, not {cp}")
         hint_rank = round_plan_to_blocks(hint, grid)
         exact_hint = hint_rank
         if (rank_sums(grid.length, hint_rank, cp) != quotas).any():
