@@ -83,13 +83,15 @@ class SequencePlan:
         covered_docs = doc[last_of_doc]
         if covered_docs.size != doc_lens.size or (ends != doc_lens[covered_docs]).any():
             missing = np.setdiff1d(np.arange(doc_lens.size), covered_docs)
-            which = int(missing[0]) if missing.size else int(covered_docs[np.argmax(ends != doc_lens[covered_docs])])
+            wrong_end = covered_docs[np.argmax(ends != doc_lens[covered_docs])]
+            which = int(missing[0]) if missing.size else int(wrong_end)
             raise PlanError(f"document {which} (length {doc_lens[which]}) is not covered exactly once")
         tokens = rank_tokens(self.shard_len, self.shard_rank, self.cp)
         quotas = token_quotas(int(doc_lens.sum()), self.cp)
         if (tokens != quotas).any():
             rank = int(np.argmax(tokens != quotas))
-            raise PlanError(f"rank {rank} holds {tokens[rank]} tokens but its equal-token quota is {quotas[rank]}")
+            raise PlanError(f"rank {rank} holds {tokens[rank]} tokens but its equal-token quota is "
+                            f"{quotas[rank]}")
 
 
 def check_metrics(plan: SequencePlan, imbalance: float, ag_comm_tokens: int, a2a_comm_tokens: int) -> None:
@@ -98,7 +100,8 @@ def check_metrics(plan: SequencePlan, imbalance: float, ag_comm_tokens: int, a2a
     if not np.isclose(got.imbalance, imbalance, rtol=1e-12, atol=0):
         raise PlanError(f"stored imbalance {imbalance} differs from the recomputed {got.imbalance}")
     if got.ag_comm_tokens != ag_comm_tokens:
-        raise PlanError(f"stored all-gather comm {ag_comm_tokens} differs from the recomputed {got.ag_comm_tokens}")
+        raise PlanError(f"stored all-gather comm {ag_comm_tokens} differs from the recomputed "
+                        f"{got.ag_comm_tokens}")
     if got.a2a_comm_tokens != a2a_comm_tokens:
         raise PlanError(f"stored exact-need comm {a2a_comm_tokens} differs from the recomputed "
                         f"{got.a2a_comm_tokens}")

@@ -145,26 +145,81 @@ class PlanStore:
         """Path of the plan file matching the ``index``-th data file."""
         return self.dir / self.meta["plan_files"][index]["path"]
 
-    def iter_plans(self, index: int) -> Iterator[StoredPlan]:
-        """Yield the stored plans of the ``index``-th data file's rows, in row order, a row group at a time."""
+    def read_flat(self, index: int) -> dict[str, np.ndarray]:
+        """The whole ``index``-th plan file as flat int64/float64 arrays.
+
+        Keys: ``shard_offsets`` (rows + 1,) indexing the flat ``shard_doc``, ``shard_start``, ``shard_len``,
+        ``shard_rank``; and per row ``imbalance``, ``ag_comm_tokens``, ``a2a_comm_tokens``.
+        """
         path = self.plan_path(index)
         try:
-            pf = pq.ParquetFile(path)
+            table = pq.read_table(path, schema=PLAN_SCHEMA)
+        except (OSError, pa.ArrowException) as e:
+            raise FlashcpError(f"plan file {path} cannot be read ({e}); "
+                               "re-run 'flashcp plan --force'") from None
+        out: dict[str, np.ndarray] = {}
+        for name in ("shard_doc", "shard_start", "shard_len", "shard_rank"):
+            column = table.column(name).combine_chunks()
+            offsets = column.offsets.to_numpy().astype(np.int64)
+            out[name] = column.values.to_numpy().astype(np.int64)[offsets[0]:offsets[-1]]
+            if name == "shard_doc":
+                out["shard_offsets"] = offsets - offsets[0]
+            elif not np.array_equal(offsets - offsets[0], out["shard_offsets"]):
+                raise FlashcpError(f"plan file {path} is corrupt: its shard columns have different lengths")
+        out["imbalance"] = table.column("imbalance").to_numpy()
+        out["ag_comm_tokens"] = table.column("ag_comm_tokens").to_numpy().astype(np.int64)
+        out["a2a_comm_tokens"] = table.column("a2a_comm_tokens").to_numpy().astype(np.int64)
+        return out
+
+    def _open(self, index: int) -> pq.ParquetFile:
+        path = self.plan_path(index)
+        try:
+            return pq.ParquetFile(path)
         except (OSError, pa.ArrowInvalid) as e:
-            raise FlashcpError(f"plan file {path} cannot be read ({e}); re-run 'flashcp plan --force'") from None
+            raise FlashcpError(f"plan file {path} cannot be read ({e}); "
+                               "re-run 'flashcp plan --force'") from None
+
+    def iter_plans(self, index: int) -> Iterator[StoredPlan]:
+        """Yield the stored plans of the ``index``-th data file's rows in row order, a row group at a time."""
+        pf = self._open(index)
         for g in range(pf.num_row_groups):
-            table = pf.read_row_group(g)
-            cols = {name: table.column(name).combine_chunks() for name in PLAN_SCHEMA.names}
-            offsets = cols["shard_doc"].offsets.to_numpy()
-            flat = {name: cols[name].values.to_numpy().astype(np.int64)
-                    for name in ("shard_doc", "shard_start", "shard_len", "shard_rank")}
-            imbalance = cols["imbalance"].to_numpy()
-            ag = cols["ag_comm_tokens"].to_numpy()
-            a2a = cols["a2a_comm_tokens"].to_numpy()
-            for i in range(table.num_rows):
-                lo, hi = offsets[i], offsets[i + 1]
-                plan = SequencePlan(shard_doc=flat["shard_doc"][lo:hi], shard_start=flat["shard_start"][lo:hi],
-                                    shard_len=flat["shard_len"][lo:hi], shard_rank=flat["shard_rank"][lo:hi],
-                                    cp=self.cp)
-                yield StoredPlan(plan=plan, imbalance=float(imbalance[i]), ag_comm_tokens=int(ag[i]),
-                                 a2a_comm_tokens=int(a2a[i]))
+            yield from _stored_plans(pf.read_row_group(g), self.cp)
+
+    def read_plans(self, index: int, start: int, stop: int) -> list[StoredPlan]:
+        """The stored plans of rows ``[start, stop)`` of the ``index``-th data file.
+
+        Reads only the row groups that hold those rows.
+        """
+        pf = self._open(index)
+        groups, first, offset = [], 0, 0
+        for g in range(pf.num_row_groups):
+            rows = pf.metadata.row_group(g).num_rows
+            if first < stop and first + rows > start:
+                groups.append(g)
+                if len(groups) == 1:
+                    offset = start - first
+            first += rows
+        if stop > first or start < 0:
+            raise FlashcpError(f"plan file {self.plan_path(index)} has {first} rows, rows {start}..{stop} "
+                               "were asked for; re-run 'flashcp plan --force'")
+        if not groups:
+            return []
+        table = pf.read_row_groups(groups)
+        return list(_stored_plans(table.slice(offset, stop - start), self.cp))
+
+
+def _stored_plans(table: pa.Table, cp: int) -> Iterator[StoredPlan]:
+    cols = {name: table.column(name).combine_chunks() for name in PLAN_SCHEMA.names}
+    shard_cols = ("shard_doc", "shard_start", "shard_len", "shard_rank")
+    offsets = cols["shard_doc"].offsets.to_numpy().astype(np.int64)
+    offsets -= offsets[0]  # a sliced table's offsets start mid-buffer; flatten() below honours the slice
+    flat = {name: cols[name].flatten().to_numpy().astype(np.int64) for name in shard_cols}
+    imbalance = cols["imbalance"].to_numpy()
+    ag = cols["ag_comm_tokens"].to_numpy()
+    a2a = cols["a2a_comm_tokens"].to_numpy()
+    for i in range(table.num_rows):
+        lo, hi = offsets[i], offsets[i + 1]
+        plan = SequencePlan(shard_doc=flat["shard_doc"][lo:hi], shard_start=flat["shard_start"][lo:hi],
+                            shard_len=flat["shard_len"][lo:hi], shard_rank=flat["shard_rank"][lo:hi], cp=cp)
+        yield StoredPlan(plan=plan, imbalance=float(imbalance[i]), ag_comm_tokens=int(ag[i]),
+                         a2a_comm_tokens=int(a2a[i]))

@@ -1,0 +1,19 @@
+"""Runtime: the per-rank loader (plan -> batch + CPAttnMeta) and context-parallel attention.
+
+``flashcp.runtime.kernels`` is the only module that imports ``flash_attn``, lazily.
+"""
+
+from flashcp.runtime.attention import cp_attention
+from flashcp.runtime.comm import CommStats
+from flashcp.runtime.meta import COMM_MODES, CPAttnMeta
+
+__all__ = ["COMM_MODES", "CPAttnMeta", "CPLoader", "CommStats", "cp_attention"]
+
+
+def __getattr__(name):
+    # the loader pulls in pyarrow; import it only when asked for
+    if name in ("CPLoader", "Batch"):
+        from flashcp.runtime import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module 'flashcp.runtime' has no attribute '{name}'")

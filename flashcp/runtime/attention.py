@@ -1,0 +1,164 @@
+"""``cp_attention``: document-masked causal attention over a sequence sharded by a plan across CP ranks.
+
+One call, on every rank of the CP group:
+
+1. pack the K/V rows this rank contributes and start the exchange (asynchronous);
+2. compute the *local* part (shards whose key prefix is all on this rank) while the exchange is in flight;
+3. wait, then compute the *remote* part over keys gathered from ``cat(local K/V, receive buffer)``;
+4. put both outputs back in local layout order.
+
+Each query shard ``[start, end)`` of a document attends to that document's keys ``[0, end)`` with a
+bottom-right aligned causal mask, so the result equals full-sequence attention with a document mask. The
+backward pass sends dK/dV of borrowed keys back to their owners (see ``flashcp.runtime.comm``).
+
+With ``comm="ring"`` (the Ring-Attn baselines) there is no collective: K/V blocks rotate around the ranks
+point-to-point and every step's partial output is merged by log-sum-exp (``flashcp.runtime.ring``).
+
+Steps 3-4 without the collective are ``attention_after_exchange``: given the receive buffer a rank would hold,
+it computes that rank's output, so single-process emulation and benchmarks run exactly the same code.
+
+Shape legend: ``T`` this rank's tokens, ``H`` query heads, ``K`` key/value heads (``H % K == 0``), ``D`` head
+dim, ``R`` receive buffer rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flashcp.runtime.comm import CommStats, start_exchange
+from flashcp.runtime.kernels import resolve_backend, varlen_attention
+from flashcp.runtime.meta import CPAttnMeta, Exchange, QueryPart
+from flashcp.runtime.ring import ring_attention
+
+__all__ = ["attention_after_exchange", "cp_attention", "local_attention", "pack_send", "remote_attention"]
+
+
+def cp_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: CPAttnMeta, group=None,
+                 comm: str = "auto", backend: str = "auto", stats: CommStats | None = None,
+                 softmax_scale: float | None = None) -> torch.Tensor:
+    """Context-parallel attention of this rank's queries, ``out_THD``. Run it on all ranks of ``group``.
+
+    Args:
+        q_THD: this rank's queries, (T, H, D), in local layout order (its shards in plan row order).
+        k_TKD: this rank's keys, (T, K, D), same dtype and device.
+        v_TKD: this rank's values, (T, K, D).
+        meta: this rank's CPAttnMeta (``batch.attn``); moved to q's device once and cached.
+        group: the CP process group whose ranks are the plan's ranks (None: the default group). Not needed
+            when the plan has one rank or the chosen exchange moves nothing.
+        comm: ``allgather``, ``a2a``, ``full``, ``ring`` or ``auto`` (``meta.auto_comm``, the same on every
+            rank; never ``full`` or ``ring``, the baselines).
+        backend: ``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``.
+        stats: a CommStats that records each collective issued, or None.
+        softmax_scale: the factor on ``q . k`` before the softmax; None means ``1 / sqrt(D)``.
+
+    Differentiable in q, k and v.
+    """
+    meta = meta.to(q_THD.device)
+    _check_inputs(q_THD, k_TKD, v_TKD, meta)
+    mode = meta.resolve_comm(comm)
+    backend = resolve_backend(backend, q_THD)
+    if mode == "ring":
+        if meta.ring.active:
+            _check_group(meta, group)
+        return ring_attention(q_THD, k_TKD, v_TKD, meta.ring, group, backend, stats)
+    exchange = meta.exchange(mode)
+    pending = None
+    if exchange.active:
+        _check_group(meta, group)
+        pending = start_exchange(pack_send(k_TKD, v_TKD, exchange), exchange, group, meta.cp, stats)
+    out_local = local_attention(q_THD, k_TKD, v_TKD, meta, backend, softmax_scale)
+    if pending is not None:
+        recv_RKD = pending.wait()
+    else:  # nothing to exchange: every shard is local-only
+        assert meta.remote.num_tokens == 0
+        recv_RKD = k_TKD.new_zeros((0, 2, *k_TKD.shape[1:]))
+    out_remote = remote_attention(q_THD, k_TKD, v_TKD, recv_RKD, meta, exchange, backend, softmax_scale)
+    out = _combine(out_local, out_remote, meta)
+    if pending is not None and meta.remote.num_tokens == 0:
+        out = pending.tie(out, recv_RKD)
+    return out
+
+
+def _check_group(meta: CPAttnMeta, group) -> None:
+    if dist.get_world_size(group) != meta.cp or dist.get_rank(group) != meta.rank:
+        raise ValueError(f"the meta is for rank {meta.rank} of {meta.cp}, but this process is rank "
+                         f"{dist.get_rank(group)} of a group of {dist.get_world_size(group)}")
+
+
+def pack_send(k_TKD: torch.Tensor, v_TKD: torch.Tensor, exchange: Exchange) -> torch.Tensor:
+    """Build this rank's collective input, (exchange.send_rows, 2, K, D): rows to send, then zero padding."""
+    index = exchange.send_index
+    send = torch.stack((k_TKD.index_select(0, index), v_TKD.index_select(0, index)), dim=1)
+    padding = exchange.send_rows - send.shape[0]
+    if padding:
+        send = torch.cat((send, send.new_zeros((padding, *send.shape[1:]))))
+    return send
+
+
+def _attend(q_THD, k_SKD, v_SKD, part: QueryPart, kv_index: torch.Tensor, backend: str,
+            softmax_scale: float | None) -> torch.Tensor:
+    if part.num_tokens == 0:
+        return q_THD[:0]  # empty, but in q's graph: a rank holding no tokens still runs the backward
+    return varlen_attention(q_THD.index_select(0, part.q_index), k_SKD.index_select(0, kv_index),
+                            v_SKD.index_select(0, kv_index), part.cu_seqlens_q, part.cu_seqlens_k,
+                            part.max_seqlen_q, part.max_seqlen_k, backend, softmax_scale)
+
+
+def local_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: CPAttnMeta,
+                    backend: str = "auto", softmax_scale: float | None = None) -> torch.Tensor:
+    """Output of the local-only shards, (meta.local.num_tokens, H, D), in ``meta.local.q_index`` order."""
+    return _attend(q_THD, k_TKD, v_TKD, meta.local, meta.local_kv_index, backend, softmax_scale)
+
+
+def remote_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, recv_RKD: torch.Tensor,
+                     meta: CPAttnMeta, exchange: Exchange, backend: str = "auto",
+                     softmax_scale: float | None = None) -> torch.Tensor:
+    """Output of the shards needing remote K/V, (meta.remote.num_tokens, H, D), given the receive buffer.
+
+    ``recv_RKD`` is (exchange.recv_rows, 2, K, D): what ``exchange``'s collective delivered (K in ``[:, 0]``,
+    V in ``[:, 1]``).
+    """
+    if meta.remote.num_tokens == 0:
+        return q_THD[:0]
+    k_SKD = torch.cat((k_TKD, recv_RKD[:, 0]))
+    v_SKD = torch.cat((v_TKD, recv_RKD[:, 1]))
+    return _attend(q_THD, k_SKD, v_SKD, meta.remote, exchange.kv_index, backend, softmax_scale)
+
+
+def attention_after_exchange(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
+                             recv_RKD: torch.Tensor, meta: CPAttnMeta, comm: str = "auto",
+                             backend: str = "auto", softmax_scale: float | None = None) -> torch.Tensor:
+    """Compute a rank's ``out_THD`` from the receive buffer its ``comm`` exchange would deliver."""
+    meta = meta.to(q_THD.device)
+    _check_inputs(q_THD, k_TKD, v_TKD, meta)
+    exchange = meta.exchange(comm)
+    backend = resolve_backend(backend, q_THD)
+    if recv_RKD.shape[0] != exchange.recv_rows:
+        raise ValueError(f"the receive buffer has {recv_RKD.shape[0]} rows, the {exchange.mode} exchange "
+                         f"delivers {exchange.recv_rows}")
+    out_local = local_attention(q_THD, k_TKD, v_TKD, meta, backend, softmax_scale)
+    out_remote = remote_attention(q_THD, k_TKD, v_TKD, recv_RKD, meta, exchange, backend, softmax_scale)
+    return _combine(out_local, out_remote, meta)
+
+
+def _combine(out_local: torch.Tensor, out_remote: torch.Tensor, meta: CPAttnMeta) -> torch.Tensor:
+    if out_remote.shape[0] == 0:
+        out = out_local
+    elif out_local.shape[0] == 0:
+        out = out_remote
+    else:
+        out = torch.cat((out_local, out_remote))
+    return out.index_select(0, meta.out_index)
+
+
+def _check_inputs(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: CPAttnMeta) -> None:
+    if q_THD.dim() != 3 or k_TKD.dim() != 3 or k_TKD.shape != v_TKD.shape:
+        raise ValueError(f"expected q (T, H, D) and k, v (T, K, D), got {tuple(q_THD.shape)}, "
+                         f"{tuple(k_TKD.shape)}, {tuple(v_TKD.shape)}")
+    if q_THD.shape[0] != meta.num_tokens or k_TKD.shape[0] != meta.num_tokens:
+        raise ValueError(f"rank {meta.rank} holds {meta.num_tokens} tokens but q has {q_THD.shape[0]} and k "
+                         f"{k_TKD.shape[0]}")
+    if q_THD.shape[2] != k_TKD.shape[2] or q_THD.shape[1] % k_TKD.shape[1]:
+        raise ValueError(f"q heads {q_THD.shape[1]} must be a multiple of k/v heads {k_TKD.shape[1]} and the "
+                         f"head dims must match ({q_THD.shape[2]} vs {k_TKD.shape[2]})")

@@ -1,0 +1,208 @@
+"""Differentiable, asynchronous K/V exchanges between CP ranks; every collective takes an explicit group.
+
+``start_exchange`` launches the forward collective without waiting and returns a ``PendingExchange``;
+``PendingExchange.wait()`` returns the receive buffer. Both ends are autograd Functions, so the backward
+pass runs the reverse collective the same way: the receive buffer's gradient (dK/dV of every key this rank
+borrowed) is sent back to the owners, started as soon as it is ready and waited for only when the owners'
+send buffer gradient is needed. The reverse collectives:
+
+- all-gather (``allgather``, ``full``) -> reduce-scatter (sum): each owner gets the sum of its rows'
+  gradients over all ranks;
+- ``all_to_all_single`` with uneven splits (``a2a``) -> the same call with the splits swapped.
+
+Buffers are ``(rows, 2, K, D)``: K and V travel together in one collective. Rows are tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flashcp.runtime.meta import Exchange
+
+__all__ = ["CommRecord", "CommStats", "PendingExchange", "start_exchange"]
+
+# torch >= 2.13 names the tensor-in/tensor-out collectives *_single and deprecates the older names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CommRecord:
+    """One collective as it was issued, measured from the tensors handed to it."""
+
+    mode: str
+    """``allgather``, ``a2a``, ``full`` or ``ring`` (one record per ring step)."""
+    direction: str
+    """``forward`` or ``backward``: the pass that issued it."""
+    tensor: str
+    """``kv`` (K/V to the ranks that need it) or ``dkv`` (dK/dV back to the owners). The collective modes
+    move K/V forward and dK/dV backward; the ring moves K/V forward and both backward."""
+    input_rows: int
+    """Rows of this rank's collective input (an all-gather slot includes padding)."""
+    payload_rows: int
+    """Real tokens among them (forward); the rows of gradient returned to this rank's tokens (backward)."""
+    sent_tokens: int
+    """Tokens that left this rank: ``(cp-1) * input_rows`` for an all-gather or reduce-scatter."""
+    recv_tokens: int
+    """Tokens that arrived at this rank."""
+    sent_bytes: int
+    """``sent_tokens`` times the bytes of one row (K and V, all heads)."""
+    recv_bytes: int
+    """``recv_tokens`` times the bytes of one row."""
+
+
+@dataclass(slots=True)
+class CommStats:
+    """Collects a CommRecord for every collective issued by ``cp_attention(..., stats=...)``."""
+
+    records: list[CommRecord] = field(default_factory=list)
+    """In issue order."""
+
+    def total(self, key: str, direction: str | None = None, tensor: str | None = None) -> int:
+        """Sum of ``key`` (e.g. ``sent_bytes``) over the records, optionally of one direction / tensor."""
+        return sum(getattr(r, key) for r in self.records
+                   if direction in (None, r.direction) and tensor in (None, r.tensor))
+
+    def clear(self) -> None:
+        """Forget all records."""
+        self.records.clear()
+
+
+def _record(stats: CommStats | None, exchange: Exchange, direction: str, inp: torch.Tensor, out: torch.Tensor,
+            cp: int, payload: int) -> None:
+    if stats is None:
+        return
+    row_bytes = math.prod(inp.shape[1:]) * inp.element_size()
+    rows_in, rows_out = int(inp.shape[0]), int(out.shape[0])
+    if exchange.mode == "a2a":
+        sent, recv = rows_in, rows_out
+    elif direction == "forward":  # all-gather: the slot goes to every peer, every peer's slot comes in
+        sent, recv = (cp - 1) * rows_in, rows_out - rows_in
+    else:  # reduce-scatter: every peer's share of the buffer goes out, every peer's share of mine comes in
+        sent, recv = rows_in - rows_out, (cp - 1) * rows_out
+    stats.records.append(CommRecord(mode=exchange.mode, direction=direction,
+                                    tensor="kv" if direction == "forward" else "dkv", input_rows=rows_in,
+                                    payload_rows=payload, sent_tokens=sent, recv_tokens=recv,
+                                    sent_bytes=sent * row_bytes, recv_bytes=recv * row_bytes))
+
+
+class _ExchangeState:
+    """What the two autograd Functions of one exchange share."""
+
+    __slots__ = ("exchange", "group", "cp", "stats", "work", "grad_work", "grad_recv", "grad_send")
+
+    def __init__(self, exchange: Exchange, group, cp: int, stats: CommStats | None):
+        self.exchange, self.group, self.cp, self.stats = exchange, group, cp, stats
+        self.work: Any = None  # the forward collective's handle until waited for
+        self.grad_work: Any = None  # the backward collective's handle until waited for
+        self.grad_recv: torch.Tensor | None = None  # kept alive while the backward collective reads it
+        self.grad_send: torch.Tensor | None = None
+
+
+def _launch(state: _ExchangeState, inp: torch.Tensor, out: torch.Tensor, direction: str):
+    ex = state.exchange
+    if ex.mode == "a2a":
+        splits_in, splits_out = ex.send_splits, ex.recv_splits
+        if direction == "backward":
+            splits_in, splits_out = splits_out, splits_in
+        work = dist.all_to_all_single(out, inp, output_split_sizes=list(splits_out),
+                                      input_split_sizes=list(splits_in), group=state.group, async_op=True)
+    elif direction == "forward":
+        work = _all_gather(out, inp, group=state.group, async_op=True)
+    else:
+        work = _reduce_scatter(out, inp, group=state.group, async_op=True)
+    payload = ex.num_payload
+    _record(state.stats, ex, direction, inp, out, state.cp, payload)
+    return work
+
+
+class _StartExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, send_RKD, state: _ExchangeState):
+        recv = send_RKD.new_empty((state.exchange.recv_rows, *send_RKD.shape[1:]))
+        state.work = _launch(state, send_RKD, recv, "forward")
+        ctx.state = state
+        return recv
+
+    @staticmethod
+    def backward(ctx, _grad_recv):
+        state = ctx.state
+        state.grad_work.wait()
+        grad_send = state.grad_send
+        state.grad_work = state.grad_recv = state.grad_send = None
+        return grad_send, None
+
+
+class _WaitExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, recv, state: _ExchangeState):
+        state.work.wait()
+        state.work = None
+        ctx.state = state
+        return recv
+
+    @staticmethod
+    def backward(ctx, grad_recv):
+        state = ctx.state
+        state.grad_recv = grad_recv.contiguous()
+        ex = state.exchange
+        state.grad_send = grad_recv.new_empty((ex.send_rows, *grad_recv.shape[1:]))
+        state.grad_work = _launch(state, state.grad_recv, state.grad_send, "backward")
+        return grad_recv, None
+
+
+class _TieToBuffer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, recv):
+        ctx.recv_shape = recv.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out, grad_out.new_zeros(ctx.recv_shape)
+
+
+class PendingExchange:
+    """An exchange whose forward collective is in flight; ``wait()`` returns the receive buffer."""
+
+    def __init__(self, recv: torch.Tensor, state: _ExchangeState):
+        self._recv, self._state = recv, state
+
+    def wait(self) -> torch.Tensor:
+        """Block until the collective is done; returns the receive buffer, (recv_rows, 2, K, D)."""
+        return _WaitExchange.apply(self._recv, self._state)
+
+    @staticmethod
+    def tie(out: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
+        """Return ``out`` unchanged, with ``recv`` (the waited buffer) in its autograd graph.
+
+        Every rank must take part in the backward collective, also a rank that used none of what it received
+        (all its shards local-only): tying the buffer to its output gives it a (zero) gradient, so the
+        reverse collective is issued on that rank too.
+        """
+        return _TieToBuffer.apply(out, recv)
+
+
+def start_exchange(send_RKD: torch.Tensor, exchange: Exchange, group=None, cp: int | None = None,
+                   stats: CommStats | None = None) -> PendingExchange:
+    """Launch ``exchange``'s forward collective on ``group`` without waiting.
+
+    Args:
+        send_RKD: this rank's collective input, (exchange.send_rows, 2, K, D), contiguous; differentiable.
+        exchange: the comm mode's Exchange from this rank's CPAttnMeta.
+        group: the CP process group (None: the default group); its ranks are the plan's ranks.
+        cp: the group's size (looked up when None).
+        stats: where to record what was sent and received, or None.
+    """
+    if send_RKD.shape[0] != exchange.send_rows:
+        raise ValueError(f"the send buffer has {send_RKD.shape[0]} rows, the {exchange.mode} exchange needs "
+                         f"{exchange.send_rows}")
+    cp = dist.get_world_size(group) if cp is None else cp
+    state = _ExchangeState(exchange, group, cp, stats)
+    recv = _StartExchange.apply(send_RKD.contiguous(), state)
+    return PendingExchange(recv, state)

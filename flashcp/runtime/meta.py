@@ -1,0 +1,442 @@
+"""Per-rank attention metadata (CPAttnMeta), built once on the host from a sequence's sharding plan.
+
+Every rank builds its own meta from the same plan, so ranks agree on who sends what without talking. The
+meta splits the rank's query shards into two kernel calls:
+
+- the *local* part: shards whose whole key prefix ``[0, end)`` of their document lies on this rank (for
+  instance a document kept whole on one rank); computed while the K/V exchange is in flight;
+- the *remote* part: every other shard; computed after the exchange, over keys gathered from
+  ``cat(local K/V, receive buffer)``.
+
+and describes, for each comm mode, the exchange (DESIGN.md section 2):
+
+- ``allgather`` (paper Eq. 5, compacted): each rank contributes the shards that are not the last shard of a
+  document spread over several ranks (``cost.allgather_shard_mask``), in its local order, padded to the
+  largest contribution ``P``; the receive buffer is the all-gather output, ``cp * P`` rows, rank ``q``'s
+  contribution at rows ``[q*P, q*P + c_q)``.
+- ``a2a`` (exact need): rank ``r`` receives, per document it holds, the tokens of ``[0, max end of its
+  shards)`` it does not hold; rows are ordered by (owner rank, owner's local position), which is also the
+  order the owner sends them in; ``all_to_all_single`` with uneven splits.
+- ``full`` (Llama3 / Per-Doc baseline): every rank contributes all its tokens, padded to the largest quota
+  ``Q``; receive buffer ``cp * Q`` rows.
+
+The ``ring`` mode (Ring-Attn baseline) has no collective: each rank's whole K/V block (its tokens in local
+order) travels around the ring point-to-point. Its ``RingSchedule`` lists, for each of the ``cp`` steps, the
+visiting block's source rank and one varlen kernel call: every local query shard attends to the block's
+tokens of its document that lie before the shard's end. Step 0 is the rank's own block (causal, bottom-right
+aligned: the shard's own tokens are the last keys); at later steps every visiting key precedes the shard
+(ranks hold disjoint tokens), so the call is not causal. Shards with no such key sit the step out.
+
+Index legend: ``T`` this rank's tokens (its shards in plan row order), ``C`` the packed sequence's tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import numpy as np
+import torch
+
+from flashcp.planner.cost import allgather_contributions, allgather_shard_mask, exact_need_received
+from flashcp.planner.plan import SequencePlan
+
+__all__ = ["COLLECTIVE_MODES", "COMM_MODES", "CPAttnMeta", "Exchange", "QueryPart", "RingSchedule",
+           "RingStep", "build_rank_metas", "rank_token_positions"]
+
+COLLECTIVE_MODES = ("allgather", "a2a", "full")
+"""Comm modes that move K/V with one collective (an ``Exchange``)."""
+COMM_MODES = (*COLLECTIVE_MODES, "ring")
+"""Comm modes every meta describes; ``ring`` rotates K/V point-to-point (a ``RingSchedule``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class QueryPart:
+    """A group of query shards computed by one varlen kernel call."""
+
+    q_index: torch.Tensor
+    """(Tq,) int64: local token positions of the queries, shard after shard."""
+    cu_seqlens_q: torch.Tensor
+    """(n + 1,) int32: offsets of each shard's queries in the gathered queries."""
+    cu_seqlens_k: torch.Tensor
+    """(n + 1,) int32: offsets of each shard's key prefix ``[0, end)`` in the gathered keys."""
+    max_seqlen_q: int
+    """Longest shard (0 when the part is empty)."""
+    max_seqlen_k: int
+    """Longest key prefix (0 when the part is empty)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Query tokens in this part."""
+        return int(self.q_index.shape[0])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class Exchange:
+    """How one comm mode moves K/V for this rank, and where the remote part finds its keys."""
+
+    mode: str
+    """``allgather``, ``a2a`` or ``full``."""
+    active: bool
+    """False when no rank moves anything in this mode; every rank then skips the collective alike."""
+    send_index: torch.Tensor
+    """(num_payload,) int64: local tokens this rank puts into its collective input, in order (no padding)."""
+    send_rows: int
+    """Rows of this rank's collective input: ``P`` / ``Q`` (with zero padding) or the a2a send total."""
+    recv_rows: int
+    """Rows of the receive buffer: ``cp * P`` / ``cp * Q`` (all-gather output) or the a2a receive total."""
+    send_splits: tuple[int, ...]
+    """a2a only: rows sent to each rank; empty for the all-gather modes."""
+    recv_splits: tuple[int, ...]
+    """a2a only: rows received from each rank; empty for the all-gather modes."""
+    kv_index: torch.Tensor
+    """(Sk,) int64: for each key of the remote part (shard after shard, prefix ``[0, end)``), its row in
+    ``cat(local K/V (T rows), receive buffer)``."""
+    wire_send_tokens: int
+    """Tokens of K/V leaving this rank per pass: ``(cp-1) * P`` for an all-gather, the send total for a2a."""
+    wire_recv_tokens: int
+    """Tokens of K/V that arrive at this rank per pass."""
+
+    @property
+    def num_payload(self) -> int:
+        """Real (non-padding) tokens in this rank's collective input."""
+        return int(self.send_index.shape[0])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class RingStep:
+    """One ring step on this rank: the visiting block and the varlen kernel call over it."""
+
+    source: int
+    """Rank whose K/V block visits at this step: ``(rank - step) mod cp``."""
+    causal: bool
+    """True at step 0 only (the rank's own block, bottom-right causal); later blocks are seen whole."""
+    part: QueryPart
+    """The queries attending to the block (shards with at least one visible key) and the key offsets; its
+    ``cu_seqlens_k`` counts the visible keys of each shard."""
+    kv_index: torch.Tensor
+    """(Sk,) int64: for each key of ``part`` (shard after shard, in document order), its row in the block."""
+    q_range: tuple[int, int] | None
+    """``(a, b)`` when ``part.q_index`` is ``arange(a, b)``: the kernel then reads a slice, not a copy."""
+    kv_range: tuple[int, int] | None
+    """``(a, b)`` when ``kv_index`` is ``arange(a, b)`` (e.g. every step of the ``ring`` layout)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class RingSchedule:
+    """How the ``ring`` comm mode runs on this rank: ``cp`` steps, N - 1 point-to-point transfers."""
+
+    rank: int
+    """This rank."""
+    steps: tuple[RingStep, ...]
+    """Step s hosts the block of rank ``(rank - s) mod cp``; step 0 covers every local query."""
+    block_rows: tuple[int, ...]
+    """Tokens of every rank's block (its token count), indexed by rank."""
+    wire_send_tokens: int
+    """Tokens of K/V leaving this rank per pass: every block but that of rank ``rank + 1``."""
+    wire_recv_tokens: int
+    """Tokens of K/V that arrive at this rank per pass: every block but its own."""
+
+    @property
+    def active(self) -> bool:
+        """False with one rank: nothing travels."""
+        return len(self.steps) > 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class CPAttnMeta:
+    """Everything ``cp_attention`` needs for one rank and one packed sequence. Build with ``from_plan``."""
+
+    rank: int
+    """This rank."""
+    cp: int
+    """CP world size."""
+    num_tokens: int
+    """T: tokens this rank holds."""
+    shard_doc: torch.Tensor
+    """(n,) int64: document of each local shard, in local layout order."""
+    shard_start: torch.Tensor
+    """(n,) int64: start of each local shard inside its document."""
+    shard_len: torch.Tensor
+    """(n,) int64: length of each local shard."""
+    shard_local_only: torch.Tensor
+    """(n,) bool: the shard's whole key prefix is on this rank (it needs no remote K/V)."""
+    local: QueryPart
+    """The local-only shards."""
+    local_kv_index: torch.Tensor
+    """(Sl,) int64: for each key of the local part, its row in the local K/V."""
+    remote: QueryPart
+    """The shards that need K/V from other ranks."""
+    out_index: torch.Tensor
+    """(T,) int64: ``out = cat(out_local, out_remote)[out_index]`` restores local layout order."""
+    exchanges: dict[str, Exchange]
+    """Collective comm mode -> its exchange."""
+    ring: RingSchedule
+    """The ``ring`` comm mode's schedule."""
+    auto_comm: str
+    """The mode ``comm="auto"`` uses: ``a2a`` when its busiest rank moves fewer tokens than an all-gather rank
+    does (``(cp-1) * P``), else ``allgather``. Decided from the whole plan, so every rank picks the same.
+    Never ``ring`` or ``full``: those are baselines, chosen only by name."""
+    _moved: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @classmethod
+    def from_plan(cls, plan: SequencePlan, doc_lens, rank: int) -> CPAttnMeta:
+        """Build rank ``rank``'s meta from a validated plan of a sequence with documents ``doc_lens``."""
+        return _SequenceLayout(plan, doc_lens).rank_meta(rank)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the index tensors live."""
+        return self.out_index.device
+
+    def resolve_comm(self, comm: str) -> str:
+        """The comm mode ``comm`` names (``"auto"``: ``auto_comm``); ValueError for an unknown name."""
+        mode = self.auto_comm if comm == "auto" else comm
+        if mode not in COMM_MODES:
+            raise ValueError(f"unknown comm mode '{comm}' (choose from auto, {', '.join(COMM_MODES)})")
+        return mode
+
+    def exchange(self, comm: str) -> Exchange:
+        """The exchange for collective mode ``comm`` (``"auto"`` resolves to ``auto_comm``)."""
+        mode = self.resolve_comm(comm)
+        if mode not in self.exchanges:
+            raise ValueError(f"comm mode '{mode}' moves K/V point-to-point and has no collective exchange; "
+                             f"its schedule is meta.ring")
+        return self.exchanges[mode]
+
+    def wire_tokens(self, comm: str) -> tuple[int, int]:
+        """``(sent, received)`` tokens of K/V per forward pass on this rank with ``comm``."""
+        mode = self.resolve_comm(comm)
+        ex = self.ring if mode == "ring" else self.exchanges[mode]
+        return ex.wire_send_tokens, ex.wire_recv_tokens
+
+    def to(self, device: torch.device | str) -> CPAttnMeta:
+        """Return this meta with its index tensors on ``device``; cached, so calling it per layer is cheap."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        key = str(device)
+        if key not in self._moved:
+            self._moved[key] = _move(self, device)
+        return self._moved[key]
+
+
+def _move(obj, device: torch.device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: _move(v, device) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(_move(v, device) for v in obj)
+    if isinstance(obj, (QueryPart, Exchange, RingStep, RingSchedule, CPAttnMeta)):
+        return replace(obj, **{f.name: _move(getattr(obj, f.name), device) for f in fields(obj) if f.init})
+    return obj
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated ``arange(start, start + length)`` for each pair. int64."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64)
+
+
+def _cumsum0(values: np.ndarray) -> np.ndarray:
+    return np.concatenate([np.zeros(1, np.int64), np.cumsum(values, dtype=np.int64)])
+
+
+def _within_rank_offsets(lengths: np.ndarray, shard_rank: np.ndarray) -> np.ndarray:
+    """For each shard, the sum of ``lengths`` of earlier shards (row order) of the same rank."""
+    order = np.argsort(shard_rank, kind="stable")
+    sorted_len = lengths[order]
+    cum = np.cumsum(sorted_len) - sorted_len
+    group_first = np.r_[True, shard_rank[order][1:] != shard_rank[order][:-1]]
+    cum -= np.maximum.accumulate(np.where(group_first, cum, 0))
+    out = np.empty_like(cum)
+    out[order] = cum
+    return out
+
+
+def _as_range(index: np.ndarray) -> tuple[int, int] | None:
+    """``(a, b)`` when ``index`` is ``arange(a, b)`` with ``b > a``, else None."""
+    if index.size == 0 or index[-1] - index[0] + 1 != index.size or (np.diff(index) != 1).any():
+        return None
+    return int(index[0]), int(index[-1]) + 1
+
+
+def _long(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+
+
+def _int32(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+
+
+class _SequenceLayout:
+    """Whole-sequence token maps shared by the metas of all ranks of one plan (host, numpy)."""
+
+    def __init__(self, plan: SequencePlan, doc_lens):
+        self.doc_lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
+        plan.validate(self.doc_lens)
+        self.plan, cp = plan, plan.cp
+        self.doc_offset = _cumsum0(self.doc_lens)[:-1]
+        self.context_len = int(self.doc_lens.sum())
+        self.shard_end = plan.shard_start + plan.shard_len
+        self.shard_global = self.doc_offset[plan.shard_doc] + plan.shard_start
+        self.shard_local = _within_rank_offsets(plan.shard_len, plan.shard_rank)
+        self.rank_tokens = np.bincount(plan.shard_rank, weights=plan.shard_len, minlength=cp).astype(np.int64)
+
+        # per token of the packed sequence: owning rank and position in the owner's local layout
+        by_pos = np.argsort(self.shard_global)
+        self.owner = np.repeat(plan.shard_rank[by_pos], plan.shard_len[by_pos])
+        self.local_pos = _ranges(self.shard_local[by_pos], plan.shard_len[by_pos])
+
+        # allgather: row of each contributed token in the all-gather output
+        self.contributes = allgather_shard_mask(plan.shard_doc, plan.shard_start, plan.shard_rank)
+        contrib_len = np.where(self.contributes, plan.shard_len, 0)
+        contributions = np.bincount(plan.shard_rank, weights=contrib_len, minlength=cp).astype(np.int64)
+        assert (contributions == allgather_contributions(plan.shard_doc, plan.shard_start, plan.shard_len,
+                                                         plan.shard_rank, cp)).all()
+        self.ag_slot = int(contributions.max())
+        contrib_offset = _within_rank_offsets(contrib_len, plan.shard_rank)
+        picked = np.flatnonzero(self.contributes)
+        self.ag_row = np.full(self.context_len, -1, dtype=np.int64)
+        self.ag_row[_ranges(self.shard_global[picked], plan.shard_len[picked])] = _ranges(
+            plan.shard_rank[picked] * self.ag_slot + contrib_offset[picked], plan.shard_len[picked])
+
+        # full: every token, padded to the largest quota
+        self.full_slot = int(self.rank_tokens.max())
+
+        # exact need: tokens each rank needs and does not hold, sorted by (owner, owner's local position)
+        self.need = [self._exact_need(r) for r in range(cp)]
+        received = np.array([n.size for n in self.need], dtype=np.int64)
+        assert (received == exact_need_received(plan.shard_doc, plan.shard_start, plan.shard_len,
+                                                plan.shard_rank, cp)).all()
+        all_need = np.concatenate(self.need) if cp else np.zeros(0, np.int64)
+        sent = np.bincount(self.owner[all_need], minlength=cp)
+        a2a_busiest = int(np.maximum(sent, received).max())
+        self.a2a_active = bool(received.any())
+
+        # ring: each rank's tokens by packed-sequence position (= document order inside a document)
+        by_owner = np.argsort(self.owner, kind="stable")
+        self.owned_globals = np.split(by_owner, np.cumsum(self.rank_tokens)[:-1])
+        self.auto_comm = "a2a" if a2a_busiest < (cp - 1) * self.ag_slot else "allgather"
+
+    def _exact_need(self, rank: int) -> np.ndarray:
+        plan = self.plan
+        mine = plan.shard_rank == rank
+        max_end = np.zeros(self.doc_lens.size, dtype=np.int64)
+        np.maximum.at(max_end, plan.shard_doc[mine], self.shard_end[mine])
+        docs = np.flatnonzero(max_end)
+        prefix = _ranges(self.doc_offset[docs], max_end[docs])
+        need = prefix[self.owner[prefix] != rank]
+        return need[np.lexsort((self.local_pos[need], self.owner[need]))]
+
+    def _part(self, shards: np.ndarray) -> tuple[QueryPart, np.ndarray]:
+        """The QueryPart of ``shards`` and the packed-sequence positions of its keys."""
+        plan = self.plan
+        length, end = plan.shard_len[shards], self.shard_end[shards]
+        part = QueryPart(q_index=_long(_ranges(self.shard_local[shards], length)),
+                         cu_seqlens_q=_int32(_cumsum0(length)), cu_seqlens_k=_int32(_cumsum0(end)),
+                         max_seqlen_q=int(length.max(initial=0)), max_seqlen_k=int(end.max(initial=0)))
+        return part, _ranges(self.doc_offset[plan.shard_doc[shards]], end)
+
+    def _ring_schedule(self, rank: int, shards: np.ndarray) -> RingSchedule:
+        plan, cp = self.plan, self.plan.cp
+        length = plan.shard_len[shards]
+        doc_start = self.doc_offset[plan.shard_doc[shards]]
+        steps = []
+        for step in range(cp):
+            source = (rank - step) % cp
+            owned = self.owned_globals[source]
+            # the visible keys of shard i: source's tokens of its document before its end, a run of `owned`
+            first = np.searchsorted(owned, doc_start)
+            count = np.searchsorted(owned, doc_start + self.shard_end[shards]) - first
+            seen = count > 0
+            assert step > 0 or (count >= length).all()
+            part = QueryPart(q_index=_long(_ranges(self.shard_local[shards[seen]], length[seen])),
+                             cu_seqlens_q=_int32(_cumsum0(length[seen])),
+                             cu_seqlens_k=_int32(_cumsum0(count[seen])),
+                             max_seqlen_q=int(length[seen].max(initial=0)),
+                             max_seqlen_k=int(count[seen].max(initial=0)))
+            kv_index = self.local_pos[owned[_ranges(first[seen], count[seen])]]
+            steps.append(RingStep(source=source, causal=step == 0, part=part, kv_index=_long(kv_index),
+                                  q_range=_as_range(part.q_index.numpy()), kv_range=_as_range(kv_index)))
+        total = self.context_len
+        return RingSchedule(rank=rank, steps=tuple(steps), block_rows=tuple(int(t) for t in self.rank_tokens),
+                            wire_send_tokens=total - int(self.rank_tokens[(rank + 1) % cp]),
+                            wire_recv_tokens=total - int(self.rank_tokens[rank]))
+
+    def rank_meta(self, rank: int) -> CPAttnMeta:
+        """The meta of ``rank``."""
+        plan, cp = self.plan, self.plan.cp
+        if not 0 <= rank < cp:
+            raise ValueError(f"rank {rank} is outside [0, {cp})")
+        shards = plan.rank_slice(rank)
+        num_tokens = int(self.rank_tokens[rank])
+        foreign = _cumsum0(self.owner != rank)
+        prefix_start = self.doc_offset[plan.shard_doc[shards]]
+        local_only = foreign[prefix_start + self.shard_end[shards]] == foreign[prefix_start]
+
+        local, local_keys = self._part(shards[local_only])
+        remote, remote_keys = self._part(shards[~local_only])
+        order = np.concatenate([local.q_index.numpy(), remote.q_index.numpy()])
+        out_index = np.empty(num_tokens, dtype=np.int64)
+        out_index[order] = np.arange(num_tokens)
+
+        held = self.owner[remote_keys] == rank
+        base_row = np.where(held, self.local_pos[remote_keys], num_tokens)
+
+        def exchange(mode, active, send_index, send_rows, recv_rows, remote_row, wire, splits=((), ())):
+            assert (remote_row[~held] >= 0).all()
+            kv_index = base_row + np.where(held, 0, remote_row)
+            return Exchange(mode=mode, active=active, send_index=_long(send_index), send_rows=send_rows,
+                            recv_rows=recv_rows, send_splits=splits[0], recv_splits=splits[1],
+                            kv_index=_long(kv_index), wire_send_tokens=wire[0], wire_recv_tokens=wire[1])
+
+        ag_send = _ranges(self.shard_local[shards], plan.shard_len[shards])[
+            np.repeat(self.contributes[shards], plan.shard_len[shards])]
+        ag_wire = (cp - 1) * self.ag_slot
+        full_wire = (cp - 1) * self.full_slot
+        a2a_row = np.full(self.context_len, -1, dtype=np.int64)
+        a2a_row[self.need[rank]] = np.arange(self.need[rank].size)
+        to_peer = [need[self.owner[need] == rank] for need in self.need]
+        send_splits = tuple(int(t.size) for t in to_peer)
+        recv_splits = tuple(int(c) for c in np.bincount(self.owner[self.need[rank]], minlength=cp))
+        exchanges = {
+            "allgather": exchange("allgather", self.ag_slot > 0, ag_send, self.ag_slot, cp * self.ag_slot,
+                                  self.ag_row[remote_keys], (ag_wire, ag_wire)),
+            "a2a": exchange("a2a", self.a2a_active, self.local_pos[np.concatenate(to_peer)], sum(send_splits),
+                            sum(recv_splits), a2a_row[remote_keys], (sum(send_splits), sum(recv_splits)),
+                            (send_splits, recv_splits)),
+            "full": exchange("full", cp > 1, np.arange(num_tokens), self.full_slot, cp * self.full_slot,
+                             self.owner[remote_keys] * self.full_slot + self.local_pos[remote_keys],
+                             (full_wire, full_wire)),
+        }
+        return CPAttnMeta(rank=rank, cp=cp, num_tokens=num_tokens, shard_doc=_long(plan.shard_doc[shards]),
+                          shard_start=_long(plan.shard_start[shards]),
+                          shard_len=_long(plan.shard_len[shards]),
+                          shard_local_only=torch.from_numpy(local_only.copy()), local=local,
+                          local_kv_index=_long(self.local_pos[local_keys]), remote=remote,
+                          out_index=_long(out_index), exchanges=exchanges,
+                          ring=self._ring_schedule(rank, shards), auto_comm=self.auto_comm)
+
+
+def build_rank_metas(plan: SequencePlan, doc_lens) -> list[CPAttnMeta]:
+    """The metas of every rank of ``plan`` (sharing the whole-sequence maps); for emulation and checks."""
+    layout = _SequenceLayout(plan, doc_lens)
+    return [layout.rank_meta(r) for r in range(plan.cp)]
+
+
+def rank_token_positions(plan: SequencePlan, doc_lens, rank: int) -> tuple[np.ndarray, ...]:
+    """``(global_pos, doc_pos, doc)`` of ``rank``'s tokens in local layout order, each (T,) int64.
+
+    ``global_pos`` indexes the packed sequence, ``doc_pos`` is the position inside the token's document and
+    ``doc`` that document's index.
+    """
+    doc_lens = np.asarray(doc_lens, dtype=np.int64)
+    shards = plan.rank_slice(rank)
+    lengths = plan.shard_len[shards]
+    doc_pos = _ranges(plan.shard_start[shards], lengths)
+    doc = np.repeat(plan.shard_doc[shards], lengths)
+    return _cumsum0(doc_lens)[:-1][doc] + doc_pos, doc_pos, doc

@@ -1,0 +1,168 @@
+"""CPLoader: per-rank tokens, positions and labels across shard boundaries, resume, and every refusal."""
+
+import json
+
+import numpy as np
+import pytest
+
+from flashcp.errors import FlashcpError, StalePlanError
+from flashcp.planner.plan import SequencePlan
+from flashcp.runtime import CPLoader
+from flashcp.runtime.emulate import random_plan
+from tests.plans import write_dataset, write_plan
+
+CONTEXT = 24
+CP = 3
+
+
+def random_doc_lens(rng, context_len):
+    cuts = np.sort(rng.choice(np.arange(1, context_len), size=int(rng.integers(0, 6)), replace=False))
+    return np.diff(np.r_[0, cuts, context_len])
+
+
+@pytest.fixture
+def planned(tmp_path):
+    """A 2-file dataset (5 + 4 rows, row groups of 2) with a random cp-3 plan (plan row groups of 3)."""
+    rng = np.random.default_rng(0)
+    files = [[random_doc_lens(rng, CONTEXT) for _ in range(n)] for n in (5, 4)]
+    dataset, tokens = write_dataset(tmp_path / "data", files, CONTEXT, rng, row_group_rows=2)
+    plans = [[random_plan(lens, CP, rng, max_pieces=4, cut_prob=0.2) for lens in rows] for rows in files]
+    write_plan(dataset, "cp3-test", plans, CP, row_group_rows=3)
+    return dataset, files, tokens, plans
+
+
+def expected_views(doc_lens, tokens, plan, rank):
+    """(input_ids, position_ids, labels) of ``rank`` written out token by token."""
+    ids, positions, labels = [], [], []
+    doc_start = np.cumsum(doc_lens) - doc_lens
+    for s in plan.rank_slice(rank):
+        d = plan.shard_doc[s]
+        for p in range(plan.shard_start[s], plan.shard_start[s] + plan.shard_len[s]):
+            ids.append(tokens[doc_start[d] + p])
+            positions.append(p)
+            labels.append(tokens[doc_start[d] + p + 1] if p + 1 < doc_lens[d] else -100)
+    return ids, positions, labels
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_every_rank_gets_its_tokens_positions_and_labels(planned, shuffle):
+    dataset, files, tokens, plans = planned
+    orders = []
+    for rank in range(CP):
+        loader = CPLoader(dataset.root, "cp3-test", rank, CP, seed=5, shuffle=shuffle)
+        batches = list(loader)
+        assert len(batches) == len(loader) == 9
+        orders.append([(b.file_index, b.row) for b in batches])
+        for b in batches:
+            f, r = b.file_index, b.row
+            lens, row_tokens, plan = files[f][r], tokens[f][r], plans[f][r]
+            ids, positions, labels = expected_views(lens, row_tokens, plan, rank)
+            assert b.input_ids.tolist() == ids
+            assert b.position_ids.tolist() == positions
+            assert b.labels.tolist() == labels
+            assert b.attn.rank == rank and b.attn.num_tokens == len(ids)
+            assert b.num_label_tokens == CONTEXT - len(lens)
+    assert orders[0] == orders[1] == orders[2], "all ranks must walk the sequences in the same order"
+    assert sorted(orders[0]) == [(f, r) for f in range(2) for r in range((5, 4)[f])]
+    assert (orders[0] != sorted(orders[0])) == shuffle
+
+
+def test_labels_and_positions_cross_shard_boundaries(tmp_path):
+    # documents [4, 4]: doc 0 as [0,2) rank 1, [2,3) rank 0, [3,4) rank 1; doc 1 as [0,3) rank 0, [3,4) rank 1
+    dataset, tokens = write_dataset(tmp_path / "data", [[np.array([4, 4])]], 8, np.random.default_rng(0))
+    t = tokens[0][0].tolist()
+    plan = SequencePlan.from_arrays([0, 0, 1, 0, 1], [2, 0, 0, 3, 3], [1, 2, 3, 1, 1], [0, 1, 0, 1, 1], 2)
+    write_plan(dataset, "cp2-hand", [[plan]], 2)
+    rank0 = next(iter(CPLoader(dataset.root, "cp2-hand", 0, 2)))
+    rank1 = next(iter(CPLoader(dataset.root, "cp2-hand", 1, 2)))
+    assert rank0.input_ids.tolist() == [t[2], t[4], t[5], t[6]]
+    assert rank0.position_ids.tolist() == [2, 0, 1, 2]
+    assert rank0.labels.tolist() == [t[3], t[5], t[6], t[7]]  # t[3] and t[7] live on rank 1
+    assert rank1.input_ids.tolist() == [t[0], t[1], t[3], t[7]]
+    assert rank1.position_ids.tolist() == [0, 1, 3, 3]
+    assert rank1.labels.tolist() == [t[1], t[2], -100, -100]  # t[2] lives on rank 0
+    assert rank0.attn.shard_local_only.tolist() == [False, True]
+    assert rank0.num_label_tokens == rank1.num_label_tokens == 6
+
+
+def test_resume_yields_the_same_batches(planned):
+    dataset = planned[0]
+    reference = CPLoader(dataset.root, "cp3-test", 1, CP, seed=3)
+    epoch0 = [(b.file_index, b.row, b.input_ids.tolist()) for b in reference]
+    epoch1 = [(b.file_index, b.row, b.input_ids.tolist()) for b in reference]
+    assert reference.epoch == 2
+    assert [e[:2] for e in epoch0] != [e[:2] for e in epoch1], "each epoch has its own order"
+    stream = epoch0 + epoch1
+    for stop in (0, 1, 4, 9, 11):
+        loader = CPLoader(dataset.root, "cp3-test", 1, CP, seed=3)
+        seen = []
+        while len(seen) < stop:
+            for b in loader:
+                seen.append((b.file_index, b.row, b.input_ids.tolist()))
+                if len(seen) == stop:
+                    break
+        state = json.loads(json.dumps(loader.state_dict()))
+        resumed = CPLoader(dataset.root, "cp3-test", 1, CP, seed=999)
+        resumed.load_state_dict(state)
+        rest = []
+        while len(seen) + len(rest) < len(stream):
+            rest += [(b.file_index, b.row, b.input_ids.tolist()) for b in resumed]
+        assert seen + rest == stream, f"resume after {stop} batches"
+
+
+def test_refusals(planned, tmp_path):
+    dataset, files, tokens, plans = planned
+    with pytest.raises(FlashcpError, match="plan 'cp8-x' does not exist .*available: cp3-test"):
+        CPLoader(dataset.root, "cp8-x", 0, CP)
+    with pytest.raises(FlashcpError, match="was made for cp 3 but world_size is 4"):
+        CPLoader(dataset.root, "cp3-test", 0, 4)
+    with pytest.raises(FlashcpError, match=r"rank 3 is outside \[0, 3\)"):
+        CPLoader(dataset.root, "cp3-test", 3, CP)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FlashcpError, match="has no manifest.json"):
+        CPLoader(tmp_path / "empty", "cp3-test", 0, CP)
+    loader = CPLoader(dataset.root, "cp3-test", 0, CP)
+    with pytest.raises(FlashcpError, match="loader state is for plan 'other'"):
+        loader.load_state_dict({**loader.state_dict(), "plan": "other"})
+
+    # lengths-only dataset
+    rng = np.random.default_rng(1)
+    lengths_only, _ = write_dataset(tmp_path / "lengths", files, CONTEXT, rng, has_tokens=False)
+    write_plan(lengths_only, "cp3-test", plans, CP)
+    with pytest.raises(FlashcpError, match="lengths-only"):
+        CPLoader(lengths_only.root, "cp3-test", 0, CP)
+
+    # the data changes after planning: the plan is stale
+    write_dataset(dataset.root, files, CONTEXT, np.random.default_rng(2), row_group_rows=2)
+    with pytest.raises(StalePlanError, match="plan 'cp3-test' is stale"):
+        CPLoader(dataset.root, "cp3-test", 0, CP)
+
+
+def test_a_plan_that_does_not_fit_its_row_is_refused(tmp_path):
+    rng = np.random.default_rng(4)
+    files = [[np.array([CONTEXT]), np.array([10, CONTEXT - 10])]]
+    dataset, _ = write_dataset(tmp_path / "data", files, CONTEXT, rng)
+    swapped = [[random_plan(files[0][1], CP, rng), random_plan(files[0][0], CP, rng)]]
+    write_plan(dataset, "cp3-bad", swapped, CP)
+    with pytest.raises(FlashcpError, match="plan 'cp3-bad' does not fit row 0 of data file 0"):
+        next(iter(CPLoader(dataset.root, "cp3-bad", 0, CP, shuffle=False)))
+
+
+def test_reads_one_row_group_and_two_columns_at_a_time(planned, monkeypatch):
+    import pyarrow.parquet as pq
+
+    dataset = planned[0]
+    reads = []
+    original = pq.ParquetFile.read_row_group
+
+    def recording(self, i, columns=None, **kwargs):
+        reads.append((i, columns))
+        return original(self, i, columns=columns, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", recording)
+    monkeypatch.setattr(pq.ParquetFile, "read", lambda *a, **k: pytest.fail("a whole file was read"))
+    loader = CPLoader(dataset.root, "cp3-test", 2, CP, shuffle=False)
+    loader.load_state_dict({**loader.state_dict(), "position": 7})
+    batches = list(loader)
+    assert [(b.file_index, b.row) for b in batches] == [(1, 2), (1, 3)]
+    assert reads == [(1, ["tokens", "doc_lens"])], "resuming reads only the row group it resumes in"
