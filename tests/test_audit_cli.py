@@ -59,6 +59,9 @@ def test_audit_prints_table_writes_json_and_plan(dataset, tmp_path):
                 assert np.array_equal(new.plan.shard_len, old.plan.shard_len)
             row += 1
 
+    verified = CliRunner().invoke(cli, ["verify", str(dataset.root)])  # the planner's own end-to-end check
+    assert verified.exit_code == 0 and "cp2-ilp" in verified.output, verified.output
+
     again = run(dataset.root, "--plan", "cp2-greedy", "--ilp", "--samples", 1, "--granularity", 2,
                 "--time-limit", 2, "--workers", 1, "--write-plan", "cp2-ilp")
     assert again.exit_code == 1 and "already exists" in again.output and "--force" in again.output

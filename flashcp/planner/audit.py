@@ -19,8 +19,9 @@ import numpy as np
 
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
-from flashcp.planner.cost import PlanMetrics, comm_saving, rank_workloads
+from flashcp.planner.cost import PlanMetrics, comm_saving, exact_need_saving, rank_workloads
 from flashcp.planner.ilp import IlpOptions, IlpResult, solve_sequence
+from flashcp.planner.pipeline import summarize as summarize_plans
 from flashcp.planner.plan import SequencePlan, check_metrics
 from flashcp.planner.store import (
     PLAN_JSON,
@@ -79,7 +80,8 @@ class SequenceAudit:
                 return None
             return {"imbalance": m.imbalance, "ag_comm_tokens": m.ag_comm_tokens,
                     "a2a_comm_tokens": m.a2a_comm_tokens,
-                    "comm_saving": comm_saving(m.ag_comm_tokens, context_len, cp)}
+                    "comm_saving": comm_saving(m.ag_comm_tokens, context_len, cp),
+                    "a2a_comm_saving": exact_need_saving(m.a2a_comm_tokens, context_len, cp)}
 
         return {
             "row": self.row, "num_docs": self.num_docs, "num_blocks": r.num_blocks,
@@ -157,6 +159,9 @@ def summarize(audits: list[SequenceAudit], context_len: int, cp: int) -> dict:
     def saving(m: PlanMetrics) -> float:
         return comm_saving(m.ag_comm_tokens, context_len, cp)
 
+    def a2a_saving(m: PlanMetrics) -> float:
+        return exact_need_saving(m.a2a_comm_tokens, context_len, cp)
+
     gaps = [a.result.gap for a in valid if a.result.gap is not None]
     return {
         "samples": len(audits),
@@ -165,10 +170,10 @@ def summarize(audits: list[SequenceAudit], context_len: int, cp: int) -> dict:
         "no_solution": sum(1 for a in audits if a.result.plan is None),
         "ilp": {"comm_saving": mean(saving(a.result.metrics) for a in valid),
                 "imbalance": mean(a.result.metrics.imbalance for a in valid),
-                "a2a_comm_tokens": mean(a.result.metrics.a2a_comm_tokens for a in valid)},
+                "a2a_comm_saving": mean(a2a_saving(a.result.metrics) for a in valid)},
         "heuristic": {"comm_saving": mean(saving(a.heuristic) for a in valid),
                       "imbalance": mean(a.heuristic.imbalance for a in valid),
-                      "a2a_comm_tokens": mean(a.heuristic.a2a_comm_tokens for a in valid)},
+                      "a2a_comm_saving": mean(a2a_saving(a.heuristic) for a in valid)},
         "comm_saving_gap_pp": mean(100 * (saving(a.result.metrics) - saving(a.heuristic)) for a in valid),
         "solve_s_mean": mean(a.result.wall_s for a in audits),
         "solve_s_max": max((a.result.wall_s for a in audits), default=None),
@@ -218,12 +223,11 @@ def write_audit_plan(dataset: Dataset, store: PlanStore, audits: list[SequenceAu
                            np.array([m.a2a_comm_tokens for m in metrics], np.int64))
         plan_files.append(write_plan_file(plan_dir, i, table))
     summary = {
-        "num_sequences": len(all_metrics),
+        **summarize_plans(np.array([m.imbalance for m in all_metrics], np.float64),
+                          np.array([m.ag_comm_tokens for m in all_metrics], np.int64),
+                          np.array([m.a2a_comm_tokens for m in all_metrics], np.int64),
+                          dataset.context_len, store.cp),
         "ilp_sequences": len(ilp_plans),
-        "mean_imbalance": float(np.mean([m.imbalance for m in all_metrics])),
-        "max_imbalance": float(np.max([m.imbalance for m in all_metrics])),
-        "mean_ag_comm_tokens": float(np.mean([m.ag_comm_tokens for m in all_metrics])),
-        "mean_a2a_comm_tokens": float(np.mean([m.a2a_comm_tokens for m in all_metrics])),
     }
     params = {**params, "base_plan": store.name, "ilp_rows": sorted(ilp_plans),
               "other_rows": "keep the base plan"}
