@@ -1,0 +1,137 @@
+"""Scenario 3, runtime on CPU: real ``cp_attention`` forward + backward on gloo ranks, per strategy and comm.
+
+``cp`` processes join a gloo group on this machine; every case (a plan and a comm mode) runs the same
+sequence on all ranks with the ``reference`` kernel backend in float32: one untimed warm-up step, then
+``reps`` timed steps. A step's time is the slowest rank's (ranks start together after a barrier); the
+reported time is the median step. Bytes are what the collectives moved, recorded by ``CommStats``
+(largest per-rank send, forward + backward). Times are reported as ratios to ``llama3``/``full`` measured
+in the same run, and beside them the projection at the same size (``flashcp.bench.projection``, the given
+hardware profile, with overlap as the runtime always does it), so the two rankings can be compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from datetime import timedelta
+
+import numpy as np
+
+from flashcp.bench.profile import HardwareProfile
+from flashcp.bench.projection import ModelShape, project_step
+from flashcp.bench.systems import PlanBook, System
+
+__all__ = ["cpu_cases", "runtime_cpu"]
+
+COLLECTIVE_COMMS = ("full", "allgather", "a2a")
+
+
+def cpu_cases(strategies: list[str], ring_comm: bool) -> list[System]:
+    """Every registry strategy with every collective comm mode, plus the ring systems when available."""
+    cases = [System(label=f"{s}/{c}", strategy=s, comm=c, overlap=True)
+             for s in strategies if s != "ring" for c in COLLECTIVE_COMMS]
+    if ring_comm:
+        cases += [System(label=f"{s}/ring", strategy=s, comm="ring", overlap=True)
+                  for s in ("ring", "perdoc") if s in strategies]
+    return cases
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, cases, shape: ModelShape, reps: int, out_path: str):
+    import torch
+    import torch.distributed as dist
+
+    from flashcp.runtime import CommStats, CPAttnMeta, cp_attention
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=300))
+    results = []
+    try:
+        for comm, plan, doc_lens in cases:
+            meta = CPAttnMeta.from_plan(plan, doc_lens, rank)
+            gen = torch.Generator().manual_seed(1000 + rank)
+            q, grad = (torch.randn(meta.num_tokens, shape.num_heads, shape.head_dim, generator=gen)
+                       for _ in range(2))
+            k, v = (torch.randn(meta.num_tokens, shape.num_kv_heads, shape.head_dim, generator=gen)
+                    for _ in range(2))
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            stats, times = CommStats(), []
+            for step in range(reps + 1):
+                stats.clear()
+                dist.barrier()
+                started = time.perf_counter()
+                out = cp_attention(q, k, v, meta, group=None, comm=comm, backend="reference", stats=stats)
+                out.backward(grad)
+                elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if step:
+                    times.append(float(elapsed))
+                q.grad = k.grad = v.grad = None
+            sent = torch.tensor([stats.total("sent_bytes")], dtype=torch.float64)
+            dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+            results.append({"seconds": float(np.median(times)), "sent_bytes": int(sent)})
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+
+
+def runtime_cpu(book: PlanBook, source, systems: list[System], cp: int, context_len: int, shape: ModelShape,
+                num_seqs: int, reps: int, profile: HardwareProfile) -> dict:
+    """Measured CPU step time and bytes per case, ratios to llama3/full, and the projection beside them."""
+    import torch.multiprocessing as mp
+
+    sequences = book.sequences(source, num_seqs, context_len)
+    cases = []
+    for system in systems:
+        for plan, doc_lens in zip(book.plans(source, num_seqs, context_len, system.strategy, cp), sequences):
+            cases.append((system.comm, plan, doc_lens))
+    fd, out_path = tempfile.mkstemp(prefix="flashcp-bench-", suffix=".json")
+    os.close(fd)
+    started = time.perf_counter()
+    try:
+        mp.spawn(_worker, args=(cp, _free_port(), cases, shape, reps, out_path), nprocs=cp, join=True)
+        with open(out_path) as f:
+            measured = json.load(f)
+    finally:
+        os.unlink(out_path)
+    rows = []
+    for i, system in enumerate(systems):
+        mine = measured[i * len(sequences):(i + 1) * len(sequences)]
+        projected = [project_step(plan, shape, profile, comm, True).total
+                     for comm, plan, _ in cases[i * len(sequences):(i + 1) * len(sequences)]]
+        rows.append({"case": system.label, "strategy": system.strategy, "comm": system.comm,
+                     "step_ms": 1e3 * float(np.mean([m["seconds"] for m in mine])),
+                     "sent_mb": float(np.mean([m["sent_bytes"] for m in mine])) / 1e6,
+                     "projected_ms": 1e3 * float(np.mean(projected))})
+    base = next((r for r in rows if r["case"] == "llama3/full"), rows[0])
+    for row in rows:
+        row["ratio"] = row["step_ms"] / base["step_ms"]
+        row["projected_ratio"] = row["projected_ms"] / base["projected_ms"]
+    measured_rank = [r["case"] for r in sorted(rows, key=lambda r: r["step_ms"])]
+    projected_rank = [r["case"] for r in sorted(rows, key=lambda r: r["projected_ms"])]
+    return {"source": source.label, "context_len": context_len, "cp": cp, "num_heads": shape.num_heads,
+            "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "dtype": "float32",
+            "backend": "reference", "num_seqs": len(sequences), "reps": reps, "baseline": base["case"],
+            "rows": rows, "measured_order": measured_rank, "projected_order": projected_rank,
+            "spearman": _spearman([r["step_ms"] for r in rows], [r["projected_ms"] for r in rows]),
+            "wall_seconds": time.perf_counter() - started}
+
+
+def _spearman(a, b) -> float:
+    """Rank correlation of two equally long lists (1 = same order)."""
+    if len(a) < 2:
+        return 1.0
+    ra, rb = (np.argsort(np.argsort(x)).astype(np.float64) for x in (a, b))
+    return float(np.corrcoef(ra, rb)[0, 1])
