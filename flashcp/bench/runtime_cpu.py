@@ -16,6 +16,7 @@ import os
 import socket
 import tempfile
 import time
+from dataclasses import replace
 from datetime import timedelta
 
 import numpy as np
@@ -45,46 +46,104 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _prepare(rank: int, comm: str, plan, doc_lens, shape: ModelShape):
+    """Meta and random inputs of ``rank`` for one case: ``(meta, comm, q, k, v, grad_out)``."""
+    import torch
+
+    from flashcp.runtime import CPAttnMeta
+
+    meta = CPAttnMeta.from_plan(plan, doc_lens, rank)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    q, grad = (torch.randn(meta.num_tokens, shape.num_heads, shape.head_dim, generator=gen) for _ in range(2))
+    k, v = (torch.randn(meta.num_tokens, shape.num_kv_heads, shape.head_dim, generator=gen) for _ in range(2))
+    return meta, comm, q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), grad
+
+
 def _worker(rank: int, world_size: int, port: int, cases, shape: ModelShape, reps: int, out_path: str):
     import torch
     import torch.distributed as dist
 
-    from flashcp.runtime import CommStats, CPAttnMeta, cp_attention
+    from flashcp.runtime import CommStats, cp_attention
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=300))
-    results = []
     try:
-        for comm, plan, doc_lens in cases:
-            meta = CPAttnMeta.from_plan(plan, doc_lens, rank)
-            gen = torch.Generator().manual_seed(1000 + rank)
-            q, grad = (torch.randn(meta.num_tokens, shape.num_heads, shape.head_dim, generator=gen)
-                       for _ in range(2))
-            k, v = (torch.randn(meta.num_tokens, shape.num_kv_heads, shape.head_dim, generator=gen)
-                    for _ in range(2))
-            q, k, v = (t.requires_grad_() for t in (q, k, v))
-            stats, times = CommStats(), []
-            for step in range(reps + 1):
-                stats.clear()
+        link = _gloo_link(world_size)
+        runs = [_prepare(rank, comm, plan, doc_lens, shape) for comm, plan, doc_lens in cases]
+        times: list[list[float]] = [[] for _ in runs]
+        sent = torch.zeros(len(runs), dtype=torch.float64)
+        # rounds over all cases, so that a slow spell of the machine hits every case alike
+        for round_ in range(reps + 1):
+            for i, (meta, comm, q, k, v, grad) in enumerate(runs):
+                stats = CommStats()
                 dist.barrier()
                 started = time.perf_counter()
                 out = cp_attention(q, k, v, meta, group=None, comm=comm, backend="reference", stats=stats)
                 out.backward(grad)
                 elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                if step:
-                    times.append(float(elapsed))
                 q.grad = k.grad = v.grad = None
-            sent = torch.tensor([stats.total("sent_bytes")], dtype=torch.float64)
-            dist.all_reduce(sent, op=dist.ReduceOp.MAX)
-            results.append({"seconds": float(np.median(times)), "sent_bytes": int(sent)})
+                if round_:
+                    times[i].append(float(elapsed))
+                sent[i] = stats.total("sent_bytes")
+        dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+        results = [link] + [{"seconds": float(np.median(t)), "sent_bytes": int(b)}
+                            for t, b in zip(times, sent)]
         dist.barrier()
     finally:
         dist.destroy_process_group()
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
+
+
+def _gloo_link(world_size: int, rows: int = 1 << 20, reps: int = 3) -> dict:
+    """Measured gloo all-gather: bytes each rank sends per second, and the time of a one-element call."""
+    import torch
+    import torch.distributed as dist
+
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def timed(n):
+        send = torch.ones(n)
+        recv = torch.empty(n * world_size)
+        times = []
+        for _ in range(reps + 1):
+            dist.barrier()
+            started = time.perf_counter()
+            all_gather(recv, send)
+            elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times.append(float(elapsed))
+        return float(np.median(times[1:]))
+
+    latency = timed(1)
+    return {"link_gbps": (world_size - 1) * rows * 4 / max(timed(rows) - latency, 1e-9) / 1e9,
+            "collective_latency_us": latency * 1e6}
+
+
+def cpu_profile(base: HardwareProfile, shape: ModelShape, context_len: int, cp: int, link: dict,
+                reps: int = 2) -> HardwareProfile:
+    """``base`` calibrated on this CPU (``reference`` kernels, float32, ``shape``) with the gloo link."""
+    import torch
+
+    from flashcp.bench.calibrate import calibrate_profile
+
+    per_rank = max(16, context_len // cp)
+    lengths = sorted({n for n in (16, 64, 256, 1024) if n < per_rank} | {per_rank})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs
+    try:
+        profile = calibrate_profile(base, torch.device("cpu"), dtype=torch.float32, shape=shape,
+                                    lengths=lengths, total_tokens=per_rank, backend="reference", reps=reps)
+    finally:
+        torch.set_num_threads(threads)
+    sources = dict(profile.sources)
+    sources["link_gbps"] = f"measured: gloo all-gather of {4 << 20} bytes per rank on {cp} local ranks"
+    sources["collective_latency_us"] = f"measured: gloo all-gather of one float on {cp} local ranks"
+    return replace(profile, link_gbps=link["link_gbps"], collective_latency_us=link["collective_latency_us"],
+                   sources=sources)
 
 
 def runtime_cpu(book: PlanBook, source, systems: list[System], cp: int, context_len: int, shape: ModelShape,
@@ -106,27 +165,36 @@ def runtime_cpu(book: PlanBook, source, systems: list[System], cp: int, context_
             measured = json.load(f)
     finally:
         os.unlink(out_path)
+    link, measured = measured[0], measured[1:]
+    model = cpu_profile(profile, shape, context_len, cp, link)
     rows = []
     for i, system in enumerate(systems):
         mine = measured[i * len(sequences):(i + 1) * len(sequences)]
-        projected = [project_step(plan, shape, profile, comm, True).total
-                     for comm, plan, _ in cases[i * len(sequences):(i + 1) * len(sequences)]]
+        mine_cases = cases[i * len(sequences):(i + 1) * len(sequences)]
         rows.append({"case": system.label, "strategy": system.strategy, "comm": system.comm,
                      "step_ms": 1e3 * float(np.mean([m["seconds"] for m in mine])),
                      "sent_mb": float(np.mean([m["sent_bytes"] for m in mine])) / 1e6,
-                     "projected_ms": 1e3 * float(np.mean(projected))})
+                     "projected_ms": _projected_ms(mine_cases, shape, model),
+                     "gpu_projected_ms": _projected_ms(mine_cases, shape, profile)})
     base = next((r for r in rows if r["case"] == "llama3/full"), rows[0])
     for row in rows:
         row["ratio"] = row["step_ms"] / base["step_ms"]
         row["projected_ratio"] = row["projected_ms"] / base["projected_ms"]
     measured_rank = [r["case"] for r in sorted(rows, key=lambda r: r["step_ms"])]
     projected_rank = [r["case"] for r in sorted(rows, key=lambda r: r["projected_ms"])]
-    return {"source": source.label, "context_len": context_len, "cp": cp, "num_heads": shape.num_heads,
+    return {"cpu_profile": model.to_json(), "source": source.label, "context_len": context_len, "cp": cp,
+            "num_heads": shape.num_heads,
             "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "dtype": "float32",
             "backend": "reference", "num_seqs": len(sequences), "reps": reps, "baseline": base["case"],
             "rows": rows, "measured_order": measured_rank, "projected_order": projected_rank,
             "spearman": _spearman([r["step_ms"] for r in rows], [r["projected_ms"] for r in rows]),
             "wall_seconds": time.perf_counter() - started}
+
+
+def _projected_ms(cases, shape: ModelShape, profile: HardwareProfile) -> float:
+    """Mean projected step of ``(comm, plan, doc_lens)`` cases, with overlap as the runtime does it."""
+    steps = [project_step(plan, shape, profile, comm, True).total for comm, plan, _ in cases]
+    return 1e3 * float(np.mean(steps))
 
 
 def _spearman(a, b) -> float:
