@@ -30,10 +30,12 @@ __all__ = ["cpu_cases", "runtime_cpu"]
 COLLECTIVE_COMMS = ("full", "allgather", "a2a")
 
 
-def cpu_cases(strategies: list[str], ring_comm: bool) -> list[System]:
-    """Every registry strategy with every collective comm mode, plus the ring systems when available."""
+def cpu_cases(strategies: list[str], ring_comm: bool, improved: str | None = None) -> list[System]:
+    """Every registry strategy with each collective comm, ``improved`` with ``auto``, the ring systems."""
     cases = [System(label=f"{s}/{c}", strategy=s, comm=c, overlap=True)
              for s in strategies if s != "ring" for c in COLLECTIVE_COMMS]
+    if improved is not None:
+        cases.append(System(label=f"{improved}/auto", strategy=improved, comm="auto", overlap=True))
     if ring_comm:
         cases += [System(label=f"{s}/ring", strategy=s, comm="ring", overlap=True)
                   for s in ("ring", "perdoc") if s in strategies]
@@ -147,8 +149,12 @@ def cpu_profile(base: HardwareProfile, shape: ModelShape, context_len: int, cp: 
 
 
 def runtime_cpu(book: PlanBook, source, systems: list[System], cp: int, context_len: int, shape: ModelShape,
-                num_seqs: int, reps: int, profile: HardwareProfile) -> dict:
-    """Measured CPU step time and bytes per case, ratios to llama3/full, and the projection beside them."""
+                num_seqs: int, reps: int, profile: HardwareProfile,
+                ranked: list[System] | None = None) -> dict:
+    """Measured CPU step time and bytes per case, ratios to llama3/full, and the projection beside them.
+
+    ``ranked`` (the bench's systems) picks the cases whose measured and projected orders are compared.
+    """
     import torch.multiprocessing as mp
 
     sequences = book.sequences(source, num_seqs, context_len)
@@ -171,23 +177,29 @@ def runtime_cpu(book: PlanBook, source, systems: list[System], cp: int, context_
     for i, system in enumerate(systems):
         mine = measured[i * len(sequences):(i + 1) * len(sequences)]
         mine_cases = cases[i * len(sequences):(i + 1) * len(sequences)]
-        rows.append({"case": system.label, "strategy": system.strategy, "comm": system.comm,
+        rows.append({"case": system.label, "key": system.key, "strategy": system.strategy,
+                     "comm": system.comm,
                      "step_ms": 1e3 * float(np.mean([m["seconds"] for m in mine])),
                      "sent_mb": float(np.mean([m["sent_bytes"] for m in mine])) / 1e6,
                      "projected_ms": _projected_ms(mine_cases, shape, model),
                      "gpu_projected_ms": _projected_ms(mine_cases, shape, profile)})
-    base = next((r for r in rows if r["case"] == "llama3/full"), rows[0])
+    base = next((r for r in rows if r["key"] == "llama3/full"), rows[0])
     for row in rows:
         row["ratio"] = row["step_ms"] / base["step_ms"]
         row["projected_ratio"] = row["projected_ms"] / base["projected_ms"]
-    measured_rank = [r["case"] for r in sorted(rows, key=lambda r: r["step_ms"])]
-    projected_rank = [r["case"] for r in sorted(rows, key=lambda r: r["projected_ms"])]
+    by_case = {r["key"]: r for r in rows}
+    named = [(s.label, by_case[s.key]) for s in ranked or [] if s.key in by_case]
+    ranking = {"systems": [label for label, _ in named],
+               "measured_order": [label for label, r in sorted(named, key=lambda x: x[1]["step_ms"])],
+               "projected_order": [label for label, r in sorted(named, key=lambda x: x[1]["projected_ms"])],
+               "spearman": _spearman([r["step_ms"] for _, r in named], [r["projected_ms"] for _, r in named])}
+    ranking["same_order"] = ranking["measured_order"] == ranking["projected_order"]
     return {"cpu_profile": model.to_json(), "source": source.label, "context_len": context_len, "cp": cp,
             "num_heads": shape.num_heads,
             "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "dtype": "float32",
             "backend": "reference", "num_seqs": len(sequences), "reps": reps, "baseline": base["case"],
-            "rows": rows, "measured_order": measured_rank, "projected_order": projected_rank,
-            "spearman": _spearman([r["step_ms"] for r in rows], [r["projected_ms"] for r in rows]),
+            "rows": rows, "system_ranking": ranking,
+            "spearman_all_cases": _spearman([r["step_ms"] for r in rows], [r["projected_ms"] for r in rows]),
             "wall_seconds": time.perf_counter() - started}
 
 

@@ -14,7 +14,10 @@ import numpy as np
 
 from flashcp.errors import FlashcpError
 
-__all__ = ["SequenceSource", "open_source"]
+__all__ = ["DATASET_LENGTH_ROWS", "SequenceSource", "open_source"]
+
+DATASET_LENGTH_ROWS = 4096
+"""Rows of a dataset whose document lengths feed re-packing at another context length."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,19 +37,24 @@ class SequenceSource:
         return self.dataset_context_len is not None
 
     def sequences(self, num_seqs: int, context_len: int, seed: int = 0) -> list[np.ndarray]:
-        """``num_seqs`` packed sequences of ``context_len`` tokens (a dataset gives at most what it holds).
+        """``num_seqs`` packed sequences of ``context_len`` tokens; same ``seed``, same sequences.
 
-        For a dataset ``context_len`` must equal its own. Same ``seed``, same sequences.
+        A dataset at its own context length gives its first rows (at most what it holds); at another length
+        its document lengths (of up to ``DATASET_LENGTH_ROWS`` rows) are drawn from and packed like a
+        distribution's.
         """
-        if self.is_dataset:
-            if context_len != self.dataset_context_len:
-                raise FlashcpError(f"dataset {self.spec} holds sequences of {self.dataset_context_len} "
-                                   f"tokens, not {context_len}")
-            return _dataset_sequences(self.spec, num_seqs)
-        from flashcp.data.synth import load_distribution, pack_lengths
+        from flashcp.data.synth import Distribution, load_distribution, pack_lengths
 
+        if self.is_dataset:
+            if context_len == self.dataset_context_len:
+                return _dataset_sequences(self.spec, num_seqs)
+            # another length: re-pack the dataset's document lengths (already cut at its own length)
+            lengths = np.concatenate(_dataset_sequences(self.spec, DATASET_LENGTH_ROWS))
+            distribution = Distribution(name=self.label, lengths=lengths, source={"path": self.spec})
+        else:
+            distribution = load_distribution(self.spec)
         rng = np.random.default_rng(seed)
-        offsets, doc_lens, *_ = pack_lengths(load_distribution(self.spec), rng, num_seqs, context_len)
+        offsets, doc_lens, *_ = pack_lengths(distribution, rng, num_seqs, context_len)
         return [doc_lens[offsets[i]:offsets[i + 1]].astype(np.int64) for i in range(num_seqs)]
 
 
