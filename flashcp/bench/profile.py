@@ -104,10 +104,10 @@ class HardwareProfile:
             y = np.where(x < knots[0], values[0] + slope * (x - knots[0]), y)
         return np.minimum(np.exp(y), self.peak_tflops)
 
-    def tile_use(self, rows) -> np.ndarray:
-        """Fraction of the computed query rows that are real: ``rows / (ceil(rows / tile) * tile)``."""
+    def padded_rows(self, rows) -> np.ndarray:
+        """Query rows a kernel computes for ``rows`` queries: rounded up to whole tiles (float64 array)."""
         rows = np.maximum(np.asarray(rows, dtype=np.float64), 1.0)
-        return rows / (np.ceil(rows / self.query_tile) * self.query_tile)
+        return np.ceil(rows / self.query_tile) * self.query_tile
 
     def to_json(self) -> dict:
         """The profile as its JSON file holds it."""

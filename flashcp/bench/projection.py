@@ -3,13 +3,14 @@
 The model (every number from a ``HardwareProfile``; every formula for work and volume from
 ``flashcp.planner.cost``):
 
-- Attention: each shard is one sequence of a varlen kernel. Its forward FLOPs are ``4 * W * H * D`` (``W`` =
-  ``cost.workload``), backward 2.5x that. It runs at the profile's throughput for its *equivalent length*
-  ``sqrt(2 * W)`` (a causal sequence of that length has the same work), times ``tile_use(queries) /
-  tile_use(equivalent length)``: a shard with few queries over a long key prefix still computes whole
-  query tiles. As in the runtime (``flashcp.runtime.attention``), a rank makes at most two kernel calls per
-  pass, one over its *local* shards (whole key prefix on the rank) and one over its *remote* shards; each
-  call adds ``kernel_overhead_us``.
+- Attention: each shard is one sequence of a varlen kernel and computes whole query tiles, so its work is
+  ``W = cost.workload(start, Q)`` with its query count rounded up to the tile (``Q``); forward FLOPs
+  ``4 * W * H * D``, backward 2.5x that. It runs at the profile's throughput for the *equivalent length*
+  ``sqrt(2 * W)`` (a causal sequence of that length has the same work, and the curve was measured on such
+  sequences). Time is then non-decreasing in a shard's length and in its prefix. As in the runtime
+  (``flashcp.runtime.attention``), a rank makes at most two kernel calls per pass, one over its *local*
+  shards (whole key prefix on the rank) and one over its *remote* shards; each call adds
+  ``kernel_overhead_us``.
 - Communication: K/V bytes per token from ``cost.kv_bytes_per_token``. A collective takes
   ``busiest rank's tokens * bytes / link_gbps + collective_latency_us``: ``(N-1) * max quota`` tokens for
   ``full``, ``(N-1) * max contribution`` for ``allgather``, ``max(sent, received)`` of the busiest rank for
@@ -163,17 +164,16 @@ def shard_seconds(shard_start, shard_len, shape: ModelShape, profile: HardwarePr
                   backward: bool = False) -> np.ndarray:
     """Projected kernel time of each shard (no call overhead), seconds. Shape (num_shards,), float64."""
     shard_start = np.asarray(shard_start, dtype=np.int64)
-    shard_len = np.asarray(shard_len, dtype=np.int64)
-    pairs = cost.workload(shard_start, shard_len).astype(np.float64)
-    return _pair_seconds(pairs, shard_len.astype(np.float64), shape, profile, backward)
+    padded = profile.padded_rows(shard_len).astype(np.int64)
+    pairs = cost.workload(shard_start, padded).astype(np.float64)
+    return _pair_seconds(pairs, shape, profile, backward)
 
 
-def _pair_seconds(pairs, rows, shape: ModelShape, profile: HardwareProfile, backward: bool) -> np.ndarray:
-    """Kernel time of sequences with ``pairs`` query-key pairs and ``rows`` queries each."""
+def _pair_seconds(pairs, shape: ModelShape, profile: HardwareProfile, backward: bool) -> np.ndarray:
+    """Kernel time of sequences that compute ``pairs`` query-key pairs each (tile padding included)."""
     pairs = np.asarray(pairs, dtype=np.float64)
     flops = 4.0 * pairs * shape.num_heads * shape.head_dim * (BWD_FLOPS if backward else 1.0)
-    eq_len = np.sqrt(2.0 * np.maximum(pairs, 1.0))
-    tflops = profile.attention_tflops(eq_len, backward) * profile.tile_use(rows) / profile.tile_use(eq_len)
+    tflops = profile.attention_tflops(np.sqrt(2.0 * np.maximum(pairs, 1.0)), backward)
     return np.where(pairs > 0, flops / (tflops * 1e12), 0.0)
 
 
@@ -254,18 +254,16 @@ def rank_work(plan: SequencePlan, shape: ModelShape, profile: HardwareProfile, m
 
 def _pass(comm: float, first_kernel, first_copy, second_kernel, second_copy, other, overlap: bool,
           local_first: bool):
-    """Per-rank time of one pass and its attention / copy parts.
+    """Per-rank ``(time, attention, copies, exposed comm)`` of one pass; ``time`` is the sum of the rest.
 
     Forward: local part (maybe overlapped with the exchange), then remote. Backward: remote part, then local
     (maybe overlapped with the reverse exchange).
     """
     local_time = first_kernel + first_copy if local_first else second_kernel + second_copy
-    other_time = second_kernel + second_copy if local_first else first_kernel + first_copy
-    if overlap:
-        time = np.maximum(comm, local_time) + other_time + other
-    else:
-        time = comm + local_time + other_time + other
-    return time, first_kernel + second_kernel, first_copy + second_copy + other
+    exposed = np.maximum(comm - local_time, 0.0) if overlap else np.full(local_time.shape, comm)
+    attention = first_kernel + second_kernel
+    copies = first_copy + second_copy + other
+    return attention + copies + exposed, attention, copies, exposed
 
 
 def project_step(plan: SequencePlan, shape: ModelShape, profile: HardwareProfile, comm: str, overlap: bool,
@@ -284,16 +282,14 @@ def project_step(plan: SequencePlan, shape: ModelShape, profile: HardwareProfile
     mode = resolve_comm(comm, volumes)
     work = rank_work(plan, shape, profile, mode, volumes) if work is None else work
     seconds = _collective_seconds(mode, volumes, shape, profile)
-    fwd, fwd_attn, fwd_copy = _pass(seconds, work.local_fwd, work.local_copy, work.remote_fwd,
-                                    work.remote_copy, work.other_copy, overlap, local_first=True)
-    bwd, bwd_attn, bwd_copy = _pass(seconds, work.local_bwd, work.local_copy, work.remote_bwd,
-                                    work.remote_copy, work.other_copy, overlap, local_first=False)
+    fwd, fwd_attn, fwd_copy, fwd_comm = _pass(seconds, work.local_fwd, work.local_copy, work.remote_fwd,
+                                              work.remote_copy, work.other_copy, overlap, local_first=True)
+    bwd, bwd_attn, bwd_copy, bwd_comm = _pass(seconds, work.local_bwd, work.local_copy, work.remote_bwd,
+                                              work.remote_copy, work.other_copy, overlap, local_first=False)
     f, b = int(np.argmax(fwd)), int(np.argmax(bwd))
-    other = float(fwd_copy[f] + bwd_copy[b])
-    attn_fwd, attn_bwd = float(fwd_attn[f]), float(bwd_attn[b])
-    total = float(fwd[f] + bwd[b])
-    return StepLatency(total=total, attn_fwd=attn_fwd, attn_bwd=attn_bwd,
-                       comm=max(0.0, total - attn_fwd - attn_bwd - other), other=other, comm_mode=mode,
+    return StepLatency(total=float(fwd[f] + bwd[b]), attn_fwd=float(fwd_attn[f]), attn_bwd=float(bwd_attn[b]),
+                       comm=float(fwd_comm[f] + bwd_comm[b]), other=float(fwd_copy[f] + bwd_copy[b]),
+                       comm_mode=mode,
                        comm_seconds=2 * seconds, comm_bytes=_wire_bytes(mode, volumes, shape),
                        kernels=int(work.kernels.max()), measured=work.measured)
 
@@ -317,7 +313,8 @@ def _project_ring(plan: SequencePlan, shape: ModelShape, profile: HardwareProfil
     sends = np.arange(cp) < cp - 1  # step s overlaps the transfer of the block used at step s + 1
     totals, attn, copies = [], [], []
     for backward, transfer in ((False, block), (True, 2 * block)):
-        kernel = sequences * _pair_seconds(pair_mean, np.maximum(row_mean, 1.0), shape, profile, backward)
+        padded = pair_mean * profile.padded_rows(row_mean) / np.maximum(row_mean, 1.0)
+        kernel = sequences * _pair_seconds(padded, shape, profile, backward)
         kernel = np.where(busy, kernel + profile.kernel_overhead_us * 1e-6, 0.0)
         compute = kernel + copy
         slowest = np.argmax(compute, axis=0)

@@ -42,6 +42,10 @@ def _names(value: str | None) -> tuple[str, ...] | None:
 @click.option("--context-len", type=click.IntRange(min=16), help="Context length of distributions "
               "(default 131072; DATA keeps its own).")
 @click.option("--seqs", type=click.IntRange(min=1), help="Sequences per source (default 32, quick 4).")
+@click.option("--runtime-context-len", type=click.IntRange(min=16),
+              help="Context length of the CPU runtime scenario (default 8192, quick 4096).")
+@click.option("--runtime-cp", type=click.IntRange(min=1),
+              help="Gloo ranks of the CPU runtime scenario (default 4).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the packed sequences.")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
               help="Hardware profile JSON (default: H100 SXM NVLink from public specs).")
@@ -57,8 +61,9 @@ def _names(value: str | None) -> tuple[str, ...] | None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every number to this file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Write the figure-style charts to this PNG.")
-def command(data, quick, scenarios, dists, cps, heads, context_len, seqs, seed, profile_path, calibrate,
-            profile_out, measured, measure_budget, device, json_path, plot_path):
+def command(data, quick, scenarios, dists, cps, heads, context_len, seqs, runtime_context_len, runtime_cp,
+            seed, profile_path, calibrate, profile_out, measured, measure_budget, device, json_path,
+            plot_path):
     """Compare CP strategies: plan quality, planner speed, CPU runtime and projected step latency.
 
     DATA is a dataset folder (its sequences are benched instead of the default distributions). Latency
@@ -80,8 +85,8 @@ def command(data, quick, scenarios, dists, cps, heads, context_len, seqs, seed, 
     try:
         config = bench_config(quick=quick, data=data, dists=_names(dists), scenarios=chosen,
                               cps=_ints(cps, "--cp"), heads=_ints(heads, "--heads"), context_len=context_len,
-                              num_seqs=seqs, seed=seed, measured=measured, measure_budget_s=measure_budget,
-                              device=device)
+                              num_seqs=seqs, runtime_context_len=runtime_context_len, runtime_cp=runtime_cp,
+                              seed=seed, measured=measured, measure_budget_s=measure_budget, device=device)
     except ValueError as e:
         raise FlashcpError(str(e)) from None
     profile = load_profile(profile_path)
