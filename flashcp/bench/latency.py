@@ -37,19 +37,20 @@ def project_setting(book: PlanBook, source, systems: list[System], cp: int, shap
                     measure_seqs: int = 0, deadline: float | None = None) -> dict:
     """One setting: per system, mean latency (ms), its breakdown, speedup over the first system, extras."""
     results = {}
+    # a setting is measured whole or not at all, so that its speedups never mix measured and projected
+    # (ring systems, which cannot be timed per rank, are projected on the same measured sequences)
+    measure_here = measure is not None and (deadline is None or time.monotonic() < deadline)
+    count = min(measure_seqs, num_seqs) if measure_here else num_seqs
     for system in systems:
-        plans = book.plans(source, num_seqs, context_len, system.strategy, cp)
-        sequences = book.sequences(source, num_seqs, context_len)
+        plans = book.plans(source, num_seqs, context_len, system.strategy, cp)[:count]
+        sequences = book.sequences(source, num_seqs, context_len)[:count]
         steps, measured = [], 0
-        for i, (plan, doc_lens) in enumerate(zip(plans, sequences)):
+        for plan, doc_lens in zip(plans, sequences):
             work = None
-            if (measure is not None and i < measure_seqs and system.comm != "ring"
-                    and (deadline is None or time.monotonic() < deadline)):
+            if measure_here and system.comm != "ring":
                 work = measure(plan, doc_lens, shape, profile, system.comm)
                 measured += 1
             steps.append(project_step(plan, shape, profile, system.comm, system.overlap, work))
-        if measured:  # keep measured and projected numbers apart: report the measured sequences only
-            steps = steps[:measured]
         mean = {k: float(np.mean([getattr(s, k) for s in steps])) * 1e3 for k in ("total", *BREAKDOWN)}
         modes = sorted({s.comm_mode for s in steps})
         results[system.label] = {
