@@ -2,8 +2,10 @@
 
 Per (source, cp, strategy), over the same packed sequences: imbalance ratio (mean, p50, max), comm saving
 against the full-KV all-gather for the compacted all-gather (paper Eq. 5) and for exact-need exchange
-(``cost.comm_saving``), shards per sequence and mean shard length (tokens per shard; short shards make slow
-kernels). All metrics come from ``SequencePlan.metrics`` (``flashcp.planner.cost``).
+(``cost.comm_saving``: critical path against ``C / N``; exact need can go below zero there, because a rank
+receives what it needs from every other rank), the exact-need receive against what a full-KV all-gather
+delivers to a rank (``(N-1) * C / N``), shards per sequence and mean shard length (tokens per shard; short
+shards make slow kernels). All metrics come from ``SequencePlan.metrics`` (``flashcp.planner.cost``).
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ def plan_quality(book: PlanBook, sources, strategies: list[str], cps: list[int],
                                                             for m in metrics])),
                     "exact_need_saving_mean": float(np.mean([comm_saving(m.a2a_comm_tokens, c, cp)
                                                              for m in metrics])),
+                    # what a rank receives, against the (N-1) * C / N tokens a full-KV all-gather delivers
+                    "exact_need_recv_saving_mean": float(np.mean([
+                        1.0 - m.a2a_comm_tokens / ((cp - 1) * c / cp) if cp > 1 else 0.0 for m in metrics])),
                     "shards_mean": float(shards.mean()),
                     "shard_len_mean": float(c * len(plans) / shards.sum()),
-                    "plan_seconds": book.plan_seconds.get((source.label, c, strategy, cp), 0.0),
                 })
     return {"rows": rows}

@@ -25,7 +25,13 @@ def _table(title: str, *columns: str) -> Table:
 
 def _show(console: Console, table: Table) -> None:
     # off a terminal (files, CI logs) rich would squeeze tables into 80 columns
-    console.print(table, width=None if console.is_terminal else max(console.width, REPORT_WIDTH))
+    width = console.width
+    if not console.is_terminal:
+        console.width = max(width, REPORT_WIDTH)
+    try:
+        console.print(table)
+    finally:
+        console.width = width
 
 
 def _pct(x: float) -> str:
@@ -35,12 +41,13 @@ def _pct(x: float) -> str:
 def _quality(console: Console, quality: dict) -> None:
     rows = quality["rows"]
     table = _table(f"Plan quality ({rows[0]['num_seqs']} sequences per source)", "source", "C", "cp",
-                   "strategy", "imbal mean", "p50", "max", "AG saving", "exact-need saving", "shards/seq",
-                   "mean shard len")
+                   "strategy", "imbal mean", "p50", "max", "AG saving", "exact-need saving",
+                   "exact-need recv vs full", "shards/seq", "mean shard len")
     for r in rows:
         table.add_row(r["source"], str(r["context_len"]), str(r["cp"]), r["strategy"],
                       f"{r['imbalance_mean']:.3f}", f"{r['imbalance_p50']:.3f}", f"{r['imbalance_max']:.3f}",
                       _pct(r["allgather_saving_mean"]), _pct(r["exact_need_saving_mean"]),
+                      _pct(r["exact_need_recv_saving_mean"]),
                       f"{r['shards_mean']:.1f}", f"{r['shard_len_mean']:.0f}")
     _show(console, table)
 
