@@ -2,9 +2,8 @@
 
 Run ``bench/gpu_check.sh`` (or ``python bench/gpu_check.py``) from the repository root. Needs only the repo
 and torch; flash-attn is used when installed. Each CP rank is emulated on the one GPU: its meta is built from
-the plan, it gets the receive buffer its exchange would deliver, and its local and remote attention parts
-(the code ``cp_attention`` runs around the collective) are timed forward + backward
-(``flashcp.bench.measure.time_rank_parts``).
+the plan, it gets the receive buffer its exchange would deliver, and ``attention_after_exchange`` (the same
+code ``cp_attention`` runs after the collective) is timed forward + backward.
 
 1. Accuracy: for every GPU backend, a whole sequence run through the emulated CP path in bf16 is compared
    with a float64 dense document-masked reference; its max error (out, dq, dk, dv) must be at most twice
@@ -32,10 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from flashcp.bench.measure import time_rank_parts  # noqa: E402
-from flashcp.bench.projection import ModelShape  # noqa: E402
 from flashcp.planner.cost import rank_workloads  # noqa: E402
 from flashcp.planner.plan import SequencePlan  # noqa: E402
+from flashcp.runtime.attention import attention_after_exchange  # noqa: E402
 from flashcp.runtime.emulate import emulate_cp_attention, random_plan  # noqa: E402
 from flashcp.runtime.kernels import backend_available  # noqa: E402
 from flashcp.runtime.meta import COMM_MODES, build_rank_metas  # noqa: E402
@@ -168,9 +166,27 @@ def accuracy_check(device, small: bool) -> bool:
 
 def time_rank(meta, backend, device, heads, kv_heads, head_dim, reps):
     """Median ms of one rank's attention forward + backward after its exchange (random bf16 inputs)."""
-    shape = ModelShape(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
-    parts = time_rank_parts(meta, meta.auto_comm, shape, device, torch.bfloat16, backend, reps)
-    return 1e3 * sum(parts.values())
+    exchange = meta.exchange("auto")
+    t = meta.num_tokens
+    q = torch.randn(t, heads, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(t, kv_heads, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    recv = torch.randn(exchange.recv_rows, 2, kv_heads, head_dim, device=device, dtype=torch.bfloat16,
+                       requires_grad=True)
+    grad = torch.randn_like(q)
+    meta = meta.to(device)
+    times = []
+    for i in range(reps + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        out = attention_after_exchange(q, k, v, recv, meta, "auto", backend)
+        out.backward(grad)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:  # the first run warms up
+            times.append((time.perf_counter() - start) * 1e3)
+    return float(np.median(times))
 
 
 def timing(device, small: bool, budget_s: float, num_seqs: int) -> None:
