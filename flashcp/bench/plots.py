@@ -61,7 +61,7 @@ def _quality(ax, quality: dict, source: str) -> None:
     ax.bar(x - 0.2, [r["imbalance_mean"] for r in rows], 0.4, label="imbalance (mean)")
     ax.set_ylabel("imbalance ratio")
     twin = ax.twinx()
-    twin.bar(x + 0.2, [100 * r["allgather_saving_mean"] for r in rows], 0.4, color="tab:green",
+    twin.bar(x + 0.2, [100 * r["ag_saving_mean"] for r in rows], 0.4, color="tab:green",
              label="all-gather comm saving (Eq. 5)")
     twin.set_ylabel("comm saving vs full-KV all-gather (%)")
     ax.set_xticks(x, [r["strategy"] for r in rows], rotation=30, ha="right")

@@ -41,13 +41,12 @@ def _pct(x: float) -> str:
 def _quality(console: Console, quality: dict) -> None:
     rows = quality["rows"]
     table = _table(f"Plan quality ({rows[0]['num_seqs']} sequences per source)", "source", "C", "cp",
-                   "strategy", "imbal mean", "p50", "max", "AG saving", "exact-need saving",
-                   "exact-need recv vs full", "shards/seq", "mean shard len")
+                   "strategy", "imbal mean", "p50", "max", "all-gather saving", "exact-need saving",
+                   "shards/seq", "mean shard len")
     for r in rows:
         table.add_row(r["source"], str(r["context_len"]), str(r["cp"]), r["strategy"],
                       f"{r['imbalance_mean']:.3f}", f"{r['imbalance_p50']:.3f}", f"{r['imbalance_max']:.3f}",
-                      _pct(r["allgather_saving_mean"]), _pct(r["exact_need_saving_mean"]),
-                      _pct(r["exact_need_recv_saving_mean"]),
+                      _pct(r["ag_saving_mean"]), _pct(r["a2a_saving_mean"]),
                       f"{r['shards_mean']:.1f}", f"{r['shard_len_mean']:.0f}")
     _show(console, table)
 
@@ -55,10 +54,12 @@ def _quality(console: Console, quality: dict) -> None:
 def _speed(console: Console, speed: dict) -> None:
     rows = speed["rows"]
     table = _table(f"Planner speed ({rows[0]['source']}, C={rows[0]['context_len']}, cp {rows[0]['cp']}, "
-                   "one process)", "strategy", "Numba seq/s", "Python seq/s", "speedup", "same plans")
+                   "one core)", "strategy", "Numba seq/s (per sequence)", "Numba seq/s (batch, validated)",
+                   "Python seq/s", "speedup", "same plans")
     for r in rows:
-        python = r["python_seqs_per_s"]
+        python, batch = r["python_seqs_per_s"], r["batch_seqs_per_s"]
         table.add_row(r["strategy"], f"{r['numba_seqs_per_s']:.0f}",
+                      "n/a" if batch is None else f"{batch:.0f}",
                       "n/a" if python is None else f"{python:.2f} ({r['python_seqs']} seqs)",
                       "n/a" if python is None else f"{r['speedup']:.0f}x",
                       "n/a" if r["python_matches"] is None else ("yes" if r["python_matches"] else "NO"))

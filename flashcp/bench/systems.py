@@ -125,7 +125,7 @@ def plan_for(strategy: str, doc_lens: np.ndarray, cp: int) -> SequencePlan:
     module = _strategies_module()
     if module is None:
         raise ValueError("the planner (flashcp.planner.strategies) is not in this checkout")
-    return module.plan_sequence(doc_lens, cp, strategy)
+    return module.plan_sequence(strategy, doc_lens, cp)
 
 
 class PlanBook:
