@@ -78,13 +78,16 @@ def _runtime(console: Console, runtime: dict) -> None:
                       f"{r['projected_ms']:.1f}", f"{r['projected_ratio']:.3f}",
                       f"{r['gpu_projected_ms'] / gpu_base:.3f}")
     _show(console, table)
-    ranking = runtime["system_ranking"]
-    if ranking["systems"]:
+    for key, what in (("system_ranking", "systems"), ("collective_ranking", "collective systems")):
+        ranking = runtime[key]
+        if len(ranking["systems"]) < 2:
+            continue
         verdict = "same order" if ranking["same_order"] else "orders differ"
-        console.print(f"  systems, fastest first: measured {' < '.join(ranking['measured_order'])}")
-        console.print(f"  projected (CPU-calibrated model): {' < '.join(ranking['projected_order'])}")
-        console.print(f"  {verdict}; rank correlation {ranking['spearman']:.2f} (all cases "
-                      f"{runtime['spearman_all_cases']:.2f})")
+        console.print(f"  {what}, fastest first, measured: {' < '.join(ranking['measured_order'])}")
+        console.print(f"  {what}, fastest first, projected (CPU-calibrated model): "
+                      f"{' < '.join(ranking['projected_order'])}")
+        console.print(f"  {what}: {verdict}; rank correlation {ranking['spearman']:.2f}")
+    console.print(f"  rank correlation over all cases {runtime['spearman_all_cases']:.2f}")
 
 
 def _latency(console: Console, latency: dict) -> None:
@@ -170,11 +173,13 @@ def print_report(results: dict, console: Console) -> None:
             console.print(f"target: {t['target']}: {status} (min {t['min_speedup']:.3f}x, mean "
                           f"{t['mean_speedup']:.3f}x){detail}")
     runtime = results.get("runtime")
-    if runtime and runtime["system_ranking"]["systems"]:
-        same = runtime["system_ranking"]["same_order"]
-        console.print(f"target: CPU-measured step time ranks the systems as the projection does: "
-                      f"{'[green]met[/]' if same else '[red]not met[/]'} (rank correlation "
-                      f"{runtime['system_ranking']['spearman']:.2f})")
+    if runtime:
+        for key, what in (("system_ranking", "systems"), ("collective_ranking", "collective systems")):
+            ranking = runtime[key]
+            if len(ranking["systems"]) >= 2:
+                console.print(f"target: CPU-measured step time ranks the {what} as the projection does: "
+                              f"{'[green]met[/]' if ranking['same_order'] else '[red]not met[/]'} (rank "
+                              f"correlation {ranking['spearman']:.2f})")
     for note in results["notes"]:
         console.print(f"note: {note}")
     seconds = results["seconds"]
