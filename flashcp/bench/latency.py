@@ -36,7 +36,7 @@ def project_setting(book: PlanBook, source, systems: list[System], cp: int, shap
                     context_len: int, num_seqs: int, profile: HardwareProfile, measure=None,
                     measure_seqs: int = 0, deadline: float | None = None) -> dict:
     """One setting: per system, mean latency (ms), its breakdown, speedup over the first system, extras."""
-    results = {}
+    results: dict[str, dict] = {}
     # a setting is measured whole or not at all, so that its speedups never mix measured and projected
     # (ring systems, which cannot be timed per rank, are projected on the same measured sequences)
     measure_here = measure is not None and (deadline is None or time.monotonic() < deadline)
@@ -59,9 +59,9 @@ def project_setting(book: PlanBook, source, systems: list[System], cp: int, shap
             "comm_modes": modes, "comm_mb": float(np.mean([s.comm_bytes for s in steps])) / 1e6,
             "kernels": float(np.mean([s.kernels for s in steps])), "num_seqs": len(steps),
             "kind": "measured" if measured else "projected"}
-    base = results[systems[0].label]["latency_ms"]
+    base = float(results[systems[0].label]["latency_ms"])
     for row in results.values():
-        row["speedup"] = base / row["latency_ms"]
+        row["speedup"] = base / float(row["latency_ms"])
     return results
 
 

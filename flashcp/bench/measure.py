@@ -133,7 +133,7 @@ def attention_curve(lengths, shape: ModelShape, device: torch.device, dtype: tor
         flops = 4.0 * batch * length * (length + 1) / 2 * shape.num_heads * shape.head_dim
         fwd_times, bwd_times = [], []
         for run in range(reps + 1):
-            holder = {}
+            holder: dict[str, torch.Tensor] = {}
             fwd = _timed(lambda: holder.setdefault("out", varlen_attention(q, k, v, cu, cu, length, length,
                                                                            backend)), device)
             grad = torch.ones_like(holder["out"])

@@ -173,7 +173,7 @@ def runtime_cpu(book: PlanBook, source, systems: list[System], cp: int, context_
         os.unlink(out_path)
     link, measured = measured[0], measured[1:]
     model = cpu_profile(profile, shape, context_len, cp, link)
-    rows = []
+    rows: list[dict] = []
     for i, system in enumerate(systems):
         mine = measured[i * len(sequences):(i + 1) * len(sequences)]
         mine_cases = cases[i * len(sequences):(i + 1) * len(sequences)]

@@ -92,8 +92,8 @@ def bench_config(*, quick: bool, data: str | None = None, dists: tuple[str, ...]
                  **overrides) -> BenchConfig:
     """The full or ``--quick`` configuration; DATA alone replaces the default distributions."""
     sources = ((data,) if data else ()) + (dists if dists is not None else (() if data else DEFAULT_DISTS))
-    sizes = dict(num_seqs=4, sweep_seqs=2, speed_seqs=8, python_budget_s=2.0, runtime_context_len=4096,
-                 runtime_seqs=1, runtime_reps=1, runtime_systems_only=True) if quick else {}
+    sizes: dict = dict(num_seqs=4, sweep_seqs=2, speed_seqs=8, python_budget_s=1.0, runtime_context_len=4096,
+                       runtime_seqs=1, runtime_reps=1, runtime_systems_only=True) if quick else {}
     sizes.update({k: v for k, v in overrides.items() if v is not None})
     return BenchConfig(sources=sources, **sizes)
 
