@@ -137,7 +137,7 @@ class StepLatency:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
-def _arrays(plan: SequencePlan):
+def _arrays(plan: SequencePlan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     return plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank
 
 
