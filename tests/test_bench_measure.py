@@ -5,6 +5,7 @@ exercised in CI. No timing is asserted, only shapes, signs and that the results 
 """
 
 import numpy as np
+import pytest
 import torch
 
 from flashcp.bench.calibrate import calibrate_profile
@@ -38,3 +39,23 @@ def test_calibrated_profile_replaces_measured_parts_only():
     assert min(profile.forward_tflops) > 0 and min(profile.backward_tflops) > 0 and profile.hbm_gbps > 0
     assert profile.link_gbps == base.link_gbps and "kept from" in profile.sources["link_gbps"]
     assert "measured by flashcp bench --calibrate on cpu" in profile.sources["attention_tflops"]
+
+
+def test_measured_latency_scenario_labels_its_rows():
+    pytest.importorskip("flashcp.planner.strategies")
+    from flashcp.bench.latency import latency_scenario
+    from flashcp.bench.sequences import open_source
+    from flashcp.bench.systems import PlanBook, default_systems
+
+    systems, _ = default_systems()
+
+    def measure(plan, doc_lens, shape, profile, comm):
+        return measured_work(plan, doc_lens, shape, profile, comm, CPU, torch.float32, "reference", reps=1)
+
+    result = latency_scenario(PlanBook(0), [open_source("pile")], systems, [2], [2], 512, 2, load_profile(),
+                              head_dim=8, sweep_seqs=1, measure=measure, measure_seqs=1)
+    (setting,) = result["settings"]
+    assert result["measured"]
+    for label, row in setting["systems"].items():
+        assert row["num_seqs"] == 1
+        assert row["kind"] == ("projected" if row["comm"] == "ring" else "measured"), label
