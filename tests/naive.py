@@ -45,11 +45,11 @@ def naive_exact_need_sent(shards: list[tuple[int, int, int, int]], cp: int) -> l
     return sent
 
 
-def naive_document_attention(q, k, v, doc_lens):
+def naive_document_attention(q, k, v, doc_lens, scale=None):
     """Dense attention over the whole packed sequence with a document-causal mask (torch, any dtype).
 
     q: (C, H, D); k, v: (C, K, D) with H % K == 0. Token i attends to token j iff both lie in the same
-    document and j <= i. Scale 1 / sqrt(D).
+    document and j <= i. Scale ``scale``, by default 1 / sqrt(D).
     """
     import torch
 
@@ -60,6 +60,359 @@ def naive_document_attention(q, k, v, doc_lens):
     keep = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
     k_full = k.repeat_interleave(group, dim=1)
     v_full = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("ihd,jhd->hij", q, k_full) / head_dim ** 0.5
+    scale = head_dim ** -0.5 if scale is None else scale
+    scores = torch.einsum("ihd,jhd->hij", q, k_full) * scale
     scores = scores.masked_fill(~keep.to(q.device), float("-inf"))
     return torch.einsum("hij,jhd->ihd", scores.softmax(-1), v_full)
+
+
+def naive_pack(docs: list[list[int]], context_len: int, overflow: str):
+    """Pack documents one token at a time, as DESIGN.md and ``flashcp pack`` describe it.
+
+    Returns ``(rows, tail_len, num_split, num_truncated, tokens_truncated)``; a row is
+    ``(tokens, [(doc_source, doc_offset, length), ...])``. ``split`` continues a document in the next
+    sequence; ``truncate`` drops the rest of a document once the sequence it is in is full.
+    """
+    rows, window, pieces = [], [], []
+    split_docs, truncated_docs, tokens_truncated = set(), 0, 0
+    for source, doc in enumerate(docs):
+        for offset, token in enumerate(doc):
+            if not pieces or pieces[-1][0] != source:
+                pieces.append([source, offset, 0])
+                if offset > 0:
+                    split_docs.add(source)
+            window.append(token)
+            pieces[-1][2] += 1
+            if len(window) == context_len:
+                rows.append((window, [tuple(p) for p in pieces]))
+                window, pieces = [], []
+                if overflow == "truncate":
+                    rest = len(doc) - offset - 1
+                    truncated_docs += rest > 0
+                    tokens_truncated += rest
+                    break
+    return rows, len(window), len(split_docs), truncated_docs, tokens_truncated
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Strategy references: plain Python lists and tuples, written from the rules in flashcp/planner/strategies.py.
+# Each returns a list of (doc, start, length, rank) shards sorted by (rank, doc, start), with touching shards
+# of one document on one rank merged.
+
+
+def naive_ratio(max_work: int, total_work: int, cp: int) -> float:
+    """max / mean in float64, computed the way the kernels do."""
+    return 1.0 if total_work == 0 else float(max_work) / (float(total_work) / float(cp))
+
+
+def naive_quotas(context_len: int, cp: int) -> list[int]:
+    return [context_len // cp + (1 if r < context_len % cp else 0) for r in range(cp)]
+
+
+def naive_finish(pieces: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """Drop empty pieces, sort by (rank, doc, start), merge touching pieces of one document on one rank."""
+    out: list[list[int]] = []
+    for doc, start, length, rank in sorted((p for p in pieces if p[2] > 0), key=lambda p: (p[3], p[0], p[1])):
+        if out and out[-1][3] == rank and out[-1][0] == doc and out[-1][1] + out[-1][2] == start:
+            out[-1][2] += length
+        else:
+            out.append([doc, start, length, rank])
+    return [tuple(p) for p in out]
+
+
+def naive_llama3(doc_lens: list[int], cp: int) -> list[tuple[int, int, int, int]]:
+    """2N consecutive chunks of the whole sequence; rank i gets chunks i and 2N-1-i (sizes q_i//2, rest)."""
+    quotas = naive_quotas(sum(doc_lens), cp)
+    chunk_rank, chunk_size = [], []
+    for k in range(2 * cp):
+        rank = k if k < cp else 2 * cp - 1 - k
+        chunk_rank.append(rank)
+        chunk_size.append(quotas[rank] // 2 if k < cp else quotas[rank] - quotas[rank] // 2)
+    # token t of the sequence -> its chunk's rank, then group runs by document
+    owner = [r for r, size in zip(chunk_rank, chunk_size) for _ in range(size)]
+    pieces, pos = [], 0
+    for doc, length in enumerate(doc_lens):
+        for t in range(length):
+            pieces.append((doc, t, 1, owner[pos + t]))
+        pos += length
+    return naive_finish(pieces)
+
+
+def naive_perdoc_pieces(doc_lens: list[int], docs: list[int], cp: int) -> list[tuple[int, int, int, int]]:
+    """Zigzag pieces of ``docs`` (in the given order), remainder tokens dealt round-robin from rank 0."""
+    pieces, pointer = [], 0
+    for doc in docs:
+        length = doc_lens[doc]
+        base, extra = divmod(length, 2 * cp)
+        extras = [0] * cp
+        for _ in range(extra):
+            extras[pointer] += 1
+            pointer = (pointer + 1) % cp
+        start = 0
+        for k in range(2 * cp):
+            rank = k if k < cp else 2 * cp - 1 - k
+            size = base + (1 if (extras[rank] >= 1 if k < cp else extras[rank] >= 2) else 0)
+            pieces.append((doc, start, size, rank))
+            start += size
+        assert start == length
+    return pieces
+
+
+def naive_perdoc(doc_lens: list[int], cp: int) -> list[tuple[int, int, int, int]]:
+    return naive_finish(naive_perdoc_pieces(doc_lens, list(range(len(doc_lens))), cp))
+
+
+def naive_flashcp(doc_lens: list[int], cp: int, target: float = 1.05) -> list[tuple[int, int, int, int]]:
+    """Algorithm 1 as documented in flashcp/planner/strategies.py."""
+    quotas = naive_quotas(sum(doc_lens), cp)
+    order = sorted(range(len(doc_lens)), key=lambda d: (-doc_lens[d], d))
+    for num_perdoc in range(len(order) + 1):
+        fixed = naive_perdoc_pieces(doc_lens, sorted(order[:num_perdoc]), cp)
+        work, tokens = [0] * cp, [0] * cp
+        for _, start, length, rank in fixed:
+            work[rank] += naive_workload(start, length)
+            tokens[rank] += length
+        stacks: list[list[list[int]]] = [[] for _ in range(cp)]
+        for doc in order[num_perdoc:]:
+            rank = min(range(cp), key=lambda r: (work[r], r))
+            stacks[rank].append([doc, 0, doc_lens[doc]])
+            work[rank] += naive_workload(0, doc_lens[doc])
+            tokens[rank] += doc_lens[doc]
+        while any(tokens[r] > quotas[r] for r in range(cp)):
+            over = min(range(cp), key=lambda r: (quotas[r] - tokens[r], r))
+            under = min((r for r in range(cp) if tokens[r] < quotas[r]), key=lambda r: (work[r], r))
+            doc, start, length = stacks[over][-1]
+            moved = min(tokens[over] - quotas[over], quotas[under] - tokens[under], length)
+            stacks[under].append([doc, start, moved])
+            if moved == length:
+                stacks[over].pop()
+            else:
+                stacks[over][-1] = [doc, start + moved, length - moved]
+            shift = naive_workload(start, moved)
+            work[over] -= shift
+            work[under] += shift
+            tokens[over] -= moved
+            tokens[under] += moved
+        pieces = fixed + [(doc, start, length, rank)
+                          for rank in range(cp) for doc, start, length in stacks[rank]]
+        if naive_ratio(max(work), sum(work), cp) <= target or num_perdoc == len(order):
+            return naive_finish(pieces)
+    raise AssertionError("unreachable")
+
+
+def _sign_round(x: int, unit: int) -> int:
+    """x / unit rounded half away from zero, integers only."""
+    q = (abs(x) + unit // 2) // unit
+    return q if x >= 0 else -q
+
+
+def naive_flashcp_plus(doc_lens: list[int], cp: int, target: float = 1.01) -> list[tuple[int, int, int, int]]:
+    """flashcp+ as documented in flashcp/planner/strategies.py."""
+    n = len(doc_lens)
+    quotas = naive_quotas(sum(doc_lens), cp)
+    order = sorted(range(n), key=lambda d: (-doc_lens[d], d))
+    mean = sum(naive_workload(0, d) for d in doc_lens) // cp
+    heavy = sum(1 for d in doc_lens if naive_workload(0, d) > mean)
+    ratio, pieces = _plus_candidate(doc_lens, cp, quotas, order, heavy, True, mean, target)
+    if ratio <= target:
+        return naive_finish(pieces)
+    best_ratio, best = ratio, pieces
+    for popped in range(max(1, heavy), n + 1):
+        ratio, pieces = _plus_candidate(doc_lens, cp, quotas, order, popped, False, mean, target)
+        if ratio < best_ratio:
+            best_ratio, best = ratio, pieces
+        if ratio <= target:
+            break
+    return naive_finish(best)
+
+
+def _plus_candidate(doc_lens, cp, quotas, order, popped, anchored, mean, target):
+    W = naive_workload
+    work, tokens, estimate = [0] * cp, [0] * cp, [0] * cp
+    pieces: list[list[int]] = []  # [doc, start, len, rank], zigzag chunks excluded
+    head = {}
+    for doc in order[:popped]:
+        d = doc_lens[doc]
+        tail = 0
+        if anchored:
+            anchor = min(range(cp), key=lambda r: (estimate[r], r))
+            room = quotas[anchor] - tokens[anchor]
+            def fits(t):
+                head_share = W(0, d - t) // cp
+                return W(d - t, t) + head_share <= mean - estimate[anchor] and t + -(-(d - t) // cp) <= room
+
+            # fits() holds for small t and fails beyond some t: search the boundary by halving
+            lo, hi = 0, d
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+            tail = lo
+            if tail:
+                pieces.append([doc, d - tail, tail, anchor])
+                work[anchor] += W(d - tail, tail)
+                tokens[anchor] += tail
+                estimate[anchor] += W(d - tail, tail)
+        head[doc] = d - tail
+        for r in range(cp):
+            estimate[r] += W(0, d - tail) // cp
+    zig_docs = sorted(doc for doc in head if head[doc] > 0)
+    zig = {}
+    chunks = naive_perdoc_pieces([head.get(i, 0) for i in range(len(doc_lens))], zig_docs, cp)
+    for doc in zig_docs:
+        mine = [c for c in chunks if c[0] == doc]  # 2N chunks in position order: early 0..N-1, late N-1..0
+        zig[doc] = ([mine[i][2] for i in range(cp)], [mine[2 * cp - 1 - i][2] for i in range(cp)])
+        for _, start, length, rank in mine:
+            work[rank] += W(start, length)
+            tokens[rank] += length
+    for doc in order[popped:]:
+        d = doc_lens[doc]
+        room = [r for r in range(cp) if tokens[r] + d <= quotas[r]]
+        rank = min(room or range(cp), key=lambda r: (work[r], r))
+        pieces.append([doc, 0, d, rank])
+        work[rank] += W(0, d)
+        tokens[rank] += d
+
+    def whole(p):
+        return p[2] == doc_lens[p[0]]
+
+    # token repair: whole documents first, then heads
+    while any(tokens[r] > quotas[r] for r in range(cp)):
+        over = min(range(cp), key=lambda r: (quotas[r] - tokens[r], r))
+        excess = tokens[over] - quotas[over]
+        unders = [r for r in range(cp) if tokens[r] < quotas[r]]
+        moves = [(-p[2], p[0], work[u], u, i) for i, p in enumerate(pieces) if p[3] == over and whole(p)
+                 for u in unders if p[2] <= min(excess, quotas[u] - tokens[u])]
+        if moves:
+            _, _, _, u, i = min(moves)
+            pieces[i][3] = u
+            shift, moved = W(0, pieces[i][2]), pieces[i][2]
+            work[over] -= shift
+            work[u] += shift
+            tokens[over] -= moved
+            tokens[u] += moved
+            continue
+        u = min(unders, key=lambda r: (work[r], r))
+        mine = [i for i, p in enumerate(pieces) if p[3] == over]
+        i = min(mine, key=lambda i: (not whole(pieces[i]), -pieces[i][2], pieces[i][0], pieces[i][1]))
+        doc, start, length, _ = pieces[i]
+        moved = min(excess, quotas[u] - tokens[u], length)
+        if moved == length:
+            pieces[i][3] = u
+        else:
+            pieces.append([doc, start, moved, u])
+            pieces[i] = [doc, start + moved, length - moved, over]
+        work[over] -= W(start, moved)
+        work[u] += W(start, moved)
+        tokens[over] -= moved
+        tokens[u] += moved
+
+    # levers along the rank chain, longest popped document first
+    for doc in order[:popped]:
+        if doc not in zig:
+            continue
+        early, late = zig[doc]
+        total = sum(work)
+        reach_lo, reach_hi = [0] * cp, [0] * cp
+        if cp >= 2:
+            reach_lo[cp - 2], reach_hi[cp - 2] = -late[cp - 1], early[cp - 1]
+        for i in range(cp - 3, -1, -1):
+            reach_lo[i], reach_hi[i] = reach_lo[i + 1] - late[i + 1], reach_hi[i + 1] + early[i + 1]
+        deltas, gaps, prev, inflow = [0] * cp, [0] * cp, 0, 0
+        for i in range(cp - 1):
+            gap = (head[doc] - sum(late[:i + 1])) - sum(early[:i + 1])
+            surplus = work[i] * cp - total + inflow
+            delta = _sign_round(surplus, gap * cp) if gap > 0 else 0
+            delta = max(max(prev - early[i], reach_lo[i]), min(min(prev + late[i], reach_hi[i]), delta))
+            deltas[i], gaps[i] = delta, gap
+            inflow = delta * gap * cp
+            prev = delta
+        for i in range(cp):
+            before = deltas[i - 1] if i else 0
+            early[i] += deltas[i] - before
+            late[i] -= deltas[i] - before
+            work[i] += before * (gaps[i - 1] if i else 0) - deltas[i] * gaps[i]
+
+    # window swaps
+    for _ in range(4 * cp):
+        total = sum(work)
+        a = min(range(cp), key=lambda r: (-work[r], r))
+        if naive_ratio(work[a], total, cp) <= target:
+            break
+        done = False
+        for b in sorted(range(cp), key=lambda r: (work[r], r)):
+            if b == a or work[b] * cp >= total:
+                break
+            need = min(work[a] * cp - total, total - work[b] * cp) // cp
+            mine = [i for i, p in enumerate(pieces) if p[3] == a and whole(p)]
+            if not mine:
+                continue
+            x = min(mine, key=lambda i: (-pieces[i][2], pieces[i][0]))
+            options = []
+            for i, p in enumerate(pieces):
+                if p[3] == b and whole(p):
+                    t = p[2]
+                    w = need // t
+                    if w >= 1 and w + t <= pieces[x][2]:
+                        options.append((max(w, t), p[0], i, w))
+            if not options:
+                continue
+            _, _, y, w = min(options)
+            doc, _, length, _ = pieces[x]
+            t = pieces[y][2]
+            pieces[x] = [doc, 0, w, a]
+            pieces.append([doc, w, t, b])
+            pieces.append([doc, w + t, length - w - t, a])
+            pieces[y][3] = a
+            work[a] -= w * t
+            work[b] += w * t
+            done = True
+            break
+        if not done:
+            break
+
+    out = [tuple(p) for p in pieces]
+    for doc in zig_docs:
+        early, late = zig[doc]
+        start = 0
+        for i in range(cp):
+            out.append((doc, start, early[i], i))
+            start += early[i]
+        for i in range(cp - 1, -1, -1):
+            out.append((doc, start, late[i], i))
+            start += late[i]
+    return naive_ratio(max(work), sum(work), cp), out
+
+
+def naive_sequence_views(tokens, doc_lens, vocab_size):
+    """Whole-sequence (input_ids, position_ids, labels), token by token; ids folded into ``vocab_size``."""
+    import torch
+
+    ids, positions, labels = [], [], []
+    offset = 0
+    for n in doc_lens:
+        for p in range(int(n)):
+            ids.append(int(tokens[offset + p]) % vocab_size)
+            positions.append(p)
+            labels.append(int(tokens[offset + p + 1]) % vocab_size if p + 1 < n else -100)
+        offset += int(n)
+    return torch.tensor(ids), torch.tensor(positions), torch.tensor(labels)
+
+
+def naive_training(model, logits_fn, sequences, optimizer, vocab_size):
+    """Train without CP on whole sequences; returns the loss of each step (before its update).
+
+    ``sequences``: (tokens, doc_lens) per step. ``logits_fn(model, ids, positions, doc_lens) -> (C, V)``
+    must apply the document mask itself. Loss: mean cross-entropy over the sequence's labels.
+    """
+    import torch.nn.functional as F
+
+    losses = []
+    for tokens, doc_lens in sequences:
+        ids, positions, labels = naive_sequence_views(tokens, doc_lens, vocab_size)
+        optimizer.zero_grad()
+        logits = logits_fn(model, ids, positions, doc_lens)
+        loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum") / (labels != -100).sum()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses

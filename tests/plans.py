@@ -6,12 +6,13 @@ matter to the runtime (documents cut across chunk boundaries, a document on ever
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from flashcp.data.dataset import Dataset, data_table, write_data_file, write_manifest
-from flashcp.planner.cost import token_quotas
+from flashcp.planner.cost import token_quotas, workload
 from flashcp.planner.plan import SequencePlan
 from flashcp.planner.store import plan_table, write_plan_file, write_plan_json
 
@@ -66,6 +67,60 @@ def whole_docs_case(context_len: int, cp: int, rng: np.random.Generator) -> tupl
     order = rng.permutation(len(lens))
     lens, ranks = np.array(lens)[order], np.array(ranks)[order]
     return lens, SequencePlan.from_arrays(np.arange(lens.size), np.zeros(lens.size), lens, ranks, cp)
+
+
+def whole_doc_greedy_plan(doc_lens, cp: int) -> SequencePlan:
+    """Longest document first, kept whole on the least-loaded rank with room for it; when no rank has room,
+    its head goes to the rank with the most room and the rest continues. A stand-in with FlashCP's pattern
+    (mostly whole documents, few cuts) for tests that run before the real strategies exist.
+    """
+    doc_lens = np.asarray(doc_lens, dtype=np.int64)
+    room = token_quotas(int(doc_lens.sum()), cp).astype(np.int64)
+    work = np.zeros(cp)
+    shards = []
+    for d in np.argsort(-doc_lens, kind="stable"):
+        start, left = 0, int(doc_lens[d])
+        while left:
+            fits = np.flatnonzero(room >= left)
+            rank = int(fits[np.argmin(work[fits])]) if fits.size else int(np.argmax(room))
+            take = min(left, int(room[rank]))
+            shards.append((d, start, take, rank))
+            work[rank] += workload(start, take)
+            room[rank] -= take
+            start, left = start + take, left - take
+    return SequencePlan.from_arrays(*np.array(shards).T, cp).sorted()
+
+
+def random_plan_builder(seed: int):
+    """``plan_fn(doc_lens, cp)`` giving ``random_plan`` (harsh patterns, short shards) from a fixed seed."""
+    from flashcp.runtime.emulate import random_plan
+
+    def build(doc_lens, cp):
+        return random_plan(doc_lens, cp, np.random.default_rng((seed, int(np.sum(doc_lens)), cp)),
+                           max_pieces=4, cut_prob=0.05)
+
+    return build
+
+
+def plan_builders() -> dict:
+    """Name -> ``plan_fn(doc_lens, cp) -> SequencePlan`` for end-to-end tests and benchmarks.
+
+    Random plans (harsh patterns) always; then every strategy of ``flashcp.planner.strategies`` when that
+    module exists (``plan_sequence(name, doc_lens, cp)`` for each name in ``STRATEGIES``, the interface
+    ``bench/gpu_check.py`` expects too), else the stand-ins: a Llama3-like baseline and a FlashCP-like greedy.
+    """
+    builders = {"random": random_plan_builder(0)}
+    try:
+        from flashcp.planner import strategies
+    except ImportError:
+        return {"llama3-like": llama3_like_plan, "whole-doc-greedy": whole_doc_greedy_plan, **builders}
+    for name in strategies.STRATEGIES:
+        builders[name] = partial(_plan_with_strategy, strategies.plan_sequence, name)
+    return builders
+
+
+def _plan_with_strategy(plan_sequence, name, doc_lens, cp):
+    return plan_sequence(name, doc_lens, cp)
 
 
 def write_dataset(root: Path, files: list[list[np.ndarray]], context_len: int, rng: np.random.Generator,

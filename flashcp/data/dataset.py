@@ -13,11 +13,18 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from flashcp import __version__
 from flashcp.errors import FlashcpError
-from flashcp.fileio import sha256_file, write_json_atomic, write_parquet_atomic
+from flashcp.fileio import (
+    PARQUET_COMPRESSION,
+    atomic_path,
+    sha256_file,
+    write_json_atomic,
+    write_parquet_atomic,
+)
 
 __all__ = [
     "DATA_SCHEMA",
@@ -25,6 +32,7 @@ __all__ = [
     "LENGTHS_SCHEMA",
     "Dataset",
     "DataFile",
+    "DataFileWriter",
     "data_table",
     "write_data_file",
     "write_manifest",
@@ -51,8 +59,17 @@ def data_file_name(index: int) -> str:
     return f"{DATA_DIR}/part-{index:05d}.parquet"
 
 
+_NUMPY_TYPES = {pa.int16(): np.int16, pa.int32(): np.int32, pa.int64(): np.int64, pa.float64(): np.float64}
+
+
+def _arrow(values: np.ndarray, value_type: pa.DataType) -> pa.Array:
+    # zero-copy, and unlike pa.array() it does not import pandas (half a second) to inspect its argument
+    values = np.ascontiguousarray(values, dtype=_NUMPY_TYPES[value_type])
+    return pa.Array.from_buffers(value_type, values.size, [None, pa.py_buffer(values)])
+
+
 def _list_array(offsets: np.ndarray, values: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, value_type))
+    return pa.ListArray.from_arrays(_arrow(offsets, pa.int32()), _arrow(values, value_type))
 
 
 def data_table(doc_offsets: np.ndarray, doc_lens: np.ndarray, doc_source: np.ndarray, doc_offset: np.ndarray,
@@ -99,6 +116,49 @@ def write_data_file(root: Path, index: int, table: pa.Table, row_group_rows: int
     lens = table.column("doc_lens").combine_chunks().flatten().to_numpy()
     return DataFile(path=rel, rows=table.num_rows, tokens=int(lens.sum(dtype=np.int64)),
                     sha256=sha256_file(root / rel))
+
+
+class DataFileWriter:
+    """Writes the ``index``-th data file one row group at a time, for data too large to hold at once.
+
+    Rows go to a temporary file beside the final name (``atomic_path``: ``.part-NNNNN.parquet.*.tmp``) with
+    the settings of ``write_parquet_atomic``; ``close`` renames it into place, ``abort`` removes it.
+    """
+
+    def __init__(self, root: Path, index: int, schema: pa.Schema = DATA_SCHEMA):
+        self.root = Path(root)
+        self.rel = data_file_name(index)
+        self._atomic = atomic_path(self.root / self.rel)
+        tmp = self._atomic.__enter__()
+        try:
+            self._writer = pq.ParquetWriter(tmp, schema, compression=PARQUET_COMPRESSION,
+                                            write_statistics=False, store_schema=True)
+        except BaseException as e:
+            self._atomic.__exit__(type(e), e, e.__traceback__)
+            raise
+        self.rows = 0
+        self.tokens = 0
+
+    def write(self, table: pa.Table) -> None:
+        """Append ``table`` as one row group."""
+        self._writer.write_table(table, row_group_size=max(1, table.num_rows))
+        self.rows += table.num_rows
+        self.tokens += int(pc.sum(table.column("doc_lens").combine_chunks().flatten()).as_py() or 0)
+
+    def close(self) -> DataFile:
+        """Finish the file, move it to its final name, and return its manifest entry."""
+        self._writer.close()
+        self._atomic.__exit__(None, None, None)
+        return DataFile(path=self.rel, rows=self.rows, tokens=self.tokens,
+                        sha256=sha256_file(self.root / self.rel))
+
+    def abort(self) -> None:
+        """Drop the file being written."""
+        try:
+            self._writer.close()
+        finally:
+            aborted = RuntimeError("data file aborted")
+            self._atomic.__exit__(RuntimeError, aborted, None)
 
 
 def write_manifest(root: Path, *, context_len: int, has_tokens: bool, created_by: str, tokenizer: dict | None,

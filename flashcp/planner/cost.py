@@ -20,6 +20,8 @@ Definitions (DESIGN.md section 2, paper section 3):
 - exact-need comm: rank r receives, per document, the tokens of ``[0, max end of r's shards)`` it does not
   hold itself; the critical path is the largest receive.
 - comm saving: ``1 - critical path / (C / N)``, against the full-KV all-gather of Llama3 / Per-Doc CP.
+- exact-need saving: ``1 - max received / ((N - 1) * C / N)``, against the tokens every rank receives in
+  that full-KV all-gather (the all-gather saving above is the same ratio, as a rank receives N - 1 buffers).
 - K/V bytes per token for one layer and one pass: ``2 * H_kv * D * dtype_bytes``; backward moves as much
   again (dK/dV).
 """
@@ -37,6 +39,7 @@ __all__ = [
     "allgather_shard_mask",
     "comm_saving",
     "exact_need_received",
+    "exact_need_saving",
     "exact_need_sent",
     "imbalance_ratio",
     "kv_bytes_per_token",
@@ -219,6 +222,16 @@ def exact_need_sent(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> n
 def comm_saving(comm_tokens: float, context_len: int, cp: int) -> float:
     """``1 - comm_tokens / (C / N)``: saving against the full-KV all-gather's critical path."""
     return 1.0 - comm_tokens / (context_len / cp)
+
+
+def exact_need_saving(received_tokens: float, context_len: int, cp: int) -> float:
+    """``1 - received / ((N - 1) * C / N)``: saving against what a rank receives in a full-KV all-gather.
+
+    1.0 when ``cp == 1`` (nothing is ever received).
+    """
+    if cp == 1:
+        return 1.0
+    return 1.0 - received_tokens / ((cp - 1) * context_len / cp)
 
 
 def kv_bytes_per_token(num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:

@@ -145,6 +145,32 @@ class PlanStore:
         """Path of the plan file matching the ``index``-th data file."""
         return self.dir / self.meta["plan_files"][index]["path"]
 
+    def read_flat(self, index: int) -> dict[str, np.ndarray]:
+        """The whole ``index``-th plan file as flat int64/float64 arrays.
+
+        Keys: ``shard_offsets`` (rows + 1,) indexing the flat ``shard_doc``, ``shard_start``, ``shard_len``,
+        ``shard_rank``; and per row ``imbalance``, ``ag_comm_tokens``, ``a2a_comm_tokens``.
+        """
+        path = self.plan_path(index)
+        try:
+            table = pq.read_table(path, schema=PLAN_SCHEMA)
+        except (OSError, pa.ArrowException) as e:
+            raise FlashcpError(f"plan file {path} cannot be read ({e}); "
+                               "re-run 'flashcp plan --force'") from None
+        out: dict[str, np.ndarray] = {}
+        for name in ("shard_doc", "shard_start", "shard_len", "shard_rank"):
+            column = table.column(name).combine_chunks()
+            offsets = column.offsets.to_numpy().astype(np.int64)
+            out[name] = column.values.to_numpy().astype(np.int64)[offsets[0]:offsets[-1]]
+            if name == "shard_doc":
+                out["shard_offsets"] = offsets - offsets[0]
+            elif not np.array_equal(offsets - offsets[0], out["shard_offsets"]):
+                raise FlashcpError(f"plan file {path} is corrupt: its shard columns have different lengths")
+        out["imbalance"] = table.column("imbalance").to_numpy()
+        out["ag_comm_tokens"] = table.column("ag_comm_tokens").to_numpy().astype(np.int64)
+        out["a2a_comm_tokens"] = table.column("a2a_comm_tokens").to_numpy().astype(np.int64)
+        return out
+
     def _open(self, index: int) -> pq.ParquetFile:
         path = self.plan_path(index)
         try:

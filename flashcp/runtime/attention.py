@@ -31,7 +31,8 @@ __all__ = ["attention_after_exchange", "cp_attention", "local_attention", "pack_
 
 
 def cp_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: CPAttnMeta, group=None,
-                 comm: str = "auto", backend: str = "auto", stats: CommStats | None = None) -> torch.Tensor:
+                 comm: str = "auto", backend: str = "auto", stats: CommStats | None = None,
+                 softmax_scale: float | None = None) -> torch.Tensor:
     """Context-parallel attention of this rank's queries, ``out_THD``. Run it on all ranks of ``group``.
 
     Args:
@@ -44,6 +45,7 @@ def cp_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, 
         comm: ``allgather``, ``a2a``, ``full`` or ``auto`` (``meta.auto_comm``, the same on every rank).
         backend: ``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``.
         stats: a CommStats that records each collective issued, or None.
+        softmax_scale: the factor on ``q . k`` before the softmax; None means ``1 / sqrt(D)``.
 
     Differentiable in q, k and v.
     """
@@ -57,13 +59,13 @@ def cp_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, 
             raise ValueError(f"the meta is for rank {meta.rank} of {meta.cp}, but this process is rank "
                              f"{dist.get_rank(group)} of a group of {dist.get_world_size(group)}")
         pending = start_exchange(pack_send(k_TKD, v_TKD, exchange), exchange, group, meta.cp, stats)
-    out_local = local_attention(q_THD, k_TKD, v_TKD, meta, backend)
+    out_local = local_attention(q_THD, k_TKD, v_TKD, meta, backend, softmax_scale)
     if pending is not None:
         recv_RKD = pending.wait()
     else:  # nothing to exchange: every shard is local-only
         assert meta.remote.num_tokens == 0
         recv_RKD = k_TKD.new_zeros((0, 2, *k_TKD.shape[1:]))
-    out_remote = remote_attention(q_THD, k_TKD, v_TKD, recv_RKD, meta, exchange, backend)
+    out_remote = remote_attention(q_THD, k_TKD, v_TKD, recv_RKD, meta, exchange, backend, softmax_scale)
     out = _combine(out_local, out_remote, meta)
     if pending is not None and meta.remote.num_tokens == 0:
         out = pending.tie(out, recv_RKD)
@@ -80,22 +82,24 @@ def pack_send(k_TKD: torch.Tensor, v_TKD: torch.Tensor, exchange: Exchange) -> t
     return send
 
 
-def _attend(q_THD, k_SKD, v_SKD, part: QueryPart, kv_index: torch.Tensor, backend: str) -> torch.Tensor:
+def _attend(q_THD, k_SKD, v_SKD, part: QueryPart, kv_index: torch.Tensor, backend: str,
+            softmax_scale: float | None) -> torch.Tensor:
     if part.num_tokens == 0:
         return q_THD.new_zeros((0, *q_THD.shape[1:]))
     return varlen_attention(q_THD.index_select(0, part.q_index), k_SKD.index_select(0, kv_index),
                             v_SKD.index_select(0, kv_index), part.cu_seqlens_q, part.cu_seqlens_k,
-                            part.max_seqlen_q, part.max_seqlen_k, backend)
+                            part.max_seqlen_q, part.max_seqlen_k, backend, softmax_scale)
 
 
 def local_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: CPAttnMeta,
-                    backend: str = "auto") -> torch.Tensor:
+                    backend: str = "auto", softmax_scale: float | None = None) -> torch.Tensor:
     """Output of the local-only shards, (meta.local.num_tokens, H, D), in ``meta.local.q_index`` order."""
-    return _attend(q_THD, k_TKD, v_TKD, meta.local, meta.local_kv_index, backend)
+    return _attend(q_THD, k_TKD, v_TKD, meta.local, meta.local_kv_index, backend, softmax_scale)
 
 
 def remote_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, recv_RKD: torch.Tensor,
-                     meta: CPAttnMeta, exchange: Exchange, backend: str = "auto") -> torch.Tensor:
+                     meta: CPAttnMeta, exchange: Exchange, backend: str = "auto",
+                     softmax_scale: float | None = None) -> torch.Tensor:
     """Output of the shards needing remote K/V, (meta.remote.num_tokens, H, D), given the receive buffer.
 
     ``recv_RKD`` is (exchange.recv_rows, 2, K, D): what ``exchange``'s collective delivered (K in ``[:, 0]``,
@@ -105,12 +109,12 @@ def remote_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tens
         return q_THD.new_zeros((0, *q_THD.shape[1:]))
     k_SKD = torch.cat((k_TKD, recv_RKD[:, 0]))
     v_SKD = torch.cat((v_TKD, recv_RKD[:, 1]))
-    return _attend(q_THD, k_SKD, v_SKD, meta.remote, exchange.kv_index, backend)
+    return _attend(q_THD, k_SKD, v_SKD, meta.remote, exchange.kv_index, backend, softmax_scale)
 
 
 def attention_after_exchange(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
                              recv_RKD: torch.Tensor, meta: CPAttnMeta, comm: str = "auto",
-                             backend: str = "auto") -> torch.Tensor:
+                             backend: str = "auto", softmax_scale: float | None = None) -> torch.Tensor:
     """Compute a rank's ``out_THD`` from the receive buffer its ``comm`` exchange would deliver."""
     meta = meta.to(q_THD.device)
     _check_inputs(q_THD, k_TKD, v_TKD, meta)
@@ -119,8 +123,8 @@ def attention_after_exchange(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: to
     if recv_RKD.shape[0] != exchange.recv_rows:
         raise ValueError(f"the receive buffer has {recv_RKD.shape[0]} rows, the {exchange.mode} exchange "
                          f"delivers {exchange.recv_rows}")
-    out_local = local_attention(q_THD, k_TKD, v_TKD, meta, backend)
-    out_remote = remote_attention(q_THD, k_TKD, v_TKD, recv_RKD, meta, exchange, backend)
+    out_local = local_attention(q_THD, k_TKD, v_TKD, meta, backend, softmax_scale)
+    out_remote = remote_attention(q_THD, k_TKD, v_TKD, recv_RKD, meta, exchange, backend, softmax_scale)
     return _combine(out_local, out_remote, meta)
 
 

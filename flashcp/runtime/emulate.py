@@ -36,7 +36,8 @@ def emulate_exchange(metas: list[CPAttnMeta], ks: list[torch.Tensor], vs: list[t
 
 
 def emulate_cp_attention(q_CHD: torch.Tensor, k_CKD: torch.Tensor, v_CKD: torch.Tensor, plan: SequencePlan,
-                         doc_lens, comm: str = "auto", backend: str = "auto") -> torch.Tensor:
+                         doc_lens, comm: str = "auto", backend: str = "auto",
+                         softmax_scale: float | None = None) -> torch.Tensor:
     """Run every rank of ``plan`` in this process and return the packed sequence's output, (C, H, D).
 
     Takes the whole sequence's q/k/v in packed order; differentiable (autograd follows the emulated exchange).
@@ -49,7 +50,8 @@ def emulate_cp_attention(q_CHD: torch.Tensor, k_CKD: torch.Tensor, v_CKD: torch.
     recvs = emulate_exchange(metas, ks, vs, comm)
     out = q_CHD.new_zeros(q_CHD.shape)
     for r, meta in enumerate(metas):
-        out_r = attention_after_exchange(q_CHD[positions[r]], ks[r], vs[r], recvs[r], meta, comm, backend)
+        out_r = attention_after_exchange(q_CHD[positions[r]], ks[r], vs[r], recvs[r], meta, comm, backend,
+                                         softmax_scale)
         out = out.index_put((positions[r],), out_r)
     return out
 

@@ -58,7 +58,7 @@ def _torch_varlen_func():
         causal = {"is_causal": True}
     else:
         return None, {}
-    return varlen_attn, {"causal": causal, "enable_gqa": "enable_gqa" in params}
+    return varlen_attn, {"causal": causal, "enable_gqa": "enable_gqa" in params, "scale": "scale" in params}
 
 
 def _why_unavailable(backend: str, q: torch.Tensor) -> str | None:
@@ -98,7 +98,8 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
 
 def varlen_attention(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                     max_seqlen_k: int, backend: str = "auto") -> torch.Tensor:
+                     max_seqlen_k: int, backend: str = "auto",
+                     softmax_scale: float | None = None) -> torch.Tensor:
     """Bottom-right causal attention over packed variable-length sequences; returns ``out_THD``.
 
     Args:
@@ -111,31 +112,40 @@ def varlen_attention(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Tens
         max_seqlen_q: longest query sequence.
         max_seqlen_k: longest key sequence.
         backend: one of BACKENDS or ``"auto"``.
+        softmax_scale: the factor applied to ``q . k`` before the softmax; None means ``1 / sqrt(D)``.
 
-    The softmax scale is ``1 / sqrt(D)``. Differentiable in q, k and v with every backend.
+    Differentiable in q, k and v with every backend.
     """
     backend = resolve_backend(backend, q_THD)
     if q_THD.shape[0] == 0:
         return q_THD.clone()
     if backend == "flash_attn":
         return _flash_attn_func()(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                  causal=True)
+                                  softmax_scale=softmax_scale, causal=True)
     if backend == "torch_varlen":
         varlen_attn, options = _torch_varlen_func()
         kwargs = dict(options["causal"])
         if k_SKD.shape[1] != q_THD.shape[1] and options["enable_gqa"]:
             kwargs["enable_gqa"] = True
+        if softmax_scale is not None:
+            if options["scale"]:
+                kwargs["scale"] = softmax_scale
+            else:  # releases without a scale argument: fold the ratio to the default scale into q
+                q_THD = q_THD * (softmax_scale * math.sqrt(q_THD.shape[-1]))
         return varlen_attn(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            **kwargs)
-    return reference_varlen_attention(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k)
+    return reference_varlen_attention(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, softmax_scale)
 
 
 def reference_varlen_attention(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Tensor,
-                               cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
+                               cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                               softmax_scale: float | None = None) -> torch.Tensor:
     """``scaled_dot_product_attention`` one sequence at a time with an explicit bottom-right causal mask.
 
     Runs on any device and dtype (float64 included); loops over sequences: for CPU, tests and checks.
+    ``softmax_scale`` None means ``1 / sqrt(D)``.
     """
+    scale = 1.0 / math.sqrt(q_THD.shape[-1]) if softmax_scale is None else float(softmax_scale)
     num_heads, num_kv_heads = q_THD.shape[1], k_SKD.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads {num_heads} must be a multiple of key/value heads {num_kv_heads}")
@@ -152,7 +162,6 @@ def reference_varlen_attention(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: 
         # bottom-right alignment: query j is the (num_k - num_q + j)-th key position
         keep_QK = (torch.arange(num_k, device=q_THD.device)[None, :]
                    <= torch.arange(num_q, device=q_THD.device)[:, None] + (num_k - num_q))
-        out_HQD = F.scaled_dot_product_attention(q_HQD, k_HKD, v_HKD, attn_mask=keep_QK,
-                                                 scale=1.0 / math.sqrt(q_THD.shape[-1]))
+        out_HQD = F.scaled_dot_product_attention(q_HQD, k_HKD, v_HKD, attn_mask=keep_QK, scale=scale)
         outs.append(out_HQD.transpose(0, 1))
     return torch.cat(outs) if outs else q_THD.new_zeros(q_THD.shape)

@@ -1,0 +1,127 @@
+"""Plan quality of every strategy on synthetic packed sequences: imbalance and communication.
+
+For each distribution and CP size, the same sequences (lengths drawn with ``flashcp.data.synth``, packed
+with the paper's rule) are planned by every strategy; every plan is validated. Columns:
+
+- imbalance mean / p50 / max of ``max_rank W / mean_rank W``;
+- all-gather saving: ``1 - mean(max contribution) / (C/N)`` (paper Eq. 5 against a full K/V all-gather);
+- exact-need received: mean of the largest per-rank receive, as % of what a rank receives in a full K/V
+  all-gather, ``(N-1) C / N`` (lower is better);
+- shards: mean shards per rank (more shards = smaller attention kernels).
+
+A strategy may carry a target, ``flashcp+@1.05``. Run from the repository root:
+
+    python bench/plan_quality.py --num-seqs 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from flashcp.data.synth import load_distribution, pack_lengths  # noqa: E402
+from flashcp.planner.pipeline import plan_rows, summarize  # noqa: E402
+from flashcp.planner.strategies import get_strategy, resolve_params  # noqa: E402
+
+
+def parse_strategy(spec: str) -> tuple[str, str, dict]:
+    name, _, target = spec.partition("@")
+    strategy = get_strategy(name)
+    return spec, name, resolve_params(strategy, float(target) if target else None)
+
+
+def measure(dists, cps, strategies, num_seqs, context_len, seed):
+    rows = []
+    for dist in dists:
+        rng = np.random.default_rng(seed)
+        offsets, lens, _, _, _ = pack_lengths(load_distribution(dist), rng, num_seqs, context_len)
+        for cp in cps:
+            for spec, name, params in strategies:
+                started = time.perf_counter()
+                planned = plan_rows(offsets, lens, cp, name, params)
+                elapsed = time.perf_counter() - started
+                s = summarize(planned.imbalance, planned.ag_comm_tokens, planned.a2a_comm_tokens,
+                              context_len, cp)
+                s.update(dist=dist, cp=cp, strategy=spec, params=params, seconds=elapsed,
+                         shards_per_rank=float(np.diff(planned.shard_offsets).mean() / cp),
+                         received_pct=100 * (1 - s["a2a_saving_mean"]))
+                rows.append(s)
+    return rows
+
+
+def print_table(rows, context_len):
+    head = (f"{'dist':8s} {'cp':>3s} {'strategy':15s} {'imb mean':>9s} {'p50':>7s} {'max':>7s} "
+            f"{'AG saving':>10s} {'EN received':>12s} {'shards/rank':>12s}")
+    print(f"C = {context_len:,}; EN received = exact-need max receive, % of a full K/V all-gather")
+    print(head)
+    print("-" * len(head))
+    last = None
+    for r in rows:
+        if last is not None and (r["dist"], r["cp"]) != last:
+            print()
+        last = (r["dist"], r["cp"])
+        print(f"{r['dist']:8s} {r['cp']:3d} {r['strategy']:15s} {r['imbalance_mean']:9.4f} "
+              f"{r['imbalance_p50']:7.4f} {r['imbalance_max']:7.4f} {100 * r['ag_saving_mean']:9.1f}% "
+              f"{r['received_pct']:11.1f}% {r['shards_per_rank']:12.1f}")
+
+
+def check_targets(rows):
+    """The issue's targets, as pass/fail lines (flashcp = Algorithm 1, flashcp+ = the improved strategy)."""
+    by = {(r["dist"], r["cp"], r["strategy"]): r for r in rows}
+    lines = []
+    for (dist, cp, strategy), r in sorted(by.items()):
+        if strategy not in ("flashcp", "flashcp+"):
+            continue
+        ok = r["imbalance_mean"] <= 1.03 and r["imbalance_max"] <= 1.06
+        lines.append(f"{'PASS' if ok else 'FAIL'} {dist} cp{cp} {strategy}: mean {r['imbalance_mean']:.4f} "
+                     f"<= 1.03, max {r['imbalance_max']:.4f} <= 1.06")
+        alg1 = by.get((dist, cp, "flashcp"))
+        if strategy == "flashcp+" and alg1:
+            better = (r["ag_saving_mean"] > alg1["ag_saving_mean"]
+                      and r["imbalance_mean"] <= alg1["imbalance_mean"]
+                      and r["imbalance_max"] <= alg1["imbalance_max"])
+            lines.append(f"{'PASS' if better else 'FAIL'} {dist} cp{cp} flashcp+ vs flashcp: all-gather "
+                         f"saving {100 * r['ag_saving_mean']:.1f}% > {100 * alg1['ag_saving_mean']:.1f}% at "
+                         f"imbalance mean/max {r['imbalance_mean']:.4f}/{r['imbalance_max']:.4f} <= "
+                         f"{alg1['imbalance_mean']:.4f}/{alg1['imbalance_max']:.4f}")
+            stretch = r["imbalance_max"] <= 1.01 and r["a2a_comm_tokens_mean"] <= alg1["a2a_comm_tokens_mean"]
+            lines.append(f"{'PASS' if stretch else 'MISS'} {dist} cp{cp} stretch: flashcp+ max "
+                         f"{r['imbalance_max']:.4f} <= 1.01, exact-need received {r['received_pct']:.1f}% <= "
+                         f"flashcp's {alg1['received_pct']:.1f}%")
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dists", default="wlb,prolong,pile", help="comma-separated distributions")
+    parser.add_argument("--cp", default="4,8", help="comma-separated CP sizes")
+    parser.add_argument("--strategies", default="llama3,perdoc,flashcp,flashcp+,flashcp+@1.05",
+                        help="comma-separated strategies, each optionally @target")
+    parser.add_argument("--num-seqs", type=int, default=2000)
+    parser.add_argument("--context-len", type=int, default=131072)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    args = parser.parse_args()
+    strategies = [parse_strategy(s) for s in args.strategies.split(",")]
+    rows = measure(args.dists.split(","), [int(c) for c in args.cp.split(",")], strategies, args.num_seqs,
+                   args.context_len, args.seed)
+    print(f"{args.num_seqs:,} sequences per distribution, seed {args.seed}")
+    print_table(rows, args.context_len)
+    print()
+    for line in check_targets(rows):
+        print(line)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""``flashcp pack``: tokenize text inputs and pack them into sequences of exactly ``--context-len`` tokens."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from flashcp.cli.console import console, error, info, progress, warn
+from flashcp.data.pack import PackConfig, run_pack
+from flashcp.data.packing import OVERFLOWS
+from flashcp.data.tokenizer import BUILTINS, DEFAULT_TOKENIZER
+from flashcp.errors import FlashcpError
+
+__all__ = ["command"]
+
+
+def _default_workers() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+@click.command("pack")
+@click.argument("inputs", nargs=-1, required=True)
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
+              help="Dataset folder to write (created if missing).")
+@click.option("--context-len", required=True, type=int, help="Tokens per packed sequence, e.g. 131072.")
+@click.option("--tokenizer", default=DEFAULT_TOKENIZER, show_default=True,
+              help=f"A tokenizer.json file (or a folder holding one), or a built-in: {', '.join(BUILTINS)}.")
+@click.option("--text-field", default="text", show_default=True,
+              help="JSONL key or Parquet column with the text.")
+@click.option("--overflow", type=click.Choice(OVERFLOWS), default="split", show_default=True,
+              help="A document that does not fit: continue it in the next sequence, or drop its rest.")
+@click.option("--workers", type=int, default=None,
+              help="Tokenizer processes; the output is the same for any number [default: the CPU cores, "
+                   "at most 8].")
+@click.option("--include", multiple=True, metavar="GLOB",
+              help="In folders, also read files matching GLOB as plain text (repeatable), e.g. '*.py'.")
+@click.option("--exclude", multiple=True, metavar="GLOB",
+              help="In folders, skip files and folders matching GLOB (repeatable), e.g. site-packages.")
+@click.option("--eos/--no-eos", default=True, show_default=True, help="Append EOS after every document.")
+@click.option("--strict", is_flag=True,
+              help="Stop at the first bad record instead of skipping and counting it.")
+@click.option("--force", is_flag=True, help="Overwrite a dataset or unfinished pack already in the folder.")
+@click.option("--rows-per-file", type=int, default=0, help="Sequences per data file [default: ~64M tokens].")
+@click.option("--row-group-rows", type=int, default=0,
+              help="Sequences per Parquet row group [default: ~4M tokens].")
+def command(inputs: tuple[str, ...], output: Path, context_len: int, tokenizer: str, text_field: str,
+            overflow: str, workers: int | None, include: tuple[str, ...], exclude: tuple[str, ...], eos: bool,
+            strict: bool, force: bool, rows_per_file: int, row_group_rows: int) -> None:
+    """Pack INPUT files (JSONL, JSONL.gz, Parquet, plain text; folders and globs of them) into a dataset.
+
+    Documents are tokenized, EOS is appended, and they fill sequences of exactly --context-len tokens in
+    input order. Bad records are skipped and counted; re-running an interrupted pack resumes it.
+    """
+    try:
+        config = PackConfig(inputs=inputs, output=output, context_len=context_len, tokenizer=tokenizer,
+                            text_field=text_field, overflow=overflow, append_eos=eos, include=include,
+                            exclude=exclude, strict=strict,
+                            workers=_default_workers() if workers is None else workers,
+                            rows_per_file=rows_per_file, row_group_rows=row_group_rows, force=force)
+    except ValueError as e:
+        raise FlashcpError(str(e)) from None
+    try:
+        with progress("packing sequences", None) as advance:
+            result = run_pack(config, on_rows=advance)
+    except KeyboardInterrupt:
+        error(f"interrupted; run the same command again to resume the pack in {output}")
+        raise SystemExit(130) from None
+    for message in result.warnings:
+        warn(message)
+    manifest, counts = result.manifest, result.manifest["counts"]
+    if result.already_done:
+        console.print(f"{output} already holds this dataset ({manifest['num_sequences']:,} sequences of "
+                      f"{manifest['context_len']:,} tokens); nothing to do")
+        return
+    if result.resumed_parts:
+        info(f"resumed an interrupted pack after {result.resumed_parts} finished data file(s)")
+    tokens = counts["tokens_packed"]
+    console.print(f"packed {manifest['num_sequences']:,} sequences of {context_len:,} tokens "
+                  f"({tokens:,} tokens) from {counts['documents_packed']:,} documents into {output} "
+                  f"in {result.seconds:.1f} s "
+                  f"({tokens / max(result.seconds, 1e-9):,.0f} tokens/s)")
+    info(f"documents: {counts['documents_read']:,} read, {counts['documents_split']:,} split, "
+         f"{counts['documents_truncated']:,} truncated, {counts['documents_dropped_empty']:,} empty; "
+         f"{counts['tokens_dropped_tail']:,} tokens ({counts['documents_dropped_tail']:,} documents) in the "
+         "last, partial sequence dropped")

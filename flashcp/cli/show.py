@@ -1,0 +1,152 @@
+"""``flashcp show``: a terminal picture of one sequence's plan."""
+
+from __future__ import annotations
+
+import click
+import numpy as np
+from rich.text import Text
+
+from flashcp.cli.console import console
+from flashcp.data.dataset import Dataset
+from flashcp.errors import FlashcpError
+from flashcp.planner.cost import (
+    allgather_contributions,
+    comm_saving,
+    exact_need_received,
+    exact_need_saving,
+    rank_workloads,
+)
+from flashcp.planner.plan import SequencePlan
+from flashcp.planner.store import PLAN_JSON, PLANS_DIR, PlanStore
+
+PALETTE = ("red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "bright_green", "bright_yellow",
+           "bright_blue", "bright_magenta", "bright_cyan", "orange3", "purple", "turquoise2", "gold3")
+BAR_WIDTH = 64
+SMALL_BAR = 24
+MAX_RANGES = 4
+MAX_SPLIT_DOCS = 12
+
+
+def _locate(dataset: Dataset, seq: int) -> tuple[int, int]:
+    if seq < 0 or seq >= dataset.num_sequences:
+        raise FlashcpError(f"sequence {seq} is out of range: {dataset.root} has {dataset.num_sequences:,} "
+                           f"sequences (0..{dataset.num_sequences - 1})")
+    first = 0
+    for index, data_file in enumerate(dataset.files):
+        if seq < first + data_file.rows:
+            return index, seq - first
+        first += data_file.rows
+    raise AssertionError("unreachable")
+
+
+def _pick_plan(dataset: Dataset, name: str | None) -> str:
+    if name is not None:
+        return name
+    plans = sorted(p.parent.name for p in (dataset.root / PLANS_DIR).glob(f"[!.]*/{PLAN_JSON}"))
+    if len(plans) == 1:
+        return plans[0]
+    if not plans:
+        raise FlashcpError(f"{dataset.root} has no plans; run 'flashcp plan' first")
+    raise FlashcpError(f"{dataset.root} has several plans ({', '.join(plans)}); choose one with --plan")
+
+
+def received_ranges(plan: SequencePlan, rank: int) -> list[tuple[int, int, int]]:
+    """Exact-need receive list of ``rank``: (doc, start, end) ranges of K/V it needs and does not hold."""
+    out = []
+    mine = plan.shard_rank == rank
+    for doc in np.unique(plan.shard_doc[mine]):
+        sel = mine & (plan.shard_doc == doc)
+        starts, ends = plan.shard_start[sel], plan.shard_start[sel] + plan.shard_len[sel]
+        need_end = int(ends.max())
+        cursor = 0
+        for s, e in sorted(zip(starts.tolist(), ends.tolist())):
+            if s > cursor:
+                out.append((int(doc), cursor, s))
+            cursor = max(cursor, e)
+        if cursor < need_end:
+            out.append((int(doc), cursor, need_end))
+    return out
+
+
+def _bar(fraction: float, width: int, style: str) -> Text:
+    filled = int(round(max(0.0, min(1.0, fraction)) * width))
+    return Text("█" * filled, style=style) + Text("░" * (width - filled), style="grey37")
+
+
+def _shard_bar(plan: SequencePlan, rank: int, split_docs: set[int]) -> Text:
+    idx = plan.rank_slice(rank)
+    lengths = plan.shard_len[idx]
+    total = int(lengths.sum())
+    text = Text()
+    done = 0
+    for i, length in zip(idx, lengths):
+        begin = round(done * BAR_WIDTH / total)
+        done += int(length)
+        end = round(done * BAR_WIDTH / total)
+        doc = int(plan.shard_doc[i])
+        text.append(("▓" if doc in split_docs else "█") * (end - begin), style=PALETTE[doc % len(PALETTE)])
+    return text
+
+
+def render(plan: SequencePlan, doc_lens: np.ndarray, title: str) -> list[Text | str]:
+    """Lines of the picture: per rank its shards in local order, workload and token bars, what it receives."""
+    cp = plan.cp
+    work = rank_workloads(plan.shard_start, plan.shard_len, plan.shard_rank, cp)
+    tokens = np.bincount(plan.shard_rank, weights=plan.shard_len, minlength=cp).astype(np.int64)
+    contrib = allgather_contributions(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
+    received = exact_need_received(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
+    context_len = int(doc_lens.sum())
+    mean = work.mean()
+    ranks_of = {int(d): set(plan.shard_rank[plan.shard_doc == d].tolist()) for d in np.unique(plan.shard_doc)}
+    split_docs = {d for d, ranks in ranks_of.items() if len(ranks) > 1}
+    lines: list[Text | str] = [
+        Text(title, style="bold"),
+        f"imbalance {work.max() / mean:.4f} · all-gather {int(contrib.max()):,} tokens "
+        f"(saving {100 * comm_saving(int(contrib.max()), context_len, cp):.1f}%) · exact-need "
+        f"{int(received.max()):,} tokens received (saving "
+        f"{100 * exact_need_saving(int(received.max()), context_len, cp):.1f}%)",
+        Text("█ whole on one rank   ▓ document spread over ranks (colour = document)", style="dim"),
+        "",
+    ]
+    for rank in range(cp):
+        lines.append(Text(f"rank {rank:<3d} ", style="bold") + _shard_bar(plan, rank, split_docs))
+        lines.append(Text("         work ") + _bar(work[rank] / work.max(), SMALL_BAR, "green")
+                     + Text(f" {work[rank] / mean:.3f}x mean   tokens ")
+                     + _bar(tokens[rank] / tokens.max(), SMALL_BAR // 2, "blue") + Text(f" {tokens[rank]:,}"))
+        ranges = received_ranges(plan, rank)
+        shown = ", ".join(f"doc {d} [{s:,}, {e:,})" for d, s, e in ranges[:MAX_RANGES])
+        more = f" and {len(ranges) - MAX_RANGES} more" if len(ranges) > MAX_RANGES else ""
+        lines.append(Text(f"         receives {int(received[rank]):,} tokens of K/V"
+                          f"{': ' + shown + more if ranges else ''}; all-gather contribution "
+                          f"{int(contrib[rank]):,}", style="dim"))
+    if split_docs:
+        lines.append("")
+        lines.append(Text(f"documents on several ranks ({len(split_docs)}):", style="bold"))
+        for doc in sorted(split_docs, key=lambda d: -int(doc_lens[d]))[:MAX_SPLIT_DOCS]:
+            sel = plan.shard_doc == doc
+            pieces = sorted(zip(plan.shard_start[sel].tolist(), plan.shard_len[sel].tolist(),
+                                plan.shard_rank[sel].tolist()))
+            cuts = " ".join(f"r{r}[{s:,}+{n:,}]" for s, n, r in pieces[:8])
+            more = " ..." if len(pieces) > 8 else ""
+            label = Text(f"  doc {doc} ({int(doc_lens[doc]):,} tokens): ", style=PALETTE[doc % len(PALETTE)])
+            lines.append(label + Text(cuts + more))
+    return lines
+
+
+@click.command("show")
+@click.argument("data", type=click.Path())
+@click.option("--plan", "plan_name", default=None, help="Plan folder name, e.g. cp8-flashcp (the only plan "
+              "when omitted).")
+@click.option("--seq", type=int, default=0, show_default=True, help="Sequence index in the dataset.")
+def command(data: str, plan_name: str | None, seq: int) -> None:
+    """Draw sequence SEQ's plan: each rank's shards, workload, tokens, and the K/V it receives."""
+    dataset = Dataset(data)
+    store = PlanStore(dataset, _pick_plan(dataset, plan_name))
+    index, row = _locate(dataset, seq)
+    offsets, lens = dataset.read_doc_lens(index)
+    doc_lens = lens[offsets[row]:offsets[row + 1]]
+    stored = store.read_plans(index, row, row + 1)[0]
+    title = (f"sequence {seq} ({dataset.files[index].path} row {row}): {doc_lens.size} documents, "
+             f"{int(doc_lens.sum()):,} tokens; plan {store.name} ({store.strategy}, cp {store.cp})")
+    for line in render(stored.plan, doc_lens, title):
+        console.print(line)

@@ -1,0 +1,153 @@
+"""Hugging Face transformers: run a stock causal LM (Llama, Qwen2, ...) with flashcp context parallelism.
+
+``register_flashcp_attention()`` adds flashcp to transformers' attention interface under the name
+``"cp_attention"`` (a name containing "flash" would be taken by transformers for a flash-attention kernel to
+load from the hub). A model built with ``attn_implementation="cp_attention"`` then attends through
+``cp_attention``; the forward call passes this rank's packed tokens as a batch of one, the per-document
+``position_ids`` (the model computes RoPE from them, so every document starts at position 0 even when its
+shard starts mid-document on this rank), and the batch's CPAttnMeta, which transformers hands on to the
+attention function as a keyword argument::
+
+    register_flashcp_attention()
+    model = LlamaForCausalLM._from_config(config, attn_implementation="cp_attention")
+    out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], use_cache=False,
+                **hf_attention_kwargs(batch.attn, group=group, comm="a2a"))
+
+The document mask comes from the plan, never from an ``attention_mask``: transformers builds no mask for an
+attention implementation it has no mask function for, and the attention function refuses one passed in.
+
+Shape legend: ``B`` batch (always 1: one packed sequence per rank), ``T`` this rank's tokens, ``H`` query
+heads, ``K`` key/value heads, ``D`` head dim, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from flashcp.models.tiny import causal_lm_loss_sum
+from flashcp.runtime import CommStats, CPAttnMeta, cp_attention
+from flashcp.runtime.loader import Batch
+from flashcp.train.step import CPAttention
+
+__all__ = ["ATTN_IMPLEMENTATION", "HF_ARCHITECTURES", "flashcp_attention_forward", "hf_attention_kwargs",
+           "hf_loss_sum", "register_flashcp_attention", "tiny_hf_model"]
+
+ATTN_IMPLEMENTATION = "cp_attention"
+"""The name flashcp registers in transformers' AttentionInterface."""
+
+HF_ARCHITECTURES = ("llama", "qwen2")
+"""Architectures ``tiny_hf_model`` builds (both with grouped-query attention)."""
+
+
+def register_flashcp_attention(name: str = ATTN_IMPLEMENTATION) -> str:
+    """Register ``flashcp_attention_forward`` with transformers under ``name``; returns the name.
+
+    Idempotent. Raises ValueError for a name containing "flash", which transformers would try to load as a
+    flash-attention kernel.
+    """
+    if "flash" in name:
+        raise ValueError(f"attention implementation name '{name}' contains 'flash', which transformers "
+                         "reserves for flash-attention kernels; choose another name")
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, flashcp_attention_forward)
+    return name
+
+
+def hf_attention_kwargs(meta: CPAttnMeta, *, group=None, comm: str = "auto", backend: str = "auto",
+                        stats: CommStats | None = None) -> dict[str, Any]:
+    """Keyword arguments for a transformers model's forward that make it attend with ``cp_attention``."""
+    return {"flashcp_meta": meta, "flashcp_group": group, "flashcp_comm": comm, "flashcp_backend": backend,
+            "flashcp_stats": stats}
+
+
+def flashcp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attention_mask: torch.Tensor | None, scaling: float | None = None,
+                              dropout: float = 0.0, *, flashcp_meta: CPAttnMeta | None = None,
+                              flashcp_group=None, flashcp_comm: str = "auto", flashcp_backend: str = "auto",
+                              flashcp_stats: CommStats | None = None, sliding_window: int | None = None,
+                              softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention function for transformers: ``cp_attention`` on this rank's packed tokens.
+
+    Args:
+        module: the calling attention layer (unused).
+        query: (1, H, T, D), RoPE applied.
+        key: (1, K, T, D), RoPE applied; ``H % K == 0``.
+        value: (1, K, T, D).
+        attention_mask: must be None (the document mask comes from the plan).
+        scaling: the softmax scale (passed to the kernels; None means ``1 / sqrt(D)``).
+        dropout: must be 0.
+        flashcp_meta: this rank's CPAttnMeta (``batch.attn``); required.
+        flashcp_group: the CP process group (None: the default group).
+        flashcp_comm: ``allgather``, ``a2a``, ``full`` or ``auto``.
+        flashcp_backend: ``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``.
+        flashcp_stats: a CommStats recording the collectives, or None.
+        sliding_window: must be None (not supported).
+        softcap: must be None (not supported).
+        **kwargs: the model's other forward arguments (``position_ids``, ``use_cache``, ...), ignored.
+
+    Returns ``(out, None)`` with ``out`` (1, T, H, D).
+    """
+    if flashcp_meta is None:
+        raise ValueError("the cp_attention implementation needs this rank's CPAttnMeta: call the model with "
+                         "**hf_attention_kwargs(batch.attn, group=...)")
+    if query.shape[0] != 1:
+        raise ValueError(f"cp_attention takes one packed sequence per rank (batch size 1), got batch size "
+                         f"{query.shape[0]}")
+    if attention_mask is not None:
+        raise ValueError("cp_attention takes the document mask from the plan; call the model without "
+                         "attention_mask")
+    if dropout:
+        raise ValueError(f"cp_attention has no attention dropout, got dropout {dropout}; set the config's "
+                         "attention_dropout to 0")
+    if sliding_window is not None or softcap is not None:
+        raise ValueError("cp_attention supports neither sliding-window attention nor logit soft-capping, got "
+                         f"sliding_window={sliding_window}, softcap={softcap}")
+    out_THD = cp_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                           flashcp_meta, group=flashcp_group, comm=flashcp_comm, backend=flashcp_backend,
+                           stats=flashcp_stats, softmax_scale=scaling)
+    return out_THD[None], None
+
+
+def hf_loss_sum(model: nn.Module, batch: Batch, attn: CPAttention) -> torch.Tensor:
+    """Summed next-token loss of a transformers causal LM over this rank's labels (``train_step``'s hook).
+
+    The labels come from the batch (next token inside the same document, -100 at a document's end), not
+    from the model, whose own loss would shift the rank-local tokens and cross shard boundaries.
+    """
+    out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], use_cache=False,
+                **hf_attention_kwargs(attn.meta, group=attn.group, comm=attn.comm, backend=attn.backend,
+                                      stats=attn.stats))
+    return causal_lm_loss_sum(out.logits[0], batch.labels)
+
+
+def tiny_hf_model(arch: str, *, vocab_size: int, dim: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                  ffn_dim: int, dtype: torch.dtype = torch.float32,
+                  attn_implementation: str = ATTN_IMPLEMENTATION) -> nn.Module:
+    """A small randomly initialised ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` (nothing is downloaded).
+
+    Initialised from torch's global RNG (seed it for identical weights on every rank). With the default
+    ``attn_implementation`` flashcp is registered first.
+    """
+    if attn_implementation == ATTN_IMPLEMENTATION:
+        register_flashcp_attention()
+    shape: dict[str, Any] = dict(vocab_size=vocab_size, hidden_size=dim, intermediate_size=ffn_dim,
+                                 num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                                 num_key_value_heads=num_kv_heads, max_position_embeddings=1 << 20,
+                                 attention_dropout=0.0, tie_word_embeddings=False)
+    if arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM._from_config(LlamaConfig(**shape), attn_implementation=attn_implementation,
+                                              dtype=dtype)
+    elif arch == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        model = Qwen2ForCausalLM._from_config(Qwen2Config(**shape, use_sliding_window=False),
+                                              attn_implementation=attn_implementation, dtype=dtype)
+    else:
+        raise ValueError(f"unknown architecture '{arch}' (choose from {', '.join(HF_ARCHITECTURES)})")
+    return model.train()

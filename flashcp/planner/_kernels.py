@@ -1,0 +1,314 @@
+"""Numba kernels of the baseline strategies and of Algorithm 1, on contiguous int64 arrays.
+
+The rules are documented in flashcp/planner/strategies.py; tests/naive.py holds plain-Python references that
+must produce identical plans. Every kernel takes one sequence's ``lens`` (num_docs,) and returns the four
+shard arrays (doc, start, len, rank) sorted by (rank, doc, start), with touching shards of one document on one
+rank merged.
+
+Shared building blocks:
+
+- a piece buffer: parallel arrays ``pdoc, pstart, plen, prank`` with a count, filled by the strategies;
+- ``_finish``: drop empty pieces, sort, merge;
+- ``_zigzag_sizes``: the Per-Doc chunk sizes with the round-robin remainder rule;
+- ``_ratio``: the imbalance ratio computed the same way in kernels and references (float64).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from flashcp.planner.cost import workload
+
+
+@njit(cache=True)
+def _quotas(context_len, cp):
+    quotas = np.empty(cp, np.int64)
+    for r in range(cp):
+        quotas[r] = context_len // cp + (1 if r < context_len % cp else 0)
+    return quotas
+
+
+@njit(cache=True)
+def _ratio(max_work, total_work, cp):
+    """``max / mean`` as float64, the one way kernels and references compute it (1.0 when all is zero)."""
+    if total_work == 0:
+        return 1.0
+    return float(max_work) / (float(total_work) / float(cp))
+
+
+@njit(cache=True)
+def _doc_offsets(lens):
+    offsets = np.zeros(lens.shape[0] + 1, np.int64)
+    for i in range(lens.shape[0]):
+        offsets[i + 1] = offsets[i] + lens[i]
+    return offsets
+
+
+@njit(cache=True)
+def _finish(pdoc, pstart, plen, prank, count, lens):
+    """Sort pieces by (rank, position in the sequence), drop empty ones, merge touching ones of one doc."""
+    offsets = _doc_offsets(lens)
+    context_len = offsets[-1]
+    keep = 0
+    for i in range(count):
+        if plen[i] > 0:
+            keep += 1
+    keys = np.empty(keep, np.int64)
+    index = np.empty(keep, np.int64)
+    j = 0
+    for i in range(count):
+        if plen[i] > 0:
+            keys[j] = prank[i] * context_len + offsets[pdoc[i]] + pstart[i]
+            index[j] = i
+            j += 1
+    order = np.argsort(keys)
+    out_doc = np.empty(keep, np.int64)
+    out_start = np.empty(keep, np.int64)
+    out_len = np.empty(keep, np.int64)
+    out_rank = np.empty(keep, np.int64)
+    m = 0
+    for j in range(keep):
+        i = index[order[j]]
+        if (m > 0 and out_rank[m - 1] == prank[i] and out_doc[m - 1] == pdoc[i]
+                and out_start[m - 1] + out_len[m - 1] == pstart[i]):
+            out_len[m - 1] += plen[i]
+        else:
+            out_doc[m] = pdoc[i]
+            out_start[m] = pstart[i]
+            out_len[m] = plen[i]
+            out_rank[m] = prank[i]
+            m += 1
+    return out_doc[:m], out_start[:m], out_len[:m], out_rank[:m]
+
+
+@njit(cache=True)
+def _zigzag_sizes(sizes, cp, early, late):
+    """Per-Doc chunk sizes of documents of the given ``sizes`` (in order), written into ``early``/``late``.
+
+    Document j of length d is cut into 2N chunks of ``d // 2N`` tokens; its ``d % 2N`` remaining tokens are
+    dealt one at a time to ranks in round-robin order, the pointer starting at rank 0 and running on across
+    documents. A rank's first extra token goes to its early chunk (chunk i), a second one to its late chunk
+    (chunk 2N-1-i). ``early[j, i]`` / ``late[j, i]`` are rank i's chunk sizes.
+    """
+    pointer = 0
+    for j in range(sizes.shape[0]):
+        base = sizes[j] // (2 * cp)
+        extra = sizes[j] % (2 * cp)
+        for i in range(cp):
+            early[j, i] = base
+            late[j, i] = base
+        for _ in range(extra):
+            if early[j, pointer] == base:
+                early[j, pointer] += 1
+            else:
+                late[j, pointer] += 1
+            pointer = (pointer + 1) % cp
+
+
+@njit(cache=True)
+def _emit_zigzag(doc, first, early_row, late_row, cp, pdoc, pstart, plen, prank, count):
+    """Append one zigzag document's 2N chunks (starting at token ``first``) to the piece buffer."""
+    start = first
+    for i in range(cp):
+        pdoc[count] = doc
+        pstart[count] = start
+        plen[count] = early_row[i]
+        prank[count] = i
+        start += early_row[i]
+        count += 1
+    for i in range(cp - 1, -1, -1):
+        pdoc[count] = doc
+        pstart[count] = start
+        plen[count] = late_row[i]
+        prank[count] = i
+        start += late_row[i]
+        count += 1
+    return count
+
+
+@njit(cache=True)
+def _descending_order(lens):
+    """Documents by decreasing length, ties by index."""
+    return np.argsort(-lens, kind="mergesort")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# llama3 and perdoc
+
+
+@njit(cache=True)
+def llama3_kernel(lens, cp):
+    offsets = _doc_offsets(lens)
+    quotas = _quotas(offsets[-1], cp)
+    capacity = lens.shape[0] + 2 * cp + 1
+    pdoc = np.empty(capacity, np.int64)
+    pstart = np.empty(capacity, np.int64)
+    plen = np.empty(capacity, np.int64)
+    prank = np.empty(capacity, np.int64)
+    count = 0
+    doc = 0
+    pos = 0
+    for k in range(2 * cp):
+        rank = k if k < cp else 2 * cp - 1 - k
+        size = quotas[rank] // 2 if k < cp else quotas[rank] - quotas[rank] // 2
+        end = pos + size
+        while pos < end:
+            while offsets[doc + 1] <= pos:
+                doc += 1
+            take = min(end, offsets[doc + 1]) - pos
+            pdoc[count] = doc
+            pstart[count] = pos - offsets[doc]
+            plen[count] = take
+            prank[count] = rank
+            count += 1
+            pos += take
+    return _finish(pdoc, pstart, plen, prank, count, lens)
+
+
+@njit(cache=True)
+def perdoc_kernel(lens, cp):
+    # emitted directly in (rank, doc, start) order: rank i's early chunk of a document precedes its late
+    # chunk, and only rank N-1's two chunks touch (they are merged)
+    num_docs = lens.shape[0]
+    early = np.empty((num_docs, cp), np.int64)
+    late = np.empty((num_docs, cp), np.int64)
+    _zigzag_sizes(lens, cp, early, late)
+    early_start = np.empty((num_docs, cp), np.int64)
+    late_start = np.empty((num_docs, cp), np.int64)
+    for j in range(num_docs):
+        start = 0
+        for i in range(cp):
+            early_start[j, i] = start
+            start += early[j, i]
+        for i in range(cp - 1, -1, -1):
+            late_start[j, i] = start
+            start += late[j, i]
+    capacity = num_docs * 2 * cp
+    out_doc = np.empty(capacity, np.int64)
+    out_start = np.empty(capacity, np.int64)
+    out_len = np.empty(capacity, np.int64)
+    out_rank = np.empty(capacity, np.int64)
+    m = 0
+    for i in range(cp):
+        for j in range(num_docs):
+            if early[j, i] > 0:
+                out_doc[m] = j
+                out_start[m] = early_start[j, i]
+                out_len[m] = early[j, i]
+                out_rank[m] = i
+                m += 1
+            if late[j, i] > 0:
+                if m > 0 and out_rank[m - 1] == i and out_doc[m - 1] == j and \
+                        out_start[m - 1] + out_len[m - 1] == late_start[j, i]:
+                    out_len[m - 1] += late[j, i]
+                else:
+                    out_doc[m] = j
+                    out_start[m] = late_start[j, i]
+                    out_len[m] = late[j, i]
+                    out_rank[m] = i
+                    m += 1
+    return out_doc[:m], out_start[:m], out_len[:m], out_rank[:m]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# flashcp: Algorithm 1
+
+
+@njit(cache=True)
+def _argmin_work(work, cp):
+    best = 0
+    for r in range(1, cp):
+        if work[r] < work[best]:
+            best = r
+    return best
+
+
+@njit(cache=True)
+def _alg1_whole_doc(lens, cp, quotas, order, num_perdoc, work, tokens, pdoc, pstart, plen, prank, count):
+    """Greedy whole-document placement and Whole-Doc sharding (Algorithm 1, lines 5-16).
+
+    Pieces are kept on a stack per rank (``top``/``below``): the greedy pushes whole documents, the
+    Whole-Doc step pops from the most over-filled rank and pushes the moved head onto the receiving rank.
+    """
+    capacity = pdoc.shape[0]
+    below = np.full(capacity, -1, np.int64)
+    top = np.full(cp, -1, np.int64)
+    for idx in range(num_perdoc, order.shape[0]):
+        doc = order[idx]
+        rank = _argmin_work(work, cp)
+        pdoc[count] = doc
+        pstart[count] = 0
+        plen[count] = lens[doc]
+        prank[count] = rank
+        below[count] = top[rank]
+        top[rank] = count
+        count += 1
+        work[rank] += workload(0, lens[doc])
+        tokens[rank] += lens[doc]
+    while True:
+        over = -1
+        for r in range(cp):
+            if tokens[r] > quotas[r] and (over < 0 or tokens[r] - quotas[r] > tokens[over] - quotas[over]):
+                over = r
+        if over < 0:
+            break
+        under = -1
+        for r in range(cp):
+            if tokens[r] < quotas[r] and (under < 0 or work[r] < work[under]):
+                under = r
+        piece = top[over]
+        moved = min(tokens[over] - quotas[over], quotas[under] - tokens[under], plen[piece])
+        shift = workload(pstart[piece], moved)
+        if moved == plen[piece]:
+            top[over] = below[piece]
+            prank[piece] = under
+            below[piece] = top[under]
+            top[under] = piece
+        else:
+            pdoc[count] = pdoc[piece]
+            pstart[count] = pstart[piece]
+            plen[count] = moved
+            prank[count] = under
+            below[count] = top[under]
+            top[under] = count
+            count += 1
+            pstart[piece] += moved
+            plen[piece] -= moved
+        work[over] -= shift
+        work[under] += shift
+        tokens[over] -= moved
+        tokens[under] += moved
+    return count
+
+
+@njit(cache=True)
+def flashcp_kernel(lens, cp, target):
+    num_docs = lens.shape[0]
+    quotas = _quotas(lens.sum(), cp)
+    order = _descending_order(lens)
+    capacity = num_docs * (2 * cp + 1) + 4 * cp + 4
+    pdoc = np.empty(capacity, np.int64)
+    pstart = np.empty(capacity, np.int64)
+    plen = np.empty(capacity, np.int64)
+    prank = np.empty(capacity, np.int64)
+    early = np.empty((num_docs, cp), np.int64)
+    late = np.empty((num_docs, cp), np.int64)
+    for num_perdoc in range(num_docs + 1):
+        # Per-Doc sharding of the popped documents, dealt in document order
+        perdoc = np.sort(order[:num_perdoc])
+        _zigzag_sizes(lens[perdoc], cp, early, late)
+        work = np.zeros(cp, np.int64)
+        tokens = np.zeros(cp, np.int64)
+        count = 0
+        for j in range(num_perdoc):
+            first = count
+            count = _emit_zigzag(perdoc[j], 0, early[j], late[j], cp, pdoc, pstart, plen, prank, count)
+            for i in range(first, count):
+                work[prank[i]] += workload(pstart[i], plen[i])
+                tokens[prank[i]] += plen[i]
+        count = _alg1_whole_doc(lens, cp, quotas, order, num_perdoc, work, tokens, pdoc, pstart, plen, prank,
+                                count)
+        if _ratio(work.max(), work.sum(), cp) <= target or num_perdoc == num_docs:
+            return _finish(pdoc, pstart, plen, prank, count, lens)
+    return _finish(pdoc, pstart, plen, prank, 0, lens)  # unreachable

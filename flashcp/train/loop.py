@@ -1,0 +1,263 @@
+"""The training loop behind ``examples/train_tiny.py``: set up, agree, train, log, checkpoint, resume.
+
+``run_training`` runs on every rank of the CP group (or in a single process for a cp-1 plan). Set-up (open the
+dataset and plan, build the model, load the checkpoint) can fail on bad input; the ranks then exchange their
+errors once, before any training collective, and every rank raises the same FlashcpError, so a mismatched
+plan or a missing checkpoint stops the whole group with one sentence instead of leaving some ranks waiting.
+
+Each step logs, on rank 0: the sequence's mean loss, tokens per second (the packed sequence's tokens over the
+slowest rank's step time, data loading included), and the K/V bytes the attention exchange moved (forward
+K/V plus backward dK/dV, all layers: the busiest rank's sent+received, and the sum over ranks).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flashcp.cli.console import progress
+from flashcp.errors import FlashcpError
+from flashcp.models.tiny import TinyConfig, TinyDecoder
+from flashcp.runtime import CPLoader
+from flashcp.runtime.loader import Batch
+from flashcp.train.checkpoint import load_checkpoint, save_checkpoint
+from flashcp.train.step import LossSumFn, fold_vocab, group_rank, group_size, tiny_loss_sum, train_step
+
+__all__ = ["DTYPES", "MODELS", "StepLog", "TrainOptions", "agree_on_errors", "build_model", "run_training"]
+
+# torch >= 2.13 names the tensor-in/tensor-out all-gather all_gather_single and deprecates the older name
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+MODELS = ("tiny", "llama", "qwen2")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainOptions:
+    """One training run."""
+
+    data: str
+    """Dataset folder."""
+    plan: str
+    """Plan name (a folder under ``DATA/plans``); its ``cp`` must equal the number of ranks."""
+    steps: int
+    """Total optimizer steps (one packed sequence each); a resumed run continues up to this number."""
+    comm: str = "auto"
+    """K/V exchange: ``allgather``, ``a2a``, ``full`` or ``auto``."""
+    backend: str = "auto"
+    """Attention kernels: ``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    dtype: str = "float32"
+    """Parameter dtype: float32, float64 or bfloat16."""
+    model: str = "tiny"
+    """``tiny`` (flashcp.models.tiny) or a transformers architecture: ``llama``, ``qwen2``."""
+    vocab_size: int = 512
+    """Model vocabulary; token ids are folded into it (``id % vocab_size``)."""
+    dim: int = 64
+    """Model width."""
+    num_layers: int = 2
+    """Decoder blocks."""
+    num_heads: int = 4
+    """Query heads."""
+    num_kv_heads: int = 2
+    """Key/value heads."""
+    ckpt: str | None = None
+    """Checkpoint file, written every ``save_every`` steps and at the end; None: no checkpoints."""
+    resume: bool = False
+    """Start from ``ckpt`` (which must exist)."""
+    save_every: int = 0
+    """Save every this many steps as well as at the end (0: only at the end)."""
+    seed: int = 0
+    """Initial weights and data order."""
+    shuffle: bool = True
+    """Shuffle the data order per epoch (else file order)."""
+
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ValueError(f"steps must be at least 0, got {self.steps}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model '{self.model}' (choose from {', '.join(MODELS)})")
+        if self.resume and not self.ckpt:
+            raise ValueError("--resume needs --ckpt, the checkpoint file to resume from")
+        if self.save_every < 0:
+            raise ValueError(f"save_every must be at least 0, got {self.save_every}")
+        TinyConfig(vocab_size=self.vocab_size, dim=self.dim, num_layers=self.num_layers,
+                   num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)  # validates the shape
+
+    def identity(self) -> dict:
+        """What a checkpoint must share with the run that resumes it."""
+        keep = ("data", "plan", "dtype", "model", "vocab_size", "dim", "num_layers", "num_heads",
+                "num_kv_heads", "seed", "shuffle")
+        return {k: v for k, v in asdict(self).items() if k in keep}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepLog:
+    """One step as every rank saw it (the same on every rank)."""
+
+    step: int
+    """1-based step number."""
+    loss: float
+    """The sequence's mean loss."""
+    num_tokens: int
+    """Tokens of the packed sequence."""
+    seconds: float
+    """The slowest rank's time for the step, data loading included."""
+    kv_bytes_busiest: int
+    """Largest K/V bytes sent plus received by one rank (attention exchange, forward and backward)."""
+    kv_bytes_total: int
+    """K/V bytes sent, summed over ranks."""
+    grad_bytes: int
+    """Bytes of one rank's gradient all-reduce input."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Packed-sequence tokens per second."""
+        return self.num_tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+def build_model(options: TrainOptions, device: torch.device) -> tuple[nn.Module, LossSumFn]:
+    """The model of ``options`` on ``device`` (weights from torch's RNG) and its loss hook for train_step."""
+    dtype = DTYPES[options.dtype]
+    shape: dict[str, Any] = dict(vocab_size=options.vocab_size, dim=options.dim,
+                                 num_layers=options.num_layers, num_heads=options.num_heads,
+                                 num_kv_heads=options.num_kv_heads)
+    if options.model == "tiny":
+        return TinyDecoder(TinyConfig(**shape, ffn_dim=2 * options.dim)).to(device, dtype), tiny_loss_sum
+    from flashcp.integrations.hf import hf_loss_sum, tiny_hf_model
+
+    return tiny_hf_model(options.model, **shape, ffn_dim=2 * options.dim, dtype=dtype).to(device), hf_loss_sum
+
+
+def agree_on_errors(error: Exception | None, group=None) -> None:
+    """Collective: every rank raises the lowest failing rank's FlashcpError, or none does."""
+    message = None if error is None else str(error)
+    if group_size(group) > 1:
+        messages: list[str | None] = [None] * group_size(group)
+        dist.all_gather_object(messages, message, group=group)
+        message = next((m for m in messages if m is not None), None)
+    if message is not None:
+        raise FlashcpError(message)
+
+
+@dataclass(slots=True)
+class _Run:
+    """What set-up produced: the pieces every step uses."""
+
+    loader: CPLoader
+    model: nn.Module
+    loss_sum_fn: LossSumFn
+    optimizer: torch.optim.Optimizer
+    start: int
+    batches: Iterator[Batch] | None = None
+
+    def next_batch(self) -> Batch:
+        if self.batches is None:
+            self.batches = self._epochs()
+        return next(self.batches)
+
+    def _epochs(self) -> Iterator[Batch]:
+        while True:  # epoch after epoch; the loader counts epochs itself
+            yield from self.loader
+
+
+def run_training(options: TrainOptions, *, group=None, device: torch.device | str = "cpu",
+                 log: Callable[[str], None] | None = None, show_progress: bool = False) -> list[StepLog]:
+    """Train as this rank of the CP ``group``; returns the steps run (identical on every rank).
+
+    ``log`` receives the human-readable lines on rank 0 (None: silent); ``show_progress`` adds a progress bar
+    on rank 0 when its terminal is interactive. Raises FlashcpError, on every rank alike, for bad input found
+    while setting up.
+    """
+    device = torch.device(device)
+    rank, world = group_rank(group), group_size(group)
+    log = log if rank == 0 else None
+    error, run = None, None
+    try:
+        run = _set_up(options, rank, world, device)
+    except (FlashcpError, ValueError) as e:
+        error = e
+    agree_on_errors(error, group)
+    assert run is not None
+    if log:
+        log(f"{options.model} model, {sum(p.numel() for p in run.model.parameters()):,} parameters "
+            f"({options.dtype}); plan '{options.plan}' on {world} ranks, {run.loader.context_len} tokens per "
+            f"sequence, comm {options.comm}; step {run.start} of {options.steps} done")
+    logs: list[StepLog] = []
+    todo = max(options.steps - run.start, 0)
+    with (progress("training", todo) if show_progress and rank == 0 else nullcontext(None)) as advance:
+        for step in range(run.start + 1, options.steps + 1):
+            logs.append(_step(options, step, run, group, world, device))
+            if log:
+                log(_format(logs[-1], options.steps))
+            if options.ckpt and (step == options.steps
+                                 or (options.save_every and step % options.save_every == 0)):
+                save_checkpoint(options.ckpt, step=step, model=run.model, optimizer=run.optimizer,
+                                loader=run.loader, config=options.identity(), group=group)
+                if log:
+                    log(f"saved {options.ckpt} at step {step}")
+            if advance is not None:
+                advance()
+    return logs
+
+
+def _set_up(options: TrainOptions, rank: int, world: int, device: torch.device) -> _Run:
+    loader = CPLoader(options.data, options.plan, rank, world, seed=options.seed, shuffle=options.shuffle)
+    if len(loader) == 0:
+        raise FlashcpError(f"dataset {options.data} holds no sequences")
+    torch.manual_seed(options.seed)  # the same initial weights on every rank
+    model, loss_sum_fn = build_model(options, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=options.weight_decay)
+    start = 0
+    if options.resume:
+        assert options.ckpt is not None
+        start = load_checkpoint(Path(options.ckpt), model=model, optimizer=optimizer, loader=loader,
+                                config=options.identity(), map_location=device)
+    return _Run(loader=loader, model=model, loss_sum_fn=loss_sum_fn, optimizer=optimizer, start=start)
+
+
+def _step(options: TrainOptions, step: int, run: _Run, group, world: int, device: torch.device) -> StepLog:
+    began = time.perf_counter()
+    batch = fold_vocab(run.next_batch().to(device), options.vocab_size)
+    result = train_step(run.model, run.optimizer, batch, run.loss_sum_fn, group=group, comm=options.comm,
+                        backend=options.backend)
+    mine = torch.tensor([time.perf_counter() - began, result.kv_sent_bytes, result.kv_recv_bytes],
+                        dtype=torch.float64, device=device)
+    if world > 1:
+        every = torch.zeros(world * 3, dtype=torch.float64, device=device)
+        _all_gather(every, mine, group=group)
+        every = every.view(world, 3)
+    else:
+        every = mine[None]
+    every = every.cpu()
+    return StepLog(step=step, loss=result.loss, num_tokens=run.loader.context_len,
+                   seconds=float(every[:, 0].max()), kv_bytes_busiest=int((every[:, 1] + every[:, 2]).max()),
+                   kv_bytes_total=int(every[:, 1].sum()), grad_bytes=result.grad_bytes)
+
+
+def _format(entry: StepLog, steps: int) -> str:
+    width = len(str(steps))
+    return (f"step {entry.step:>{width}}/{steps}  loss {entry.loss:.4f}  {entry.tokens_per_s:>9,.0f} tok/s  "
+            f"K/V {_bytes(entry.kv_bytes_busiest)} busiest rank, {_bytes(entry.kv_bytes_total)} sent in all  "
+            f"grads {_bytes(entry.grad_bytes)}")
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
