@@ -9,7 +9,10 @@ code ``cp_attention`` runs after the collective) is timed forward + backward.
    with a float64 dense document-masked reference; its max error (out, dq, dk, dv) must be at most twice
    that of a plain-PyTorch bf16 dense implementation (+1e-5), as flash-attention's own tests require.
 2. Timing: the paper's setting (C=131072, cp 8, H=32, H_kv=8, D=128, bf16) on ``wlb`` and ``pile`` length
-   distributions, for each strategy found in ``flashcp.planner.strategies`` (missing ones are skipped).
+   distributions, for each strategy found in ``flashcp.planner.strategies`` (missing ones are skipped), with
+   comm ``auto``; then the two ring baselines with comm ``ring``: Ring-Attn (``ring`` layout, from
+   ``flashcp.planner.ring``) and Ring-Attn zigzag (the ``perdoc`` strategy's layout, when present), each rank
+   timed over every block (``ring_attention_from_blocks``: the ring's step kernels and merges, no transfers).
 
 ``--device cpu --small`` runs the same code paths at toy size on the CPU (reference backend) as a smoke test.
 """
@@ -33,10 +36,12 @@ if str(ROOT) not in sys.path:
 
 from flashcp.planner.cost import rank_workloads  # noqa: E402
 from flashcp.planner.plan import SequencePlan  # noqa: E402
+from flashcp.planner.ring import ring_plan  # noqa: E402
 from flashcp.runtime.attention import attention_after_exchange  # noqa: E402
 from flashcp.runtime.emulate import emulate_cp_attention, random_plan  # noqa: E402
 from flashcp.runtime.kernels import backend_available  # noqa: E402
 from flashcp.runtime.meta import COMM_MODES, build_rank_metas  # noqa: E402
+from flashcp.runtime.ring import ring_attention_from_blocks  # noqa: E402
 
 GPU_BACKENDS = ("torch_varlen", "flash_attn")
 STRATEGIES = ("llama3", "perdoc", "flashcp")
@@ -164,23 +169,35 @@ def accuracy_check(device, small: bool) -> bool:
 
 # ---------------------------------------------------------------- timing
 
-def time_rank(meta, backend, device, heads, kv_heads, head_dim, reps):
-    """Median ms of one rank's attention forward + backward after its exchange (random bf16 inputs)."""
-    exchange = meta.exchange("auto")
+def time_rank(meta, backend, device, heads, kv_heads, head_dim, reps, comm="auto"):
+    """Median ms of one rank's attention forward + backward after its exchange (random bf16 inputs).
+
+    With ``comm="ring"``: over every rank's block, step by step (the ring's kernels and merges).
+    """
     t = meta.num_tokens
     q = torch.randn(t, heads, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(t, kv_heads, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
             for _ in range(2))
-    recv = torch.randn(exchange.recv_rows, 2, kv_heads, head_dim, device=device, dtype=torch.bfloat16,
-                       requires_grad=True)
     grad = torch.randn_like(q)
     meta = meta.to(device)
+    if comm == "ring":
+        blocks = [torch.randn(2, rows, kv_heads, head_dim, device=device, dtype=torch.bfloat16,
+                              requires_grad=True) for rows in meta.ring.block_rows]
+
+        def run():
+            return ring_attention_from_blocks(q, blocks, meta.ring, backend)
+    else:
+        recv = torch.randn(meta.exchange(comm).recv_rows, 2, kv_heads, head_dim, device=device,
+                           dtype=torch.bfloat16, requires_grad=True)
+
+        def run():
+            return attention_after_exchange(q, k, v, recv, meta, comm, backend)
     times = []
     for i in range(reps + 1):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        out = attention_after_exchange(q, k, v, recv, meta, "auto", backend)
+        out = run()
         out.backward(grad)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -196,8 +213,8 @@ def timing(device, small: bool, budget_s: float, num_seqs: int) -> None:
     if backend is None and small:
         backend = "reference"
     print(f"\ntiming: C={context_len} cp={cp} H={heads} H_kv={kv_heads} D={head_dim} bf16, one rank's "
-          f"attention fwd+bwd after its exchange (comm auto), backend {backend}, {num_seqs} sequences per "
-          "dataset")
+          f"attention fwd+bwd after its exchange (comm auto; the ring rows: ring), backend {backend}, "
+          f"{num_seqs} sequences per dataset")
     if backend is None:
         print("  skipped: no GPU attention backend is available (torch_varlen needs CUDA, flash_attn is "
               "optional)")
@@ -208,37 +225,43 @@ def timing(device, small: bool, budget_s: float, num_seqs: int) -> None:
     if not planners:
         return
     deadline = time.monotonic() + budget_s
-    print(f"  {'data':<6} {'strategy':<10} {'imbal':>6} {'shards':>7} {'max ms':>8} {'mean ms':>8} "
-          f"{'min ms':>8} {'slowest/mean':>12}  max K/V tokens in per rank: allgather / a2a / full")
+    print(f"  {'data':<6} {'strategy':<12} {'imbal':>6} {'shards':>7} {'max ms':>8} {'mean ms':>8} "
+          f"{'min ms':>8} {'slowest/mean':>12}  max K/V tokens in per rank: allgather / a2a / full / ring")
+    runs = [(name, plan_fn, "auto") for name, plan_fn in planners.items()]
+    runs.append(("ring+ring", ring_plan, "ring"))
+    if "perdoc" in planners:
+        runs.append(("perdoc+ring", planners["perdoc"], "ring"))
     for dist in ("wlb", "pile"):
         rng = np.random.default_rng(1)
         label, sample = doc_length_sampler(dist, rng)
         sequences = [pack(sample, context_len) for _ in range(num_seqs)]
-        for name, plan_fn in planners.items():
+        for name, plan_fn, comm in runs:
             if time.monotonic() > deadline:
-                print(f"  {label:<6} {name:<10} skipped: time budget of {budget_s:.0f} s used up")
+                print(f"  {label:<6} {name:<12} skipped: time budget of {budget_s:.0f} s used up")
                 continue
             try:
-                rows = [measure(plan_fn(doc_lens, cp), doc_lens, backend, device, heads, kv_heads, head_dim)
-                        for doc_lens in sequences]
+                rows = [measure(plan_fn(doc_lens, cp), doc_lens, backend, device, heads, kv_heads, head_dim,
+                                comm=comm) for doc_lens in sequences]
             except Exception as e:
-                print(f"  {label:<6} {name:<10} skipped: {type(e).__name__}: {e}")
+                print(f"  {label:<6} {name:<12} skipped: {type(e).__name__}: {e}")
                 continue
             mean = {key: float(np.mean([r[key] for r in rows])) for key in rows[0]}
-            print(f"  {label:<6} {name:<10} {mean['imbalance']:>6.3f} {mean['shards']:>7.0f} "
+            print(f"  {label:<6} {name:<12} {mean['imbalance']:>6.3f} {mean['shards']:>7.0f} "
                   f"{mean['max']:>8.2f} {mean['mean']:>8.2f} {mean['min']:>8.2f} "
                   f"{mean['max'] / mean['mean']:>12.3f}  "
-                  f"{mean['allgather']:>9.0f} / {mean['a2a']:>6.0f} / {mean['full']:>6.0f}")
+                  f"{mean['allgather']:>9.0f} / {mean['a2a']:>6.0f} / {mean['full']:>6.0f} / "
+                  f"{mean['ring']:>6.0f}")
 
 
-def measure(plan: SequencePlan, doc_lens, backend, device, heads, kv_heads, head_dim, reps=3) -> dict:
+def measure(plan: SequencePlan, doc_lens, backend, device, heads, kv_heads, head_dim, reps=3,
+            comm="auto") -> dict:
     plan.validate(doc_lens)
     metas = build_rank_metas(plan, doc_lens)
-    ms = [time_rank(m, backend, device, heads, kv_heads, head_dim, reps) for m in metas]
+    ms = [time_rank(m, backend, device, heads, kv_heads, head_dim, reps, comm) for m in metas]
     work = rank_workloads(plan.shard_start, plan.shard_len, plan.shard_rank, plan.cp)
     return {"imbalance": float(work.max() / work.mean()), "shards": plan.num_shards, "max": max(ms),
             "mean": float(np.mean(ms)), "min": min(ms),
-            **{mode: max(m.exchanges[mode].wire_recv_tokens for m in metas) for mode in COMM_MODES}}
+            **{mode: max(m.wire_tokens(mode)[1] for m in metas) for mode in COMM_MODES}}
 
 
 def main(argv=None) -> int:

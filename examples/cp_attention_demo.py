@@ -3,9 +3,10 @@
     torchrun --nproc-per-node 2 examples/cp_attention_demo.py DATA cp2-flashcp [--steps 2]
 
 The plan's ``cp`` must equal the number of ranks. gloo on CPU, NCCL when CUDA is available. Every step runs
-the same batch once per comm mode (allgather, a2a, full) from the same weights, checks that loss and
-gradients agree across modes, and prints per mode the bytes each rank sent and received (forward K/V plus
-backward dK/dV, all layers) next to the full-KV all-gather baseline. Token ids are folded into the demo
+the same batch once per comm mode (allgather, a2a, full, ring) from the same weights, checks that loss and
+gradients agree across modes, and prints per mode the bytes each rank received (forward K/V; backward dK/dV,
+and for the ring also the K/V blocks that go round again; all layers) next to the full-KV all-gather
+baseline. Token ids are folded into the demo
 model's small vocabulary (``id % vocab``).
 """
 
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from flashcp.models.tiny import TinyConfig, TinyDecoder, causal_lm_loss_sum
 from flashcp.runtime import CommStats, CPLoader, cp_attention
 
-MODES = ("allgather", "a2a", "full")
+MODES = ("allgather", "a2a", "full", "ring")
 
 
 def parse_args():
@@ -99,7 +100,7 @@ def report(step, batch, loader, results, world, cfg, token_bytes):
           f"{world} ranks, {cfg.num_layers} layers, K/V {token_bytes} B/token/layer (fp32); "
           f"auto = {meta.auto_comm}")
     print(f"  {'mode':<10} {'loss':>8} {'max|dgrad|':>10} {'K/V in, fwd (B per rank)':>{11 * world}} "
-          f"{'dK/dV in, bwd (B per rank)':>{11 * world}} {'total B':>10} {'total/full':>10} "
+          f"{'in, bwd (B per rank)':>{11 * world}} {'total B':>10} {'total/full':>10} "
           f"{'busiest/full':>12}")
     full_total, full_max = sum(sum(r) for r in full), max(sum(r) for r in full)
     for mode, (loss, grads, per_rank) in results.items():

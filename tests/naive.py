@@ -416,3 +416,62 @@ def naive_training(model, logits_fn, sequences, optimizer, vocab_size):
         optimizer.step()
         losses.append(loss.item())
     return losses
+
+
+def naive_ring_plan(doc_lens, cp: int) -> list[tuple[int, int, int, int]]:
+    """(doc, start, len, rank) shards of the Ring-Attn layout, token by token.
+
+    Token t of the packed sequence goes to the rank whose equal-token quota range holds it (quotas C // N, the
+    first C % N ranks one more); a shard is a run of tokens of one document on one rank.
+    """
+    context_len = sum(doc_lens)
+    quotas = [context_len // cp + (1 if r < context_len % cp else 0) for r in range(cp)]
+    owner = [r for r, q in enumerate(quotas) for _ in range(q)]
+    shards, t = [], 0
+    for doc, length in enumerate(doc_lens):
+        for pos in range(length):
+            rank = owner[t + pos]
+            if shards and shards[-1][0] == doc and shards[-1][3] == rank:
+                d, s, n, r = shards[-1]
+                shards[-1] = (d, s, n + 1, r)
+            else:
+                shards.append((doc, pos, 1, rank))
+        t += length
+    return shards
+
+
+def naive_ring_step_work(shards, cp: int) -> dict[str, list[list[int]]]:
+    """Per [rank][step] of the ring: pairs, query_tokens, key_tokens, sequences, counted query by query.
+
+    At step s rank r hosts the block of rank b = (r - s) mod N. A query at position p of shard (d, st, n, r)
+    sees the keys t <= p of document d that b holds, among the keys t < st + n (the shard's visible keys).
+    """
+    owner = {(d, s + i): r for d, s, n, r in shards for i in range(n)}
+    work = {k: [[0] * cp for _ in range(cp)] for k in ("pairs", "query_tokens", "key_tokens", "sequences")}
+    for rank in range(cp):
+        for step in range(cp):
+            block = (rank - step) % cp
+            for doc, start, length, r in shards:
+                if r != rank:
+                    continue
+                keys = [t for t in range(start + length) if owner[(doc, t)] == block]
+                queries = range(start, start + length)
+                work["pairs"][rank][step] += sum(1 for p in queries for t in keys if t <= p)
+                work["key_tokens"][rank][step] += len(keys)
+                if keys:
+                    work["query_tokens"][rank][step] += length
+                    work["sequences"][rank][step] += 1
+    return work
+
+
+def naive_ring_comm(rank_tokens: list[int]) -> tuple[list[int], list[int]]:
+    """(sent, received) tokens per rank when every block goes round the ring once, hop by hop."""
+    cp = len(rank_tokens)
+    holding = list(range(cp))  # whose block each rank holds
+    sent, received = [0] * cp, [0] * cp
+    for _ in range(cp - 1):
+        for r in range(cp):
+            sent[r] += rank_tokens[holding[r]]
+            received[(r + 1) % cp] += rank_tokens[holding[r]]
+        holding = [holding[(r - 1) % cp] for r in range(cp)]
+    return sent, received

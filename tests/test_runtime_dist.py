@@ -1,8 +1,9 @@
 """cp_attention on 2, 3 and 4 gloo ranks against a single-process dense reference (float64, 1e-10).
 
-Every rank builds the same cases from the same seed, runs forward and backward for every comm mode, and
-compares its slice of out / dq / dk / dv with the dense document-masked reference on the whole sequence. It
-also checks that the K/V tokens each collective actually moved equal the plan's comm numbers.
+Every rank builds the same cases from the same seed, runs forward and backward for every comm mode (the
+collectives and the point-to-point ring), and compares its slice of out / dq / dk / dv with the dense
+document-masked reference on the whole sequence. It also checks that the K/V tokens each collective or ring
+step actually moved equal the plan's comm numbers: for the ring, (N-1)/N of the sequence's K/V per rank.
 """
 
 import numpy as np
@@ -14,8 +15,10 @@ from flashcp.planner.cost import (
     allgather_contributions,
     exact_need_received,
     kv_bytes_per_token,
+    ring_comm_tokens,
     token_quotas,
 )
+from flashcp.planner.ring import ring_plan
 from flashcp.runtime import CommStats, CPAttnMeta, cp_attention
 from flashcp.runtime.emulate import random_plan
 from flashcp.runtime.meta import rank_token_positions
@@ -24,7 +27,7 @@ from tests.naive import naive_document_attention
 from tests.plans import llama3_like_plan, perdoc_like_plan, whole_docs_case
 
 TOL = 1e-10
-COMMS = ("allgather", "a2a", "full", "auto")
+COMMS = ("allgather", "a2a", "full", "ring", "auto")
 HEADS = ((4, 2), (4, 4), (4, 1))  # GQA, MHA, MQA
 
 
@@ -45,7 +48,20 @@ def build_cases(world_size: int) -> list[tuple[str, object, np.ndarray, int, int
     cases.append(("perdoc", perdoc_like_plan(doc_lens, world_size), doc_lens, 4, 4))
     doc_lens, plan = whole_docs_case(7 * world_size, world_size, rng)
     cases.append(("whole-docs", plan, doc_lens, 4, 2))
+    doc_lens = np.r_[rng.integers(1, 9, size=4), 1]
+    doc_lens = np.r_[doc_lens, world_size - doc_lens.sum() % world_size]  # C % N == 0: exactly (N-1)/N
+    cases.append(("ring-layout", ring_plan(doc_lens, world_size), doc_lens, 4, 1))
+    if world_size > 2:  # fewer tokens than ranks: the last ranks hold nothing, yet take part in every step
+        doc_lens = np.array([1, world_size - 2])
+        cases.append(("empty-ranks", ring_plan(doc_lens, world_size), doc_lens, 4, 2))
     return cases
+
+
+def max_abs(got, want) -> float:
+    """Max |got - want|; 0 for an empty slice (a rank with no tokens), inf for a missing gradient."""
+    if want.numel() == 0:
+        return 0.0
+    return float("inf") if got is None else (got - want).abs().max().item()
 
 
 def run_case(name, plan, doc_lens, num_heads, num_kv_heads, rank, group, failures, seed=0):
@@ -68,14 +84,19 @@ def run_case(name, plan, doc_lens, num_heads, num_kv_heads, rank, group, failure
         stats = CommStats()
         out = cp_attention(q_loc, k_loc, v_loc, meta, group=group, comm=comm, stats=stats)
         out.backward(grad_out[pos])
-        errors = [(out - ref[pos]).abs().max().item()] + [
-            (t.grad - g[pos]).abs().max().item() for t, g in zip((q_loc, k_loc, v_loc), ref_grads)]
+        errors = [max_abs(out, ref[pos])] + [max_abs(t.grad, g[pos]) for t, g in zip((q_loc, k_loc, v_loc),
+                                                                                    ref_grads)]
         if max(errors) >= TOL:
             failures.append(f"{where}: max |err| of out, dq, dk, dv = {errors}")
-        mode = meta.auto_comm if comm == "auto" else comm
-        check_comm(where, mode, stats, meta, stored, allgather_contributions(*args)[rank],
-                   exact_need_received(*args)[rank], token_quotas(context_len, cp).max(),
-                   kv_bytes_per_token(num_kv_heads, 8, 8), failures)
+        mode = meta.resolve_comm(comm)
+        if mode == "ring":
+            check_ring_comm(where, stats, meta, context_len,
+                            ring_comm_tokens(plan.shard_len, plan.shard_rank, cp),
+                            kv_bytes_per_token(num_kv_heads, 8, 8), failures)
+        else:
+            check_comm(where, mode, stats, meta, stored, allgather_contributions(*args)[rank],
+                       exact_need_received(*args)[rank], token_quotas(context_len, cp).max(),
+                       kv_bytes_per_token(num_kv_heads, 8, 8), failures)
 
 
 def check_comm(where, mode, stats, meta, stored, contribution, received, max_quota, token_bytes, failures):
@@ -108,6 +129,40 @@ def check_comm(where, mode, stats, meta, stored, contribution, received, max_quo
         bytes_moved = (record.sent_bytes, record.recv_bytes)
         if bytes_moved != (record.sent_tokens * token_bytes, record.recv_tokens * token_bytes):
             failures.append(f"{where}: {record.direction} bytes {bytes_moved} are not tokens x {token_bytes}")
+
+
+def check_ring_comm(where, stats, meta, context_len, sent_recv, token_bytes, failures):
+    """Each ring step moved one whole block; per pass every rank received all blocks but its own."""
+    cp, rank, ring = meta.cp, meta.rank, meta.ring
+    kinds = (("forward", "kv"), ("backward", "kv"), ("backward", "dkv"))
+    records = {kind: [r for r in stats.records if (r.direction, r.tensor) == kind] for kind in kinds}
+    if len(stats.records) != 3 * (cp - 1) or any(len(r) != cp - 1 for r in records.values()):
+        got = [(r.direction, r.tensor) for r in stats.records]
+        failures.append(f"{where}: expected {cp - 1} transfers of each: K/V fwd, K/V and dK/dV bwd: {got}")
+        return
+    sent, received = (int(x[rank]) for x in sent_recv)
+    for kind, group in records.items():
+        # K/V: step s brings the block of rank r - s - 1; dK/dV: the buffer of the block hosted one step later
+        lag = 2 if kind[1] == "dkv" else 1
+        expect_in = [ring.block_rows[(rank - s - lag) % cp] for s in range(cp - 1)]
+        got_in = [r.recv_tokens for r in group]
+        if got_in != expect_in:
+            failures.append(f"{where}: {kind} steps received {got_in} tokens, the blocks are {expect_in}")
+        if any((r.sent_bytes, r.recv_bytes) != (r.sent_tokens * token_bytes, r.recv_tokens * token_bytes)
+               for r in group):
+            failures.append(f"{where}: {kind} bytes are not tokens x {token_bytes}")
+    forward = records[("forward", "kv")]
+    moved = (sum(r.sent_tokens for r in forward), sum(r.recv_tokens for r in forward))
+    if moved != (sent, received) or moved != (ring.wire_send_tokens, ring.wire_recv_tokens):
+        failures.append(f"{where}: forward moved {moved} tokens out/in, the cost model says "
+                        f"{(sent, received)}")
+    fraction = (cp - 1) * context_len // cp * token_bytes  # (N-1)/N of the whole sequence's K/V
+    got_bytes = sum(r.recv_bytes for r in forward)
+    if context_len % cp == 0 and got_bytes != fraction:
+        failures.append(f"{where}: forward received {got_bytes} bytes, not (N-1)/N of the K/V ({fraction})")
+    dkv_sent = sum(r.sent_tokens for r in records[("backward", "dkv")])
+    if dkv_sent != received:
+        failures.append(f"{where}: dK/dV sent {dkv_sent} tokens, but K/V received {received}")
 
 
 def _worker(rank, world_size):

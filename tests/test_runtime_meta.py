@@ -10,7 +10,7 @@ from flashcp.planner.cost import allgather_contributions, exact_need_received, t
 from flashcp.runtime import CPAttnMeta, cp_attention
 from flashcp.runtime.emulate import emulate_cp_attention, random_plan
 from flashcp.runtime.kernels import BackendUnavailableError, resolve_backend, varlen_attention
-from flashcp.runtime.meta import COMM_MODES, build_rank_metas, rank_token_positions
+from flashcp.runtime.meta import COLLECTIVE_MODES, COMM_MODES, build_rank_metas, rank_token_positions
 from tests.naive import naive_document_attention
 from tests.plans import llama3_like_plan, perdoc_like_plan, whole_docs_case
 
@@ -103,7 +103,7 @@ def test_meta_comm_numbers_equal_the_cost_model():
         metas = build_rank_metas(plan, doc_lens)
         sent = np.zeros(cp, dtype=np.int64)
         for r, meta in enumerate(metas):
-            ag, a2a, full = (meta.exchanges[m] for m in COMM_MODES)
+            ag, a2a, full = (meta.exchanges[m] for m in COLLECTIVE_MODES)
             assert ag.num_payload == contributions[r] and ag.send_rows == stored.ag_comm_tokens
             assert ag.wire_recv_tokens == (cp - 1) * stored.ag_comm_tokens
             assert a2a.recv_rows == received[r] == sum(a2a.recv_splits)
@@ -114,6 +114,7 @@ def test_meta_comm_numbers_equal_the_cost_model():
                 assert a2a.send_splits[peer] == metas[peer].exchanges["a2a"].recv_splits[r]
             sent[r] = a2a.wire_send_tokens
             assert meta.auto_comm == metas[0].auto_comm
+            assert meta.auto_comm in ("allgather", "a2a"), "auto never picks a baseline (full, ring)"
         assert max(m.exchanges["a2a"].recv_rows for m in metas) == stored.a2a_comm_tokens
         a2a_busiest = max(sent.max(), received.max())
         expected_auto = "a2a" if a2a_busiest < (cp - 1) * stored.ag_comm_tokens else "allgather"
@@ -153,5 +154,8 @@ def test_meta_moves_once_and_checks_inputs():
     q, k, v = qkv(meta.num_tokens + 1, 4, 2)
     with pytest.raises(ValueError, match="rank 0 holds 5 tokens"):
         cp_attention(q, k, v, meta)
-    with pytest.raises(ValueError, match="unknown comm mode 'ring'"):
+    with pytest.raises(ValueError, match="unknown comm mode 'bogus'"):
+        meta.exchange("bogus")
+    with pytest.raises(ValueError, match="'ring' moves K/V point-to-point"):
         meta.exchange("ring")
+    assert meta.resolve_comm("auto") == meta.auto_comm and meta.resolve_comm("ring") == "ring"

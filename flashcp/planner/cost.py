@@ -24,6 +24,9 @@ Definitions (DESIGN.md section 2, paper section 3):
   that full-KV all-gather (the all-gather saving above is the same ratio, as a rank receives N - 1 buffers).
 - K/V bytes per token for one layer and one pass: ``2 * H_kv * D * dtype_bytes``; backward moves as much
   again (dK/dV).
+- ring comm (Ring-Attn baseline): every rank's whole K/V block travels around the ring in ``N - 1`` steps,
+  so rank r receives ``C - T_r`` tokens and sends ``C - T_{r+1}`` per pass, whatever the plan. Its attention
+  runs as one kernel call per step over the visiting block (``ring_step_work``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from numba import njit
 
 __all__ = [
     "PlanMetrics",
+    "RingStepWork",
     "allgather_contributions",
     "allgather_shard_mask",
     "comm_saving",
@@ -46,6 +50,9 @@ __all__ = [
     "plan_metrics",
     "rank_tokens",
     "rank_workloads",
+    "ring_comm_tokens",
+    "ring_held_before",
+    "ring_step_work",
     "token_quotas",
     "workload",
 ]
@@ -258,3 +265,84 @@ def plan_metrics(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> Plan
         ag_comm_tokens=int(allgather_contributions(shard_doc, shard_start, shard_len, shard_rank, cp).max()),
         a2a_comm_tokens=int(exact_need_received(shard_doc, shard_start, shard_len, shard_rank, cp).max()),
     )
+
+
+def ring_comm_tokens(shard_len, shard_rank, cp: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(sent, received)`` tokens of K/V per rank for one forward pass of ring comm, each (cp,) int64.
+
+    Step ``s = 1 .. N-1`` brings rank r the block of rank ``(r - s) mod N`` (that rank's ``T`` tokens) and
+    sends rank ``r + 1`` the block r held at step ``s - 1``: r receives every block but its own (``C - T_r``)
+    and sends every block but that of rank ``r + 1`` (``C - T_{r+1}``). With ``C % N == 0`` both are
+    ``(N - 1) / N`` of the sequence's K/V. One step takes as long as its largest block, so the critical path
+    is ``(N - 1) * max_r T_r``. The backward pass moves the K/V blocks round once more and the dK/dV blocks
+    round once (``N - 1`` steps each), i.e. twice the forward's tokens.
+    """
+    tokens = rank_tokens(shard_len, shard_rank, cp)
+    total = int(tokens.sum())
+    return total - np.roll(tokens, -1), total - tokens
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RingStepWork:
+    """What the ring computes at each step; every array is (cp, cp) int64 indexed ``[rank, step]``.
+
+    At step ``s`` rank ``r`` hosts the block of rank ``(r - s) mod N``; each of its query shards attends to
+    the block's tokens of the same document before the shard's end (step 0: its own block, causal).
+    """
+
+    pairs: np.ndarray
+    """Query-key pairs computed; summed over steps it is the rank's workload."""
+    query_tokens: np.ndarray
+    """Query tokens that attend to the visiting block: rows of partial output merged by log-sum-exp."""
+    key_tokens: np.ndarray
+    """Keys the step's kernel reads, summed over its query shards."""
+    sequences: np.ndarray
+    """Query shards with at least one visible key: the sequences of the step's varlen kernel call."""
+
+    @property
+    def kernel_calls(self) -> np.ndarray:
+        """Varlen kernel calls of each rank (steps with work). Shape (cp,), int64."""
+        return (self.sequences > 0).sum(axis=1).astype(np.int64)
+
+
+def ring_held_before(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> np.ndarray:
+    """``held[b, i]``: tokens of shard i's document that rank b holds before the end of shard i.
+
+    Shape (cp, num_shards), int64. Shard i's own tokens count for its own rank.
+    """
+    shard_doc, shard_start, shard_len, shard_rank = _as_int64(shard_doc, shard_start, shard_len, shard_rank)
+    order = np.lexsort((shard_start, shard_doc))
+    doc_sorted = shard_doc[order]
+    first_of_doc = np.r_[True, doc_sorted[1:] != doc_sorted[:-1]] if order.size else np.zeros(0, bool)
+    held = np.zeros((cp, shard_doc.size), dtype=np.int64)
+    for b in range(cp):
+        mine = np.where(shard_rank[order] == b, shard_len[order], 0)
+        cum = np.cumsum(mine)
+        # restart the running sum at every document: subtract the total of the documents before
+        before_doc = np.maximum.accumulate(np.where(first_of_doc, cum - mine, 0))
+        held[b, order] = cum - before_doc
+    return held
+
+
+def ring_step_work(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> RingStepWork:
+    """Per rank and ring step: pairs, merged query rows, gathered keys and kernel sequences (RingStepWork)."""
+    shard_doc, shard_start, shard_len, shard_rank = _as_int64(shard_doc, shard_start, shard_len, shard_rank)
+    held = ring_held_before(shard_doc, shard_start, shard_len, shard_rank, cp)
+    shape = (cp, cp)
+    work = {name: np.zeros(shape, dtype=np.int64) for name in ("pairs", "query_tokens", "key_tokens",
+                                                                 "sequences")}
+    for rank in range(cp):
+        mine = np.flatnonzero(shard_rank == rank)
+        length = shard_len[mine]
+        for step in range(cp):
+            keys = held[(rank - step) % cp, mine]
+            seen = keys > 0
+            if step == 0:  # own block: the keys before the shard, then the shard itself (causal)
+                pairs = length * (keys - length) + length * (length + 1) // 2
+            else:
+                pairs = length * keys
+            work["pairs"][rank, step] = pairs.sum()
+            work["query_tokens"][rank, step] = length[seen].sum()
+            work["key_tokens"][rank, step] = keys.sum()
+            work["sequences"][rank, step] = seen.sum()
+    return RingStepWork(**work)

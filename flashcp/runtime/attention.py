@@ -11,6 +11,9 @@ Each query shard ``[start, end)`` of a document attends to that document's keys 
 bottom-right aligned causal mask, so the result equals full-sequence attention with a document mask. The
 backward pass sends dK/dV of borrowed keys back to their owners (see ``flashcp.runtime.comm``).
 
+With ``comm="ring"`` (the Ring-Attn baselines) there is no collective: K/V blocks rotate around the ranks
+point-to-point and every step's partial output is merged by log-sum-exp (``flashcp.runtime.ring``).
+
 Steps 3-4 without the collective are ``attention_after_exchange``: given the receive buffer a rank would hold,
 it computes that rank's output, so single-process emulation and benchmarks run exactly the same code.
 
@@ -26,6 +29,7 @@ import torch.distributed as dist
 from flashcp.runtime.comm import CommStats, start_exchange
 from flashcp.runtime.kernels import resolve_backend, varlen_attention
 from flashcp.runtime.meta import CPAttnMeta, Exchange, QueryPart
+from flashcp.runtime.ring import ring_attention
 
 __all__ = ["attention_after_exchange", "cp_attention", "local_attention", "pack_send", "remote_attention"]
 
@@ -42,7 +46,8 @@ def cp_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, 
         meta: this rank's CPAttnMeta (``batch.attn``); moved to q's device once and cached.
         group: the CP process group whose ranks are the plan's ranks (None: the default group). Not needed
             when the plan has one rank or the chosen exchange moves nothing.
-        comm: ``allgather``, ``a2a``, ``full`` or ``auto`` (``meta.auto_comm``, the same on every rank).
+        comm: ``allgather``, ``a2a``, ``full``, ``ring`` or ``auto`` (``meta.auto_comm``, the same on every
+            rank; never ``full`` or ``ring``, the baselines).
         backend: ``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``.
         stats: a CommStats that records each collective issued, or None.
         softmax_scale: the factor on ``q . k`` before the softmax; None means ``1 / sqrt(D)``.
@@ -51,13 +56,16 @@ def cp_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, 
     """
     meta = meta.to(q_THD.device)
     _check_inputs(q_THD, k_TKD, v_TKD, meta)
-    exchange = meta.exchange(comm)
+    mode = meta.resolve_comm(comm)
     backend = resolve_backend(backend, q_THD)
+    if mode == "ring":
+        if meta.ring.active:
+            _check_group(meta, group)
+        return ring_attention(q_THD, k_TKD, v_TKD, meta.ring, group, backend, stats)
+    exchange = meta.exchange(mode)
     pending = None
     if exchange.active:
-        if dist.get_world_size(group) != meta.cp or dist.get_rank(group) != meta.rank:
-            raise ValueError(f"the meta is for rank {meta.rank} of {meta.cp}, but this process is rank "
-                             f"{dist.get_rank(group)} of a group of {dist.get_world_size(group)}")
+        _check_group(meta, group)
         pending = start_exchange(pack_send(k_TKD, v_TKD, exchange), exchange, group, meta.cp, stats)
     out_local = local_attention(q_THD, k_TKD, v_TKD, meta, backend, softmax_scale)
     if pending is not None:
@@ -70,6 +78,12 @@ def cp_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, 
     if pending is not None and meta.remote.num_tokens == 0:
         out = pending.tie(out, recv_RKD)
     return out
+
+
+def _check_group(meta: CPAttnMeta, group) -> None:
+    if dist.get_world_size(group) != meta.cp or dist.get_rank(group) != meta.rank:
+        raise ValueError(f"the meta is for rank {meta.rank} of {meta.cp}, but this process is rank "
+                         f"{dist.get_rank(group)} of a group of {dist.get_world_size(group)}")
 
 
 def pack_send(k_TKD: torch.Tensor, v_TKD: torch.Tensor, exchange: Exchange) -> torch.Tensor:
@@ -85,7 +99,7 @@ def pack_send(k_TKD: torch.Tensor, v_TKD: torch.Tensor, exchange: Exchange) -> t
 def _attend(q_THD, k_SKD, v_SKD, part: QueryPart, kv_index: torch.Tensor, backend: str,
             softmax_scale: float | None) -> torch.Tensor:
     if part.num_tokens == 0:
-        return q_THD.new_zeros((0, *q_THD.shape[1:]))
+        return q_THD[:0]  # empty, but in q's graph: a rank holding no tokens still runs the backward
     return varlen_attention(q_THD.index_select(0, part.q_index), k_SKD.index_select(0, kv_index),
                             v_SKD.index_select(0, kv_index), part.cu_seqlens_q, part.cu_seqlens_k,
                             part.max_seqlen_q, part.max_seqlen_k, backend, softmax_scale)
@@ -106,7 +120,7 @@ def remote_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tens
     V in ``[:, 1]``).
     """
     if meta.remote.num_tokens == 0:
-        return q_THD.new_zeros((0, *q_THD.shape[1:]))
+        return q_THD[:0]
     k_SKD = torch.cat((k_TKD, recv_RKD[:, 0]))
     v_SKD = torch.cat((v_TKD, recv_RKD[:, 1]))
     return _attend(q_THD, k_SKD, v_SKD, meta.remote, exchange.kv_index, backend, softmax_scale)

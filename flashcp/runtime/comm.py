@@ -36,9 +36,12 @@ class CommRecord:
     """One collective as it was issued, measured from the tensors handed to it."""
 
     mode: str
-    """``allgather``, ``a2a`` or ``full``."""
+    """``allgather``, ``a2a``, ``full`` or ``ring`` (one record per ring step)."""
     direction: str
-    """``forward`` (K/V to the ranks that need it) or ``backward`` (dK/dV back to the owners)."""
+    """``forward`` or ``backward``: the pass that issued it."""
+    tensor: str
+    """``kv`` (K/V to the ranks that need it) or ``dkv`` (dK/dV back to the owners). The collective modes
+    move K/V forward and dK/dV backward; the ring moves K/V forward and both backward."""
     input_rows: int
     """Rows of this rank's collective input (an all-gather slot includes padding)."""
     payload_rows: int
@@ -60,9 +63,10 @@ class CommStats:
     records: list[CommRecord] = field(default_factory=list)
     """In issue order."""
 
-    def total(self, key: str, direction: str | None = None) -> int:
-        """Sum of ``key`` (e.g. ``sent_bytes``) over the records, optionally of one direction."""
-        return sum(getattr(r, key) for r in self.records if direction in (None, r.direction))
+    def total(self, key: str, direction: str | None = None, tensor: str | None = None) -> int:
+        """Sum of ``key`` (e.g. ``sent_bytes``) over the records, optionally of one direction / tensor."""
+        return sum(getattr(r, key) for r in self.records
+                   if direction in (None, r.direction) and tensor in (None, r.tensor))
 
     def clear(self) -> None:
         """Forget all records."""
@@ -81,7 +85,8 @@ def _record(stats: CommStats | None, exchange: Exchange, direction: str, inp: to
         sent, recv = (cp - 1) * rows_in, rows_out - rows_in
     else:  # reduce-scatter: every peer's share of the buffer goes out, every peer's share of mine comes in
         sent, recv = rows_in - rows_out, (cp - 1) * rows_out
-    stats.records.append(CommRecord(mode=exchange.mode, direction=direction, input_rows=rows_in,
+    stats.records.append(CommRecord(mode=exchange.mode, direction=direction,
+                                    tensor="kv" if direction == "forward" else "dkv", input_rows=rows_in,
                                     payload_rows=payload, sent_tokens=sent, recv_tokens=recv,
                                     sent_bytes=sent * row_bytes, recv_bytes=recv * row_bytes))
 

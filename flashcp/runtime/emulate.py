@@ -13,7 +13,9 @@ import torch
 from flashcp.planner.cost import token_quotas
 from flashcp.planner.plan import SequencePlan
 from flashcp.runtime.attention import attention_after_exchange, pack_send
+from flashcp.runtime.kernels import resolve_backend
 from flashcp.runtime.meta import CPAttnMeta, build_rank_metas, rank_token_positions
+from flashcp.runtime.ring import ring_attention_from_blocks
 
 __all__ = ["emulate_cp_attention", "emulate_exchange", "random_plan"]
 
@@ -41,14 +43,23 @@ def emulate_cp_attention(q_CHD: torch.Tensor, k_CKD: torch.Tensor, v_CKD: torch.
     """Run every rank of ``plan`` in this process and return the packed sequence's output, (C, H, D).
 
     Takes the whole sequence's q/k/v in packed order; differentiable (autograd follows the emulated exchange).
+    With ``comm="ring"`` each rank's steps run over the other ranks' blocks directly.
     """
     metas = build_rank_metas(plan, doc_lens)
     positions = [torch.from_numpy(rank_token_positions(plan, doc_lens, r)[0]).to(q_CHD.device)
                  for r in range(plan.cp)]
     ks = [k_CKD[p] for p in positions]
     vs = [v_CKD[p] for p in positions]
-    recvs = emulate_exchange(metas, ks, vs, comm)
     out = q_CHD.new_zeros(q_CHD.shape)
+    if metas[0].resolve_comm(comm) == "ring":
+        backend = resolve_backend(backend, q_CHD)
+        blocks = [torch.stack((k, v)) for k, v in zip(ks, vs)]
+        for r, meta in enumerate(metas):
+            ring = meta.to(q_CHD.device).ring
+            out_r = ring_attention_from_blocks(q_CHD[positions[r]], blocks, ring, backend)
+            out = out.index_put((positions[r],), out_r)
+        return out
+    recvs = emulate_exchange(metas, ks, vs, comm)
     for r, meta in enumerate(metas):
         out_r = attention_after_exchange(q_CHD[positions[r]], ks[r], vs[r], recvs[r], meta, comm, backend,
                                          softmax_scale)

@@ -20,6 +20,13 @@ and describes, for each comm mode, the exchange (DESIGN.md section 2):
 - ``full`` (Llama3 / Per-Doc baseline): every rank contributes all its tokens, padded to the largest quota
   ``Q``; receive buffer ``cp * Q`` rows.
 
+The ``ring`` mode (Ring-Attn baseline) has no collective: each rank's whole K/V block (its tokens in local
+order) travels around the ring point-to-point. Its ``RingSchedule`` lists, for each of the ``cp`` steps, the
+visiting block's source rank and one varlen kernel call: every local query shard attends to the block's
+tokens of its document that lie before the shard's end. Step 0 is the rank's own block (causal, bottom-right
+aligned: the shard's own tokens are the last keys); at later steps every visiting key precedes the shard
+(ranks hold disjoint tokens), so the call is not causal. Shards with no such key sit the step out.
+
 Index legend: ``T`` this rank's tokens (its shards in plan row order), ``C`` the packed sequence's tokens.
 """
 
@@ -33,10 +40,13 @@ import torch
 from flashcp.planner.cost import allgather_contributions, allgather_shard_mask, exact_need_received
 from flashcp.planner.plan import SequencePlan
 
-__all__ = ["COMM_MODES", "CPAttnMeta", "Exchange", "QueryPart", "build_rank_metas", "rank_token_positions"]
+__all__ = ["COLLECTIVE_MODES", "COMM_MODES", "CPAttnMeta", "Exchange", "QueryPart", "RingSchedule",
+           "RingStep", "build_rank_metas", "rank_token_positions"]
 
-COMM_MODES = ("allgather", "a2a", "full")
-"""Comm modes every meta describes."""
+COLLECTIVE_MODES = ("allgather", "a2a", "full")
+"""Comm modes that move K/V with one collective (an ``Exchange``)."""
+COMM_MODES = (*COLLECTIVE_MODES, "ring")
+"""Comm modes every meta describes; ``ring`` rotates K/V point-to-point (a ``RingSchedule``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -93,6 +103,46 @@ class Exchange:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class RingStep:
+    """One ring step on this rank: the visiting block and the varlen kernel call over it."""
+
+    source: int
+    """Rank whose K/V block visits at this step: ``(rank - step) mod cp``."""
+    causal: bool
+    """True at step 0 only (the rank's own block, bottom-right causal); later blocks are seen whole."""
+    part: QueryPart
+    """The queries attending to the block (shards with at least one visible key) and the key offsets; its
+    ``cu_seqlens_k`` counts the visible keys of each shard."""
+    kv_index: torch.Tensor
+    """(Sk,) int64: for each key of ``part`` (shard after shard, in document order), its row in the block."""
+    q_range: tuple[int, int] | None
+    """``(a, b)`` when ``part.q_index`` is ``arange(a, b)``: the kernel then reads a slice, not a copy."""
+    kv_range: tuple[int, int] | None
+    """``(a, b)`` when ``kv_index`` is ``arange(a, b)`` (e.g. every step of the ``ring`` layout)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class RingSchedule:
+    """How the ``ring`` comm mode runs on this rank: ``cp`` steps, N - 1 point-to-point transfers."""
+
+    rank: int
+    """This rank."""
+    steps: tuple[RingStep, ...]
+    """Step s hosts the block of rank ``(rank - s) mod cp``; step 0 covers every local query."""
+    block_rows: tuple[int, ...]
+    """Tokens of every rank's block (its token count), indexed by rank."""
+    wire_send_tokens: int
+    """Tokens of K/V leaving this rank per pass: every block but that of rank ``rank + 1``."""
+    wire_recv_tokens: int
+    """Tokens of K/V that arrive at this rank per pass: every block but its own."""
+
+    @property
+    def active(self) -> bool:
+        """False with one rank: nothing travels."""
+        return len(self.steps) > 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class CPAttnMeta:
     """Everything ``cp_attention`` needs for one rank and one packed sequence. Build with ``from_plan``."""
 
@@ -119,10 +169,13 @@ class CPAttnMeta:
     out_index: torch.Tensor
     """(T,) int64: ``out = cat(out_local, out_remote)[out_index]`` restores local layout order."""
     exchanges: dict[str, Exchange]
-    """Comm mode -> its exchange."""
+    """Collective comm mode -> its exchange."""
+    ring: RingSchedule
+    """The ``ring`` comm mode's schedule."""
     auto_comm: str
     """The mode ``comm="auto"`` uses: ``a2a`` when its busiest rank moves fewer tokens than an all-gather rank
-    does (``(cp-1) * P``), else ``allgather``. Decided from the whole plan, so every rank picks the same."""
+    does (``(cp-1) * P``), else ``allgather``. Decided from the whole plan, so every rank picks the same.
+    Never ``ring`` or ``full``: those are baselines, chosen only by name."""
     _moved: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
@@ -135,12 +188,26 @@ class CPAttnMeta:
         """Where the index tensors live."""
         return self.out_index.device
 
-    def exchange(self, comm: str) -> Exchange:
-        """The exchange for ``comm`` (``"auto"`` resolves to ``auto_comm``)."""
+    def resolve_comm(self, comm: str) -> str:
+        """The comm mode ``comm`` names (``"auto"``: ``auto_comm``); ValueError for an unknown name."""
         mode = self.auto_comm if comm == "auto" else comm
+        if mode not in COMM_MODES:
+            raise ValueError(f"unknown comm mode '{comm}' (choose from auto, {', '.join(COMM_MODES)})")
+        return mode
+
+    def exchange(self, comm: str) -> Exchange:
+        """The exchange for collective mode ``comm`` (``"auto"`` resolves to ``auto_comm``)."""
+        mode = self.resolve_comm(comm)
         if mode not in self.exchanges:
-            raise ValueError(f"unknown comm mode '{comm}' (choose from auto, {', '.join(self.exchanges)})")
+            raise ValueError(f"comm mode '{mode}' moves K/V point-to-point and has no collective exchange; "
+                             f"its schedule is meta.ring")
         return self.exchanges[mode]
+
+    def wire_tokens(self, comm: str) -> tuple[int, int]:
+        """``(sent, received)`` tokens of K/V per forward pass on this rank with ``comm``."""
+        mode = self.resolve_comm(comm)
+        ex = self.ring if mode == "ring" else self.exchanges[mode]
+        return ex.wire_send_tokens, ex.wire_recv_tokens
 
     def to(self, device: torch.device | str) -> CPAttnMeta:
         """Return this meta with its index tensors on ``device``; cached, so calling it per layer is cheap."""
@@ -158,7 +225,9 @@ def _move(obj, device: torch.device):
         return obj.to(device, non_blocking=True)
     if isinstance(obj, dict):
         return {k: _move(v, device) for k, v in obj.items()}
-    if isinstance(obj, (QueryPart, Exchange, CPAttnMeta)):
+    if isinstance(obj, tuple):
+        return tuple(_move(v, device) for v in obj)
+    if isinstance(obj, (QueryPart, Exchange, RingStep, RingSchedule, CPAttnMeta)):
         return replace(obj, **{f.name: _move(getattr(obj, f.name), device) for f in fields(obj) if f.init})
     return obj
 
@@ -186,6 +255,13 @@ def _within_rank_offsets(lengths: np.ndarray, shard_rank: np.ndarray) -> np.ndar
     out = np.empty_like(cum)
     out[order] = cum
     return out
+
+
+def _as_range(index: np.ndarray) -> tuple[int, int] | None:
+    """``(a, b)`` when ``index`` is ``arange(a, b)`` with ``b > a``, else None."""
+    if index.size == 0 or index[-1] - index[0] + 1 != index.size or (np.diff(index) != 1).any():
+        return None
+    return int(index[0]), int(index[-1]) + 1
 
 
 def _long(a: np.ndarray) -> torch.Tensor:
@@ -240,6 +316,10 @@ class _SequenceLayout:
         sent = np.bincount(self.owner[all_need], minlength=cp)
         a2a_busiest = int(np.maximum(sent, received).max())
         self.a2a_active = bool(received.any())
+
+        # ring: each rank's tokens by packed-sequence position (= document order inside a document)
+        by_owner = np.argsort(self.owner, kind="stable")
+        self.owned_globals = np.split(by_owner, np.cumsum(self.rank_tokens)[:-1])
         self.auto_comm = "a2a" if a2a_busiest < (cp - 1) * self.ag_slot else "allgather"
 
     def _exact_need(self, rank: int) -> np.ndarray:
@@ -260,6 +340,32 @@ class _SequenceLayout:
                          cu_seqlens_q=_int32(_cumsum0(length)), cu_seqlens_k=_int32(_cumsum0(end)),
                          max_seqlen_q=int(length.max(initial=0)), max_seqlen_k=int(end.max(initial=0)))
         return part, _ranges(self.doc_offset[plan.shard_doc[shards]], end)
+
+    def _ring_schedule(self, rank: int, shards: np.ndarray) -> RingSchedule:
+        plan, cp = self.plan, self.plan.cp
+        length = plan.shard_len[shards]
+        doc_start = self.doc_offset[plan.shard_doc[shards]]
+        steps = []
+        for step in range(cp):
+            source = (rank - step) % cp
+            owned = self.owned_globals[source]
+            # the visible keys of shard i: source's tokens of its document before its end, a run of `owned`
+            first = np.searchsorted(owned, doc_start)
+            count = np.searchsorted(owned, doc_start + self.shard_end[shards]) - first
+            seen = count > 0
+            assert step > 0 or (count >= length).all()
+            part = QueryPart(q_index=_long(_ranges(self.shard_local[shards[seen]], length[seen])),
+                             cu_seqlens_q=_int32(_cumsum0(length[seen])),
+                             cu_seqlens_k=_int32(_cumsum0(count[seen])),
+                             max_seqlen_q=int(length[seen].max(initial=0)),
+                             max_seqlen_k=int(count[seen].max(initial=0)))
+            kv_index = self.local_pos[owned[_ranges(first[seen], count[seen])]]
+            steps.append(RingStep(source=source, causal=step == 0, part=part, kv_index=_long(kv_index),
+                                  q_range=_as_range(part.q_index.numpy()), kv_range=_as_range(kv_index)))
+        total = self.context_len
+        return RingSchedule(rank=rank, steps=tuple(steps), block_rows=tuple(int(t) for t in self.rank_tokens),
+                            wire_send_tokens=total - int(self.rank_tokens[(rank + 1) % cp]),
+                            wire_recv_tokens=total - int(self.rank_tokens[rank]))
 
     def rank_meta(self, rank: int) -> CPAttnMeta:
         """The meta of ``rank``."""
@@ -312,7 +418,8 @@ class _SequenceLayout:
                           shard_len=_long(plan.shard_len[shards]),
                           shard_local_only=torch.from_numpy(local_only.copy()), local=local,
                           local_kv_index=_long(self.local_pos[local_keys]), remote=remote,
-                          out_index=_long(out_index), exchanges=exchanges, auto_comm=self.auto_comm)
+                          out_index=_long(out_index), exchanges=exchanges,
+                          ring=self._ring_schedule(rank, shards), auto_comm=self.auto_comm)
 
 
 def build_rank_metas(plan: SequencePlan, doc_lens) -> list[CPAttnMeta]:
