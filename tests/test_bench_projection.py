@@ -181,3 +181,15 @@ def test_unknown_comm_is_refused(profile):
     plan = SequencePlan.from_arrays([0], [0], [8], [0], 1)
     with pytest.raises(ValueError, match="unknown comm mode"):
         project_step(plan, SHAPE, profile, "carrier-pigeon", False)
+
+
+def test_ring_projection(profile):
+    from flashcp.planner.ring import ring_plan
+
+    doc_lens = np.array([32768])  # one causal document: contiguous chunks are imbalanced, zigzag is not
+    contiguous = project_step(ring_plan(doc_lens, 4), SHAPE, profile, "ring", overlap=True)
+    zigzag = project_step(perdoc_like_plan(doc_lens, 4), SHAPE, profile, "ring", overlap=True)
+    assert zigzag.total < contiguous.total
+    for step in (contiguous, zigzag):
+        assert step.comm_mode == "ring" and step.comm_seconds > 0 and step.comm_bytes > 0
+        assert step.attn_fwd + step.attn_bwd + step.comm + step.other == pytest.approx(step.total, rel=1e-9)

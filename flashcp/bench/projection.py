@@ -323,7 +323,8 @@ def _project_ring(plan: SequencePlan, shape: ModelShape, profile: HardwareProfil
         attn.append(float(kernel[slowest, np.arange(cp)].sum()))
         copies.append(float(copy[slowest, np.arange(cp)].sum()))
     total = sum(totals)
-    wire = 3 * (cp - 1) * int(tokens.max()) * shape.kv_row_bytes  # K/V forward, K/V + dK/dV backward
+    sent, _ = cost.ring_comm_tokens(plan.shard_len, plan.shard_rank, cp)
+    wire = 3 * int(sent.max()) * shape.kv_row_bytes  # K/V forward, K/V + dK/dV backward
     return StepLatency(total=total, attn_fwd=attn[0], attn_bwd=attn[1],
                        comm=max(0.0, total - sum(attn) - sum(copies)), other=sum(copies), comm_mode="ring",
                        comm_seconds=3 * (cp - 1) * block, comm_bytes=wire,
