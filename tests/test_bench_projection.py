@@ -36,7 +36,7 @@ def profile() -> HardwareProfile:
 def test_default_profile_cites_every_parameter(profile):
     assert not profile.calibrated and profile.peak_tflops == 989.0
     for name in ("peak_tflops", "attention_tflops", "query_tile", "link_gbps", "hbm_gbps",
-                 "kernel_overhead_us", "collective_latency_us"):
+                 "kernel_overhead_us", "sequence_overhead_us", "collective_latency_us"):
         assert profile.sources[name], f"{name} has no source"
     assert "ASSUMPTION" in profile.sources["kernel_overhead_us"]
 

@@ -1,7 +1,8 @@
 """``flashcp bench --calibrate``: measure a device's attention curve and overheads, and write a profile.
 
 The measured parts replace the profile's attention curve (forward and backward TFLOP/s by sequence length,
-``flashcp.bench.measure.attention_curve``), the per-call kernel overhead and the copy bandwidth. What one
+``flashcp.bench.measure.attention_curve``), the per-call and per-sequence overheads and the copy
+bandwidth. What one
 device cannot measure (the link between GPUs, collective latency, peak) is kept from the base profile, and
 its source sentence says so. The profile's ``name`` and every replaced ``source`` record the device, the
 kernel backend, torch's version and the date.
@@ -14,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from flashcp.bench.measure import attention_curve, copy_bandwidth, kernel_overhead
+from flashcp.bench.measure import attention_curve, copy_bandwidth, kernel_overhead, sequence_overhead
 from flashcp.bench.profile import HardwareProfile
 from flashcp.bench.projection import ModelShape
 from flashcp.runtime.kernels import resolve_backend
@@ -42,8 +43,9 @@ def calibrate_profile(base: HardwareProfile, device: torch.device, *, dtype: tor
     shape = shape or ModelShape(num_heads=16, num_kv_heads=16, head_dim=128)
     probe = torch.zeros(1, shape.num_heads, shape.head_dim, device=device, dtype=dtype)
     backend = resolve_backend(backend, probe)
-    curve = attention_curve(lengths, shape, device, dtype, backend, total_tokens, reps)
     overhead_s = kernel_overhead(shape, device, dtype, backend)
+    per_sequence_s = sequence_overhead(shape, device, dtype, backend)
+    curve = attention_curve(lengths, shape, device, dtype, backend, total_tokens, reps, per_sequence_s)
     copy_gbps = copy_bandwidth(device, num_bytes=1 << (28 if device.type == "cuda" else 24)) / 1e9
     where = (f"{device_name(device)}, backend {backend}, {str(dtype).removeprefix('torch.')}, "
              f"H={shape.num_heads} D={shape.head_dim}, torch {torch.__version__}, "
@@ -56,11 +58,18 @@ def calibrate_profile(base: HardwareProfile, device: torch.device, *, dtype: tor
         "below the first length the first segment's power law continues; above the last, the last value "
         "holds; never above peak_tflops")
     sources["kernel_overhead_us"] = f"{measured}: forward + backward of a one-token call, halved"
+    sources["sequence_overhead_us"] = (f"{measured}: a call over 64 one-token sequences against a call over "
+                                       "one, per extra sequence and pass")
+    tile = base.query_tile
+    if backend == "reference":  # scaled_dot_product_attention per shard: no query tiles to pad
+        tile = 1
+        sources["query_tile"] = "the reference backend computes each shard's queries exactly (no tiles)"
     sources["hbm_gbps"] = f"{measured}: index_select of rows, bytes read + written"
-    for name in ("peak_tflops", "link_gbps", "collective_latency_us", "query_tile"):
+    for name in ("peak_tflops", "link_gbps", "collective_latency_us", *(("query_tile",) if tile > 1 else ())):
         kept = f"kept from '{base.name}' (not measurable on one device): "
         sources[name] = kept + base.sources.get(name, "")
     return replace(base, name=f"calibrated on {where}", calibrated=True,
                    lengths=tuple(curve["lengths"]), forward_tflops=tuple(curve["forward"]),
                    backward_tflops=tuple(curve["backward"]), kernel_overhead_us=overhead_s * 1e6,
+                   sequence_overhead_us=per_sequence_s * 1e6, query_tile=tile,
                    hbm_gbps=copy_gbps, sources=sources)

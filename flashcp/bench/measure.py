@@ -8,7 +8,8 @@ backward. Every rank of a plan can be timed this way on one GPU (``measured_work
 
 ``attention_curve`` times ``varlen_attention`` over batches of equal-length causal sequences (the layout of
 the published FlashAttention benchmarks the default profile cites), forward and backward, and
-``kernel_overhead`` / ``copy_bandwidth`` time a one-token call and a large gather; ``flashcp.bench.calibrate``
+``kernel_overhead`` / ``sequence_overhead`` / ``copy_bandwidth`` time a one-token call, many one-token
+sequences in one call, and a large gather; ``flashcp.bench.calibrate``
 turns them into a profile.
 
 Shape legend: ``T`` tokens of a rank, ``H`` query heads, ``K`` key/value heads, ``D`` head dim, ``R`` rows of
@@ -29,7 +30,8 @@ from flashcp.runtime.attention import local_attention, remote_attention
 from flashcp.runtime.kernels import varlen_attention
 from flashcp.runtime.meta import CPAttnMeta, build_rank_metas
 
-__all__ = ["attention_curve", "copy_bandwidth", "kernel_overhead", "measured_work", "time_rank_parts"]
+__all__ = ["attention_curve", "copy_bandwidth", "kernel_overhead", "measured_work", "sequence_overhead",
+           "time_rank_parts"]
 
 
 def _sync(device: torch.device) -> None:
@@ -114,11 +116,14 @@ def measured_work(plan: SequencePlan, doc_lens, shape: ModelShape, profile: Hard
 
 
 def attention_curve(lengths, shape: ModelShape, device: torch.device, dtype: torch.dtype,
-                    backend: str = "auto", total_tokens: int = 16384, reps: int = 3) -> dict[str, list]:
+                    backend: str = "auto", total_tokens: int = 16384, reps: int = 3,
+                    sequence_overhead_s: float = 0.0) -> dict[str, list]:
     """Achieved forward and backward TFLOP/s of causal varlen attention at each sequence length.
 
     Each measurement is one call over ``max(1, total_tokens // length)`` sequences of ``length`` tokens;
-    FLOPs are ``4 * pairs * H * D`` forward and 2.5x that backward (the profile's convention).
+    FLOPs are ``4 * pairs * H * D`` forward and 2.5x that backward (the profile's convention). The fixed
+    cost of the call's sequences (``sequence_overhead_s`` each, per pass) is taken out first, as the
+    projection adds it back per shard.
     """
     forward, backward = [], []
     for length in lengths:
@@ -142,8 +147,10 @@ def attention_curve(lengths, shape: ModelShape, device: torch.device, dtype: tor
             if run:
                 fwd_times.append(fwd)
                 bwd_times.append(bwd)
-        forward.append(flops / float(np.median(fwd_times)) / 1e12)
-        backward.append(2.5 * flops / float(np.median(bwd_times)) / 1e12)
+        fixed = batch * sequence_overhead_s
+        for times, out, scale in ((fwd_times, forward, 1.0), (bwd_times, backward, 2.5)):
+            seconds = float(np.median(times))
+            out.append(scale * flops / max(seconds - fixed, 0.05 * seconds) / 1e12)
     return {"lengths": [int(n) for n in lengths], "forward": forward, "backward": backward}
 
 
@@ -160,6 +167,22 @@ def kernel_overhead(shape: ModelShape, device: torch.device, dtype: torch.dtype,
 
     times = [_timed(call, device) for _ in range(reps + 1)][1:]
     return float(np.median(times)) / 2
+
+
+def sequence_overhead(shape: ModelShape, device: torch.device, dtype: torch.dtype, backend: str = "auto",
+                      count: int = 64, reps: int = 5) -> float:
+    """Seconds each extra sequence adds to a call (per pass): ``count`` one-token sequences against one."""
+    def call_seconds(batch):
+        q, k, v = (torch.randn(batch, heads, shape.head_dim, device=device, dtype=dtype, requires_grad=True)
+                   for heads in (shape.num_heads, shape.num_kv_heads, shape.num_kv_heads))
+        cu = torch.arange(batch + 1, device=device, dtype=torch.int32)
+
+        def call():
+            varlen_attention(q, k, v, cu, cu, 1, 1, backend).sum().backward()
+
+        return float(np.median([_timed(call, device) for _ in range(reps + 1)][1:])) / 2
+
+    return max(call_seconds(count) - call_seconds(1), 0.0) / (count - 1)
 
 
 def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 28, reps: int = 5) -> float:

@@ -11,6 +11,7 @@ A profile file (``flashcp/bench/profiles/h100-sxm-nvlink.json`` is the default) 
 - ``link_gbps``: GPU-to-GPU bandwidth per direction (GB/s);
 - ``hbm_gbps``: memory bandwidth for the runtime's gathers (GB/s);
 - ``kernel_overhead_us``: fixed cost of one attention kernel call;
+- ``sequence_overhead_us``: fixed cost of each sequence (shard) inside a call (optional, default 0);
 - ``collective_latency_us``: fixed cost of one collective or ring step.
 
 Defaults come from public specs and published FlashAttention benchmarks; what no spec gives is marked
@@ -39,6 +40,8 @@ DEFAULT_PROFILE = "h100-sxm-nvlink.json"
 PROFILE_FORMAT = "flashcp-hardware-profile"
 SCALARS = ("peak_tflops", "query_tile", "link_gbps", "hbm_gbps", "kernel_overhead_us",
            "collective_latency_us")
+OPTIONAL = {"sequence_overhead_us": 0.0}
+"""Parameters a profile file may leave out, with their defaults."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,6 +70,8 @@ class HardwareProfile:
     """Fixed cost of one attention kernel call, microseconds."""
     collective_latency_us: float
     """Fixed cost of one collective or ring step, microseconds."""
+    sequence_overhead_us: float = 0.0
+    """Fixed cost of each sequence (shard) of a kernel call, microseconds."""
     sources: dict = field(default_factory=dict)
     """Parameter name -> citation sentence (or how it was measured)."""
 
@@ -85,8 +90,9 @@ class HardwareProfile:
             raise ValueError("attention_tflops values must be positive")
         if self.query_tile < 1:
             raise ValueError(f"query_tile must be at least 1, got {self.query_tile}")
-        if self.kernel_overhead_us < 0 or self.collective_latency_us < 0:
-            raise ValueError("kernel_overhead_us and collective_latency_us must not be negative")
+        if min(self.kernel_overhead_us, self.collective_latency_us, self.sequence_overhead_us) < 0:
+            raise ValueError("kernel_overhead_us, sequence_overhead_us and collective_latency_us must not be "
+                             "negative")
 
     def attention_tflops(self, length, backward: bool = False) -> np.ndarray:
         """Achieved TFLOP/s of a kernel over sequences of ``length`` tokens (array in, float64 array out).
@@ -121,7 +127,8 @@ class HardwareProfile:
         return {"format": PROFILE_FORMAT, "format_version": 1, "name": self.name,
                 "calibrated": self.calibrated,
                 "peak_tflops": entry("peak_tflops", self.peak_tflops), "attention_tflops": curve,
-                **{name: entry(name, getattr(self, name)) for name in SCALARS if name != "peak_tflops"}}
+                **{name: entry(name, getattr(self, name)) for name in (*SCALARS, *OPTIONAL)
+                   if name != "peak_tflops"}}
 
 
 def _number(obj: dict, name: str, label: str) -> float:
@@ -142,11 +149,14 @@ def _profile_from_json(obj, label: str) -> HardwareProfile:
                                               for k in ("lengths", "forward", "backward")):
         raise FlashcpError(f"hardware profile {label} needs 'attention_tflops' with non-empty 'lengths', "
                            "'forward' and 'backward' lists")
-    sources = {name: str(obj[name].get("source", "")) for name in SCALARS if isinstance(obj.get(name), dict)}
+    sources = {name: str(obj[name].get("source", "")) for name in (*SCALARS, *OPTIONAL)
+               if isinstance(obj.get(name), dict)}
     sources["attention_tflops"] = str(curve.get("source", ""))
     if "extrapolation" in curve:
         sources["attention_tflops.extrapolation"] = str(curve["extrapolation"])
     values = {name: _number(obj, name, label) for name in SCALARS}
+    values.update({name: _number(obj, name, label) if name in obj else default
+                   for name, default in OPTIONAL.items()})
     try:
         return HardwareProfile(
             name=str(obj.get("name", label)), calibrated=bool(obj.get("calibrated", False)),
@@ -155,7 +165,8 @@ def _profile_from_json(obj, label: str) -> HardwareProfile:
             backward_tflops=tuple(float(v) for v in curve["backward"]), query_tile=int(values["query_tile"]),
             link_gbps=values["link_gbps"], hbm_gbps=values["hbm_gbps"],
             kernel_overhead_us=values["kernel_overhead_us"],
-            collective_latency_us=values["collective_latency_us"], sources=sources)
+            collective_latency_us=values["collective_latency_us"],
+            sequence_overhead_us=values["sequence_overhead_us"], sources=sources)
     except (TypeError, ValueError) as e:
         raise FlashcpError(f"hardware profile {label} is not valid: {e}") from None
 

@@ -10,7 +10,8 @@ The model (every number from a ``HardwareProfile``; every formula for work and v
   sequences). Time is then non-decreasing in a shard's length and in its prefix. As in the runtime
   (``flashcp.runtime.attention``), a rank makes at most two kernel calls per pass, one over its *local*
   shards (whole key prefix on the rank) and one over its *remote* shards; each call adds
-  ``kernel_overhead_us``.
+  ``kernel_overhead_us`` and each shard ``sequence_overhead_us`` (0 for FlashAttention on a GPU; the CPU
+  reference kernels loop over shards).
 - Communication: K/V bytes per token from ``cost.kv_bytes_per_token``. A collective takes
   ``busiest rank's tokens * bytes / link_gbps + collective_latency_us``: ``(N-1) * max quota`` tokens for
   ``full``, ``(N-1) * max contribution`` for ``allgather``, ``max(sent, received)`` of the busiest rank for
@@ -166,7 +167,7 @@ def shard_seconds(shard_start, shard_len, shape: ModelShape, profile: HardwarePr
     shard_start = np.asarray(shard_start, dtype=np.int64)
     padded = profile.padded_rows(shard_len).astype(np.int64)
     pairs = cost.workload(shard_start, padded).astype(np.float64)
-    return _pair_seconds(pairs, shape, profile, backward)
+    return _pair_seconds(pairs, shape, profile, backward) + profile.sequence_overhead_us * 1e-6
 
 
 def _pair_seconds(pairs, shape: ModelShape, profile: HardwareProfile, backward: bool) -> np.ndarray:
@@ -314,7 +315,8 @@ def _project_ring(plan: SequencePlan, shape: ModelShape, profile: HardwareProfil
     totals, attn, copies = [], [], []
     for backward, transfer in ((False, block), (True, 2 * block)):
         padded = pair_mean * profile.padded_rows(row_mean) / np.maximum(row_mean, 1.0)
-        kernel = sequences * _pair_seconds(padded, shape, profile, backward)
+        per_sequence = _pair_seconds(padded, shape, profile, backward) + profile.sequence_overhead_us * 1e-6
+        kernel = sequences * per_sequence
         kernel = np.where(busy, kernel + profile.kernel_overhead_us * 1e-6, 0.0)
         compute = kernel + copy
         slowest = np.argmax(compute, axis=0)

@@ -133,7 +133,7 @@ def cpu_profile(base: HardwareProfile, shape: ModelShape, context_len: int, cp: 
     from flashcp.bench.calibrate import calibrate_profile
 
     per_rank = max(16, context_len // cp)
-    lengths = sorted({n for n in (16, 64, 256, 1024) if n < per_rank} | {per_rank})
+    lengths = sorted({n for n in (4, 16, 64, 256, 1024) if n < per_rank} | {per_rank})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank runs
     try:

@@ -6,6 +6,7 @@ every number in a JSON-ready dict; ``flashcp.bench.report`` prints it and ``flas
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -53,8 +54,8 @@ class BenchConfig:
     """Seconds the Python reference planners may take per strategy."""
     runtime_context_len: int = 8192
     """Context length of the CPU runtime scenario."""
-    runtime_cp: int = 4
-    """Gloo ranks of the CPU runtime scenario."""
+    runtime_cp: int = field(default_factory=lambda: max(2, min(4, os.cpu_count() or 2)))
+    """Gloo ranks of the CPU runtime scenario: one per core, 2 to 4."""
     runtime_seqs: int = 2
     """Sequences per case in the CPU runtime scenario."""
     runtime_reps: int = 3

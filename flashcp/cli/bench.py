@@ -45,7 +45,7 @@ def _names(value: str | None) -> tuple[str, ...] | None:
 @click.option("--runtime-context-len", type=click.IntRange(min=16),
               help="Context length of the CPU runtime scenario (default 8192, quick 4096).")
 @click.option("--runtime-cp", type=click.IntRange(min=1),
-              help="Gloo ranks of the CPU runtime scenario (default 4).")
+              help="Gloo ranks of the CPU runtime scenario (default: one per core, 2 to 4).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the packed sequences.")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
               help="Hardware profile JSON (default: H100 SXM NVLink from public specs).")
