@@ -193,3 +193,17 @@ def test_ring_projection(profile):
     for step in (contiguous, zigzag):
         assert step.comm_mode == "ring" and step.comm_seconds > 0 and step.comm_bytes > 0
         assert step.attn_fwd + step.attn_bwd + step.comm + step.other == pytest.approx(step.total, rel=1e-9)
+
+
+def test_dense_kernels_pay_for_the_whole_rectangle(profile):
+    from dataclasses import replace
+
+    dense = replace(profile, causal_skip=False, query_tile=1)
+    length = profile.lengths[2]
+    (seconds,) = shard_seconds([0], [length], SHAPE, dense)
+    flops = 4.0 * length * length * SHAPE.num_heads * SHAPE.head_dim
+    assert seconds == pytest.approx(flops / (profile.forward_tflops[2] * 1e12))
+    lengths = np.arange(1, 20000, 61)
+    for start in (0, 3000):
+        times = shard_seconds(np.full(lengths.size, start), lengths, SHAPE, dense, backward=True)
+        assert (np.diff(times) > 0).all()

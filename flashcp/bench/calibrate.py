@@ -45,7 +45,8 @@ def calibrate_profile(base: HardwareProfile, device: torch.device, *, dtype: tor
     backend = resolve_backend(backend, probe)
     overhead_s = kernel_overhead(shape, device, dtype, backend)
     per_sequence_s = sequence_overhead(shape, device, dtype, backend)
-    curve = attention_curve(lengths, shape, device, dtype, backend, total_tokens, reps, per_sequence_s)
+    dense = backend == "reference"  # scaled_dot_product_attention with a mask computes every pair
+    curve = attention_curve(lengths, shape, device, dtype, backend, total_tokens, reps, per_sequence_s, dense)
     copy_gbps = copy_bandwidth(device, num_bytes=1 << (28 if device.type == "cuda" else 24)) / 1e9
     where = (f"{device_name(device)}, backend {backend}, {str(dtype).removeprefix('torch.')}, "
              f"H={shape.num_heads} D={shape.head_dim}, torch {torch.__version__}, "
@@ -53,7 +54,8 @@ def calibrate_profile(base: HardwareProfile, device: torch.device, *, dtype: tor
     measured = f"measured by flashcp bench --calibrate on {where}"
     sources = dict(base.sources)
     sources["attention_tflops"] = (f"{measured}: one varlen call per length over "
-                                   f"max(1, {total_tokens} // length) causal sequences of that length")
+                                   f"max(1, {total_tokens} // length) causal sequences of that length"
+                                   + ("; FLOPs count the whole length x length square" if dense else ""))
     sources["attention_tflops.extrapolation"] = (
         "below the first length the first segment's power law continues; above the last, the last value "
         "holds; never above peak_tflops")
@@ -61,9 +63,11 @@ def calibrate_profile(base: HardwareProfile, device: torch.device, *, dtype: tor
     sources["sequence_overhead_us"] = (f"{measured}: a call over 64 one-token sequences against a call over "
                                        "one, per extra sequence and pass")
     tile = base.query_tile
-    if backend == "reference":  # scaled_dot_product_attention per shard: no query tiles to pad
+    if dense:  # scaled_dot_product_attention per shard: no query tiles to pad, no masked pairs skipped
         tile = 1
         sources["query_tile"] = "the reference backend computes each shard's queries exactly (no tiles)"
+        sources["causal_skip"] = ("the reference backend (scaled_dot_product_attention with an explicit "
+                                  "mask) computes every query-key pair of a shard's rectangle")
     sources["hbm_gbps"] = f"{measured}: index_select of rows, bytes read + written"
     for name in ("peak_tflops", "link_gbps", "collective_latency_us", *(("query_tile",) if tile > 1 else ())):
         kept = f"kept from '{base.name}' (not measurable on one device): "
@@ -71,5 +75,5 @@ def calibrate_profile(base: HardwareProfile, device: torch.device, *, dtype: tor
     return replace(base, name=f"calibrated on {where}", calibrated=True,
                    lengths=tuple(curve["lengths"]), forward_tflops=tuple(curve["forward"]),
                    backward_tflops=tuple(curve["backward"]), kernel_overhead_us=overhead_s * 1e6,
-                   sequence_overhead_us=per_sequence_s * 1e6, query_tile=tile,
+                   sequence_overhead_us=per_sequence_s * 1e6, query_tile=tile, causal_skip=not dense,
                    hbm_gbps=copy_gbps, sources=sources)

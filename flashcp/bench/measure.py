@@ -117,13 +117,14 @@ def measured_work(plan: SequencePlan, doc_lens, shape: ModelShape, profile: Hard
 
 def attention_curve(lengths, shape: ModelShape, device: torch.device, dtype: torch.dtype,
                     backend: str = "auto", total_tokens: int = 16384, reps: int = 3,
-                    sequence_overhead_s: float = 0.0) -> dict[str, list]:
+                    sequence_overhead_s: float = 0.0, dense: bool = False) -> dict[str, list]:
     """Achieved forward and backward TFLOP/s of causal varlen attention at each sequence length.
 
     Each measurement is one call over ``max(1, total_tokens // length)`` sequences of ``length`` tokens;
     FLOPs are ``4 * pairs * H * D`` forward and 2.5x that backward (the profile's convention). The fixed
     cost of the call's sequences (``sequence_overhead_s`` each, per pass) is taken out first, as the
-    projection adds it back per shard.
+    projection adds it back per shard. ``dense`` counts every pair of the ``length x length`` square, for
+    kernels that do not skip the masked triangle.
     """
     forward, backward = [], []
     for length in lengths:
@@ -135,7 +136,8 @@ def attention_curve(lengths, shape: ModelShape, device: torch.device, dtype: tor
                 for _ in range(2))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         cu = torch.arange(batch + 1, device=device, dtype=torch.int32) * length
-        flops = 4.0 * batch * length * (length + 1) / 2 * shape.num_heads * shape.head_dim
+        pairs = length * length if dense else length * (length + 1) / 2
+        flops = 4.0 * batch * pairs * shape.num_heads * shape.head_dim
         fwd_times, bwd_times = [], []
         for run in range(reps + 1):
             holder: dict[str, torch.Tensor] = {}

@@ -8,6 +8,8 @@ A profile file (``flashcp/bench/profiles/h100-sxm-nvlink.json`` is the default) 
   ``lengths`` / ``forward`` / ``backward`` lists (TFLOP/s, forward FLOPs ``4 * pairs * H * D``, backward
   2.5x that);
 - ``query_tile``: query rows per kernel tile (a shorter shard still pays for a whole tile);
+- ``causal_skip``: 1 when the kernel skips the masked part above the causal diagonal, 0 when it computes
+  the whole ``queries x (prefix + queries)`` rectangle of a shard (optional, default 1);
 - ``link_gbps``: GPU-to-GPU bandwidth per direction (GB/s);
 - ``hbm_gbps``: memory bandwidth for the runtime's gathers (GB/s);
 - ``kernel_overhead_us``: fixed cost of one attention kernel call;
@@ -40,7 +42,7 @@ DEFAULT_PROFILE = "h100-sxm-nvlink.json"
 PROFILE_FORMAT = "flashcp-hardware-profile"
 SCALARS = ("peak_tflops", "query_tile", "link_gbps", "hbm_gbps", "kernel_overhead_us",
            "collective_latency_us")
-OPTIONAL = {"sequence_overhead_us": 0.0}
+OPTIONAL = {"sequence_overhead_us": 0.0, "causal_skip": 1.0}
 """Parameters a profile file may leave out, with their defaults."""
 
 
@@ -72,6 +74,8 @@ class HardwareProfile:
     """Fixed cost of one collective or ring step, microseconds."""
     sequence_overhead_us: float = 0.0
     """Fixed cost of each sequence (shard) of a kernel call, microseconds."""
+    causal_skip: bool = True
+    """Whether the kernel skips the masked pairs above the causal diagonal (else computes the rectangle)."""
     sources: dict = field(default_factory=dict)
     """Parameter name -> citation sentence (or how it was measured)."""
 
@@ -127,7 +131,7 @@ class HardwareProfile:
         return {"format": PROFILE_FORMAT, "format_version": 1, "name": self.name,
                 "calibrated": self.calibrated,
                 "peak_tflops": entry("peak_tflops", self.peak_tflops), "attention_tflops": curve,
-                **{name: entry(name, getattr(self, name)) for name in (*SCALARS, *OPTIONAL)
+                **{name: entry(name, float(getattr(self, name))) for name in (*SCALARS, *OPTIONAL)
                    if name != "peak_tflops"}}
 
 
@@ -166,7 +170,8 @@ def _profile_from_json(obj, label: str) -> HardwareProfile:
             link_gbps=values["link_gbps"], hbm_gbps=values["hbm_gbps"],
             kernel_overhead_us=values["kernel_overhead_us"],
             collective_latency_us=values["collective_latency_us"],
-            sequence_overhead_us=values["sequence_overhead_us"], sources=sources)
+            sequence_overhead_us=values["sequence_overhead_us"], causal_skip=bool(values["causal_skip"]),
+            sources=sources)
     except (TypeError, ValueError) as e:
         raise FlashcpError(f"hardware profile {label} is not valid: {e}") from None
 

@@ -7,7 +7,9 @@ The model (every number from a ``HardwareProfile``; every formula for work and v
   ``W = cost.workload(start, Q)`` with its query count rounded up to the tile (``Q``); forward FLOPs
   ``4 * W * H * D``, backward 2.5x that. It runs at the profile's throughput for the *equivalent length*
   ``sqrt(2 * W)`` (a causal sequence of that length has the same work, and the curve was measured on such
-  sequences). Time is then non-decreasing in a shard's length and in its prefix. As in the runtime
+  sequences). A kernel that does not skip the masked triangle (profile ``causal_skip`` 0, the CPU
+  reference) computes the rectangle ``W = Q * (start + Q)`` instead, at equivalent length ``sqrt(W)``.
+  Time is then non-decreasing in a shard's length and in its prefix. As in the runtime
   (``flashcp.runtime.attention``), a rank makes at most two kernel calls per pass, one over its *local*
   shards (whole key prefix on the rank) and one over its *remote* shards; each call adds
   ``kernel_overhead_us`` and each shard ``sequence_overhead_us`` (0 for FlashAttention on a GPU; the CPU
@@ -165,16 +167,21 @@ def shard_seconds(shard_start, shard_len, shape: ModelShape, profile: HardwarePr
                   backward: bool = False) -> np.ndarray:
     """Projected kernel time of each shard (no call overhead), seconds. Shape (num_shards,), float64."""
     shard_start = np.asarray(shard_start, dtype=np.int64)
-    padded = profile.padded_rows(shard_len).astype(np.int64)
-    pairs = cost.workload(shard_start, padded).astype(np.float64)
-    return _pair_seconds(pairs, shape, profile, backward) + profile.sequence_overhead_us * 1e-6
+    padded = profile.padded_rows(shard_len)
+    if profile.causal_skip:
+        pairs = cost.workload(shard_start, padded.astype(np.int64)).astype(np.float64)
+        eq_len = np.sqrt(2.0 * pairs)
+    else:
+        pairs = padded * (shard_start + padded)
+        eq_len = np.sqrt(pairs)
+    return _pair_seconds(pairs, eq_len, shape, profile, backward) + profile.sequence_overhead_us * 1e-6
 
 
-def _pair_seconds(pairs, shape: ModelShape, profile: HardwareProfile, backward: bool) -> np.ndarray:
-    """Kernel time of sequences that compute ``pairs`` query-key pairs each (tile padding included)."""
+def _pair_seconds(pairs, eq_len, shape: ModelShape, profile: HardwareProfile, backward: bool) -> np.ndarray:
+    """Kernel time of sequences computing ``pairs`` query-key pairs each, at equivalent length ``eq_len``."""
     pairs = np.asarray(pairs, dtype=np.float64)
     flops = 4.0 * pairs * shape.num_heads * shape.head_dim * (BWD_FLOPS if backward else 1.0)
-    tflops = profile.attention_tflops(np.sqrt(2.0 * np.maximum(pairs, 1.0)), backward)
+    tflops = profile.attention_tflops(eq_len, backward)
     return np.where(pairs > 0, flops / (tflops * 1e12), 0.0)
 
 
@@ -315,8 +322,9 @@ def _project_ring(plan: SequencePlan, shape: ModelShape, profile: HardwareProfil
     totals, attn, copies = [], [], []
     for backward, transfer in ((False, block), (True, 2 * block)):
         padded = pair_mean * profile.padded_rows(row_mean) / np.maximum(row_mean, 1.0)
-        per_sequence = _pair_seconds(padded, shape, profile, backward) + profile.sequence_overhead_us * 1e-6
-        kernel = sequences * per_sequence
+        eq_len = np.sqrt(2.0 * np.maximum(padded, 1.0))
+        each = _pair_seconds(padded, eq_len, shape, profile, backward) + profile.sequence_overhead_us * 1e-6
+        kernel = sequences * each
         kernel = np.where(busy, kernel + profile.kernel_overhead_us * 1e-6, 0.0)
         compute = kernel + copy
         slowest = np.argmax(compute, axis=0)
