@@ -88,10 +88,12 @@ def _runtime(console: Console, runtime: dict) -> None:
                       f"{' < '.join(ranking['projected_order'])}")
         console.print(f"  {what}: {verdict}; rank correlation {ranking['spearman']:.2f}")
     console.print(f"  rank correlation over all cases {runtime['spearman_all_cases']:.2f}")
-    if runtime.get("comm_mode_spread") is not None:
+    spread = runtime.get("comm_mode_spread")
+    if spread is not None:
         console.print(f"  measurement spread: one plan under full / allgather / a2a differs by "
-                      f"{100 * runtime['comm_mode_spread']:.0f}% (median over strategies; the projection "
-                      "puts these within a few %), so smaller differences are not resolved here")
+                      f"{100 * spread['step_ms']:.0f}% measured, {100 * spread['projected_ms']:.1f}% "
+                      "projected "
+                      "(median over strategies): smaller measured differences are noise on this machine")
 
 
 def _latency(console: Console, latency: dict) -> None:

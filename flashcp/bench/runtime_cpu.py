@@ -189,11 +189,12 @@ def runtime_cpu(book: PlanBook, source, systems: list[System], cp: int, context_
         row["projected_ratio"] = row["projected_ms"] / base["projected_ms"]
     # one plan under the three collective comm modes: at this size they differ little in work, so their
     # spread shows how far apart two measurements of about the same step can be on this machine
-    spreads = []
+    spreads: dict[str, list[float]] = {"step_ms": [], "projected_ms": []}
     for strategy in dict.fromkeys(r["strategy"] for r in rows):
-        same = [r["step_ms"] for r in rows if r["strategy"] == strategy and r["comm"] in COLLECTIVE_COMMS]
+        same = [r for r in rows if r["strategy"] == strategy and r["comm"] in COLLECTIVE_COMMS]
         if len(same) == len(COLLECTIVE_COMMS):
-            spreads.append(max(same) / min(same) - 1.0)
+            for key, values in spreads.items():
+                values.append(max(r[key] for r in same) / min(r[key] for r in same) - 1.0)
     by_case = {r["key"]: r for r in rows}
     named = [(s.label, by_case[s.key]) for s in ranked or [] if s.key in by_case]
     # the ring systems run other kernels (block-wise with log-sum-exp merges) than the collective ones,
@@ -204,7 +205,8 @@ def runtime_cpu(book: PlanBook, source, systems: list[System], cp: int, context_
             "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "dtype": "float32",
             "backend": "reference", "num_seqs": len(sequences), "reps": reps, "baseline": base["case"],
             "rows": rows, "system_ranking": _ranking(named), "collective_ranking": _ranking(collective),
-            "comm_mode_spread": float(np.median(spreads)) if spreads else None,
+            "comm_mode_spread": {k: float(np.median(v)) for k, v in spreads.items()} if spreads["step_ms"]
+            else None,
             "spearman_all_cases": _spearman([r["step_ms"] for r in rows], [r["projected_ms"] for r in rows]),
             "wall_seconds": time.perf_counter() - started}
 
