@@ -14,6 +14,9 @@ __all__ = ["paper_comparison", "print_report"]
 
 REPORT_WIDTH = 160
 """Columns of the tables when the output is not a terminal."""
+RANKINGS = (("strategy_ranking", "strategies (mean over their collective comm modes)"),
+            ("system_ranking", "systems"), ("collective_ranking", "collective systems"))
+"""The CPU runtime orders compared with the projection's."""
 
 
 def _table(title: str, *columns: str) -> Table:
@@ -78,7 +81,7 @@ def _runtime(console: Console, runtime: dict) -> None:
                       f"{r['projected_ms']:.1f}", f"{r['projected_ratio']:.3f}",
                       f"{r['gpu_projected_ms'] / gpu_base:.3f}")
     _show(console, table)
-    for key, what in (("system_ranking", "systems"), ("collective_ranking", "collective systems")):
+    for key, what in RANKINGS:
         ranking = runtime[key]
         if len(ranking["systems"]) < 2:
             continue
@@ -180,7 +183,7 @@ def print_report(results: dict, console: Console) -> None:
                           f"{t['mean_speedup']:.3f}x){detail}")
     runtime = results.get("runtime")
     if runtime:
-        for key, what in (("system_ranking", "systems"), ("collective_ranking", "collective systems")):
+        for key, what in RANKINGS:
             ranking = runtime[key]
             if len(ranking["systems"]) >= 2:
                 console.print(f"target: CPU-measured step time ranks the {what} as the projection does: "
