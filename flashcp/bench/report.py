@@ -91,6 +91,8 @@ def _runtime(console: Console, runtime: dict) -> None:
                       f"{' < '.join(ranking['projected_order'])}")
         console.print(f"  {what}: {verdict}; rank correlation {ranking['spearman']:.2f}")
     console.print(f"  rank correlation over all cases {runtime['spearman_all_cases']:.2f}")
+    console.print(f"  the CPU-calibrated model accounts for {100 * runtime['projected_share']:.0f}% of the "
+                  "measured step time of the collective cases; the remainder is not modelled")
     spread = runtime.get("comm_mode_spread")
     if spread is not None:
         console.print(f"  measurement spread: one plan under full / allgather / a2a differs by "

@@ -213,6 +213,8 @@ def runtime_cpu(book: PlanBook, source, systems: list[System], cp: int, context_
             "backend": "reference", "num_seqs": len(sequences), "reps": reps, "baseline": base["case"],
             "rows": rows, "strategy_ranking": _ranking(strategies), "system_ranking": _ranking(named),
             "collective_ranking": _ranking(collective),
+            "projected_share": float(np.mean([r["projected_ms"] / r["step_ms"] for r in rows
+                                               if r["comm"] != "ring"] or [np.nan])),
             "comm_mode_spread": {k: float(np.median(v)) for k, v in spreads.items()} if spreads["step_ms"]
             else None,
             "spearman_all_cases": _spearman([r["step_ms"] for r in rows], [r["projected_ms"] for r in rows]),
