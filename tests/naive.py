@@ -35,6 +35,18 @@ def naive_metrics(shards: list[tuple[int, int, int, int]], cp: int) -> tuple[flo
     return imbalance, max(contribution), max(received)
 
 
+def naive_exact_need_sent(shards: list[tuple[int, int, int, int]], cp: int) -> list[int]:
+    """Tokens each rank sends under exact-need exchange: for every other rank r and document d that r holds,
+    the sender's tokens of d before the end of r's last shard of d."""
+    sent = [0] * cp
+    for doc, start, length, owner in shards:
+        for rank in range(cp):
+            ends = [s + n for d, s, n, r in shards if d == doc and r == rank]
+            if rank != owner and ends:
+                sent[owner] += sum(1 for t in range(start, start + length) if t < max(ends))
+    return sent
+
+
 def naive_document_attention(q, k, v, doc_lens, scale=None):
     """Dense attention over the whole packed sequence with a document-causal mask (torch, any dtype).
 

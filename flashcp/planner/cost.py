@@ -44,6 +44,7 @@ __all__ = [
     "comm_saving",
     "exact_need_received",
     "exact_need_saving",
+    "exact_need_sent",
     "imbalance_ratio",
     "kv_bytes_per_token",
     "plan_metrics",
@@ -144,6 +145,24 @@ def _exact_need_received(shard_doc, shard_start, shard_len, shard_rank, cp):
     return out
 
 
+@njit(cache=True)
+def _exact_need_sent(shard_doc, shard_start, shard_len, shard_rank, cp):
+    num_docs = 0
+    for i in range(shard_doc.shape[0]):
+        num_docs = max(num_docs, shard_doc[i] + 1)
+    max_end = np.zeros((num_docs, cp), dtype=np.int64)
+    for i in range(shard_doc.shape[0]):
+        d, r = shard_doc[i], shard_rank[i]
+        max_end[d, r] = max(max_end[d, r], shard_start[i] + shard_len[i])
+    out = np.zeros(cp, dtype=np.int64)
+    for i in range(shard_doc.shape[0]):
+        d, b = shard_doc[i], shard_rank[i]
+        for r in range(cp):
+            if r != b:
+                out[b] += min(shard_len[i], max(0, max_end[d, r] - shard_start[i]))
+    return out
+
+
 def _as_int64(*arrays):
     return tuple(np.ascontiguousarray(a, dtype=np.int64) for a in arrays)
 
@@ -193,6 +212,18 @@ def exact_need_received(shard_doc, shard_start, shard_len, shard_rank, cp: int) 
     if shard_doc.size == 0:
         return np.zeros(cp, dtype=np.int64)
     return _exact_need_received(shard_doc, shard_start, shard_len, shard_rank, cp)
+
+
+def exact_need_sent(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> np.ndarray:
+    """Tokens of K/V each rank sends under exact-need exchange. Shape (cp,), int64.
+
+    Rank b sends rank r the tokens b holds of each document's prefix ``[0, max end of r's shards)``: the
+    sending side of ``exact_need_received`` (both sum to the same total).
+    """
+    shard_doc, shard_start, shard_len, shard_rank = _as_int64(shard_doc, shard_start, shard_len, shard_rank)
+    if shard_doc.size == 0:
+        return np.zeros(cp, dtype=np.int64)
+    return _exact_need_sent(shard_doc, shard_start, shard_len, shard_rank, cp)
 
 
 def comm_saving(comm_tokens: float, context_len: int, cp: int) -> float:

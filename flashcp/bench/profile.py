@@ -1,0 +1,199 @@
+"""Hardware profiles: the numbers the latency projection runs on, read from a JSON file that cites each one.
+
+A profile file (``flashcp/bench/profiles/h100-sxm-nvlink.json`` is the default) holds, each with a
+``source`` sentence:
+
+- ``peak_tflops``: dense BF16 tensor-core peak (caps the attention curve);
+- ``attention_tflops``: achieved attention throughput by sequence length, forward and backward, as
+  ``lengths`` / ``forward`` / ``backward`` lists (TFLOP/s, forward FLOPs ``4 * pairs * H * D``, backward
+  2.5x that);
+- ``query_tile``: query rows per kernel tile (a shorter shard still pays for a whole tile);
+- ``causal_skip``: 1 when the kernel skips the masked part above the causal diagonal, 0 when it computes
+  the whole ``queries x (prefix + queries)`` rectangle of a shard (optional, default 1);
+- ``link_gbps``: GPU-to-GPU bandwidth per direction (GB/s);
+- ``hbm_gbps``: memory bandwidth for the runtime's gathers (GB/s);
+- ``kernel_overhead_us``: fixed cost of one attention kernel call;
+- ``sequence_overhead_us``: fixed cost of each sequence (shard) inside a call (optional, default 0);
+- ``collective_latency_us``: fixed cost of one collective or ring step.
+
+Defaults come from public specs and published FlashAttention benchmarks; what no spec gives is marked
+ASSUMPTION in the file. ``flashcp bench --calibrate`` replaces the attention curve and the overheads with
+measurements (``flashcp.bench.calibrate``) and writes a new file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from flashcp.errors import FlashcpError
+from flashcp.fileio import write_json_atomic
+
+__all__ = ["DEFAULT_PROFILE", "HardwareProfile", "load_profile", "save_profile"]
+
+DEFAULT_PROFILE = "h100-sxm-nvlink.json"
+"""File name of the default profile inside ``flashcp/bench/profiles``."""
+
+PROFILE_FORMAT = "flashcp-hardware-profile"
+SCALARS = ("peak_tflops", "query_tile", "link_gbps", "hbm_gbps", "kernel_overhead_us",
+           "collective_latency_us")
+OPTIONAL = {"sequence_overhead_us": 0.0, "causal_skip": 1.0}
+"""Parameters a profile file may leave out, with their defaults."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HardwareProfile:
+    """One GPU type and its interconnect, as the latency projection sees them."""
+
+    name: str
+    """What the profile describes (and whether it was calibrated)."""
+    calibrated: bool
+    """True when the attention curve and overheads were measured by ``--calibrate``."""
+    peak_tflops: float
+    """Dense BF16 tensor-core peak, TFLOP/s."""
+    lengths: tuple[int, ...]
+    """Sequence lengths of the attention curve, increasing."""
+    forward_tflops: tuple[float, ...]
+    """Achieved forward attention TFLOP/s at each length."""
+    backward_tflops: tuple[float, ...]
+    """Achieved backward attention TFLOP/s at each length (2.5x forward FLOPs convention)."""
+    query_tile: int
+    """Query rows per kernel tile."""
+    link_gbps: float
+    """Bandwidth between two GPUs, per direction, GB/s."""
+    hbm_gbps: float
+    """Memory bandwidth available to gathers and merges, GB/s."""
+    kernel_overhead_us: float
+    """Fixed cost of one attention kernel call, microseconds."""
+    collective_latency_us: float
+    """Fixed cost of one collective or ring step, microseconds."""
+    sequence_overhead_us: float = 0.0
+    """Fixed cost of each sequence (shard) of a kernel call, microseconds."""
+    causal_skip: bool = True
+    """Whether the kernel skips the masked pairs above the causal diagonal (else computes the rectangle)."""
+    sources: dict = field(default_factory=dict)
+    """Parameter name -> citation sentence (or how it was measured)."""
+
+    def __post_init__(self):
+        if not self.lengths or len(self.lengths) != len(self.forward_tflops) or \
+                len(self.lengths) != len(self.backward_tflops):
+            raise ValueError("attention_tflops needs equally long, non-empty lengths, forward and backward "
+                             "lists")
+        if any(b <= a for a, b in zip(self.lengths, self.lengths[1:])) or self.lengths[0] < 1:
+            raise ValueError(f"attention_tflops lengths must be positive and increasing, got "
+                             f"{list(self.lengths)}")
+        for name in ("peak_tflops", "link_gbps", "hbm_gbps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if min(self.forward_tflops) <= 0 or min(self.backward_tflops) <= 0:
+            raise ValueError("attention_tflops values must be positive")
+        if self.query_tile < 1:
+            raise ValueError(f"query_tile must be at least 1, got {self.query_tile}")
+        if min(self.kernel_overhead_us, self.collective_latency_us, self.sequence_overhead_us) < 0:
+            raise ValueError("kernel_overhead_us, sequence_overhead_us and collective_latency_us must not be "
+                             "negative")
+
+    def attention_tflops(self, length, backward: bool = False) -> np.ndarray:
+        """Achieved TFLOP/s of a kernel over sequences of ``length`` tokens (array in, float64 array out).
+
+        Log-log interpolation between the curve's points; below the first point the first segment's power
+        law continues, above the last point the last value holds; never above ``peak_tflops``.
+        """
+        curve = self.backward_tflops if backward else self.forward_tflops
+        values = np.log(np.asarray(curve, dtype=np.float64))
+        knots = np.log(np.asarray(self.lengths, dtype=np.float64))
+        x = np.log(np.maximum(np.asarray(length, dtype=np.float64), 1.0))
+        y = np.interp(x, knots, values)
+        if knots.size > 1:
+            slope = (values[1] - values[0]) / (knots[1] - knots[0])
+            y = np.where(x < knots[0], values[0] + slope * (x - knots[0]), y)
+        return np.minimum(np.exp(y), self.peak_tflops)
+
+    def padded_rows(self, rows) -> np.ndarray:
+        """Query rows a kernel computes for ``rows`` queries: rounded up to whole tiles (float64 array)."""
+        rows = np.maximum(np.asarray(rows, dtype=np.float64), 1.0)
+        return np.ceil(rows / self.query_tile) * self.query_tile
+
+    def to_json(self) -> dict:
+        """The profile as its JSON file holds it."""
+        def entry(name, value):
+            return {"value": value, "source": self.sources.get(name, "")}
+
+        curve = {"lengths": list(self.lengths), "forward": list(self.forward_tflops),
+                 "backward": list(self.backward_tflops), "source": self.sources.get("attention_tflops", "")}
+        if "attention_tflops.extrapolation" in self.sources:
+            curve["extrapolation"] = self.sources["attention_tflops.extrapolation"]
+        return {"format": PROFILE_FORMAT, "format_version": 1, "name": self.name,
+                "calibrated": self.calibrated,
+                "peak_tflops": entry("peak_tflops", self.peak_tflops), "attention_tflops": curve,
+                **{name: entry(name, float(getattr(self, name))) for name in (*SCALARS, *OPTIONAL)
+                   if name != "peak_tflops"}}
+
+
+def _number(obj: dict, name: str, label: str) -> float:
+    entry = obj.get(name)
+    value = entry.get("value") if isinstance(entry, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise FlashcpError(f"hardware profile {label} needs '{name}' as "
+                           '{"value": number, "source": text}')
+    return float(value)
+
+
+def _profile_from_json(obj, label: str) -> HardwareProfile:
+    if not isinstance(obj, dict) or obj.get("format") != PROFILE_FORMAT:
+        raise FlashcpError(f"{label} is not a flashcp hardware profile (its 'format' is not "
+                           f"'{PROFILE_FORMAT}')")
+    curve = obj.get("attention_tflops")
+    if not isinstance(curve, dict) or not all(isinstance(curve.get(k), list) and curve[k]
+                                              for k in ("lengths", "forward", "backward")):
+        raise FlashcpError(f"hardware profile {label} needs 'attention_tflops' with non-empty 'lengths', "
+                           "'forward' and 'backward' lists")
+    sources = {name: str(obj[name].get("source", "")) for name in (*SCALARS, *OPTIONAL)
+               if isinstance(obj.get(name), dict)}
+    sources["attention_tflops"] = str(curve.get("source", ""))
+    if "extrapolation" in curve:
+        sources["attention_tflops.extrapolation"] = str(curve["extrapolation"])
+    values = {name: _number(obj, name, label) for name in SCALARS}
+    values.update({name: _number(obj, name, label) if name in obj else default
+                   for name, default in OPTIONAL.items()})
+    try:
+        return HardwareProfile(
+            name=str(obj.get("name", label)), calibrated=bool(obj.get("calibrated", False)),
+            peak_tflops=values["peak_tflops"], lengths=tuple(int(v) for v in curve["lengths"]),
+            forward_tflops=tuple(float(v) for v in curve["forward"]),
+            backward_tflops=tuple(float(v) for v in curve["backward"]), query_tile=int(values["query_tile"]),
+            link_gbps=values["link_gbps"], hbm_gbps=values["hbm_gbps"],
+            kernel_overhead_us=values["kernel_overhead_us"],
+            collective_latency_us=values["collective_latency_us"],
+            sequence_overhead_us=values["sequence_overhead_us"], causal_skip=bool(values["causal_skip"]),
+            sources=sources)
+    except (TypeError, ValueError) as e:
+        raise FlashcpError(f"hardware profile {label} is not valid: {e}") from None
+
+
+def load_profile(path: str | Path | None = None) -> HardwareProfile:
+    """Read a profile file; ``None`` reads the default H100 NVLink profile. Bad files get one sentence."""
+    if path is None:
+        resource = resources.files("flashcp.bench") / "profiles" / DEFAULT_PROFILE
+        text, label = resource.read_text(), f"flashcp/bench/profiles/{DEFAULT_PROFILE}"
+    else:
+        label = str(path)
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise FlashcpError(f"hardware profile {label} cannot be read ({type(e).__name__}: {e})") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FlashcpError(f"hardware profile {label} is not valid JSON ({e})") from None
+    return _profile_from_json(obj, label)
+
+
+def save_profile(profile: HardwareProfile, path: str | Path) -> None:
+    """Write ``profile`` to ``path`` atomically, in the format ``load_profile`` reads."""
+    write_json_atomic(path, profile.to_json())

@@ -1,0 +1,341 @@
+"""Projected latency of one attention layer's forward + backward under a sharding plan (per rank, then step).
+
+The model (every number from a ``HardwareProfile``; every formula for work and volume from
+``flashcp.planner.cost``):
+
+- Attention: each shard is one sequence of a varlen kernel and computes whole query tiles, so its work is
+  ``W = cost.workload(start, Q)`` with its query count rounded up to the tile (``Q``); forward FLOPs
+  ``4 * W * H * D``, backward 2.5x that. It runs at the profile's throughput for the *equivalent length*
+  ``sqrt(2 * W)`` (a causal sequence of that length has the same work, and the curve was measured on such
+  sequences). A kernel that does not skip the masked triangle (profile ``causal_skip`` 0, the CPU
+  reference) computes the rectangle ``W = Q * (start + Q)`` instead, at equivalent length ``sqrt(W)``.
+  Time is then non-decreasing in a shard's length and in its prefix. As in the runtime
+  (``flashcp.runtime.attention``), a rank makes at most two kernel calls per pass, one over its *local*
+  shards (whole key prefix on the rank) and one over its *remote* shards; each call adds
+  ``kernel_overhead_us`` and each shard ``sequence_overhead_us`` (0 for FlashAttention on a GPU; the CPU
+  reference kernels loop over shards).
+- Communication: K/V bytes per token from ``cost.kv_bytes_per_token``. A collective takes
+  ``busiest rank's tokens * bytes / link_gbps + collective_latency_us``: ``(N-1) * max quota`` tokens for
+  ``full``, ``(N-1) * max contribution`` for ``allgather``, ``max(sent, received)`` of the busiest rank for
+  ``a2a``; the backward (reduce-scatter, reversed all-to-all) moves as much again. ``auto`` resolves with
+  the runtime's own rule (``CPAttnMeta.auto_comm``).
+- Other: the runtime's copies (query and key/value gathers, the send buffer, the concatenation with the
+  receive buffer, the output merge), each read and written once at ``hbm_gbps``; the backward's scatters
+  are taken to cost the same as the forward's gathers.
+- Step: without overlap, ``comm + attention + other`` per pass; with overlap (the runtime computes local
+  shards while the exchange is in flight), forward ``max(comm, local) + remote`` and backward
+  ``remote + max(comm, local)``. Collectives synchronise ranks, so each pass takes its slowest rank's time.
+- Ring (``comm == "ring"``): ``N`` steps per pass, each as slow as its slowest rank's kernel on the visiting
+  block or the block's transfer, whichever is longer (``cost.ring_step_work``); steps after the first merge
+  partial outputs in float32; the backward moves K/V and dK/dV blocks (twice the bytes).
+
+Per-rank times can instead be measured (``RankWork`` from ``flashcp.bench.measure``); communication is
+then still projected. All results are *projected* unless a ``RankWork`` came from a measurement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from flashcp.bench.profile import HardwareProfile
+from flashcp.planner import cost
+from flashcp.planner.plan import SequencePlan
+
+__all__ = ["ModelShape", "RankWork", "StepLatency", "comm_volumes", "local_only_mask", "project_step",
+           "rank_work", "resolve_comm", "shard_seconds"]
+
+COMM_CHOICES = ("full", "allgather", "a2a", "auto", "ring")
+BWD_FLOPS = 2.5
+"""Backward FLOPs per forward FLOP (the flash-attention benchmark convention the profile's curve uses)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelShape:
+    """Attention shape of one layer."""
+
+    num_heads: int
+    """H: query heads."""
+    num_kv_heads: int
+    """K/V heads (H for multi-head attention, as in the paper's Eq. 4-5)."""
+    head_dim: int
+    """D."""
+    dtype_bytes: int = 2
+    """Bytes per element (2 for bf16)."""
+
+    def __post_init__(self):
+        if min(self.num_heads, self.num_kv_heads, self.head_dim, self.dtype_bytes) < 1 or \
+                self.num_heads % self.num_kv_heads:
+            raise ValueError(f"bad attention shape: H={self.num_heads}, H_kv={self.num_kv_heads}, "
+                             f"D={self.head_dim}, {self.dtype_bytes} bytes per element")
+
+    @property
+    def kv_row_bytes(self) -> int:
+        """Bytes of K and V for one token (``cost.kv_bytes_per_token``)."""
+        return cost.kv_bytes_per_token(self.num_kv_heads, self.head_dim, self.dtype_bytes)
+
+    @property
+    def q_row_bytes(self) -> int:
+        """Bytes of one token's queries (or output)."""
+        return self.num_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankWork:
+    """Per-rank work of one layer, seconds; every array has shape (cp,).
+
+    Kernel times include the per-call overhead. Copy times are per pass (the backward's scatters are taken
+    to cost what the forward's gathers do). When ``measured``, the kernel times were timed on a GPU with the
+    gathers inside them and the part copies are zero.
+    """
+
+    local_fwd: np.ndarray
+    """Forward kernel over the local shards (whole key prefix on this rank)."""
+    remote_fwd: np.ndarray
+    """Forward kernel over the remote shards."""
+    local_bwd: np.ndarray
+    """Backward kernel over the local shards."""
+    remote_bwd: np.ndarray
+    """Backward kernel over the remote shards."""
+    local_copy: np.ndarray
+    """Gathers feeding the local kernel (queries, key prefixes)."""
+    remote_copy: np.ndarray
+    """Gathers feeding the remote kernel (queries, key prefixes, concatenation with the receive buffer)."""
+    other_copy: np.ndarray
+    """Send-buffer packing and the output merge."""
+    kernels: np.ndarray
+    """Attention kernel calls, forward + backward, (cp,) int64."""
+    measured: bool = False
+    """True when the kernel times were measured, not projected."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepLatency:
+    """One layer's forward + backward on the critical path, seconds, split like the paper's Figure 6."""
+
+    total: float
+    """Forward pass of the slowest rank plus backward pass of the slowest rank."""
+    attn_fwd: float
+    """Attention forward on the slowest forward rank (kernel overheads included)."""
+    attn_bwd: float
+    """Attention backward on the slowest backward rank."""
+    comm: float
+    """Communication not hidden behind compute, forward + backward."""
+    other: float
+    """Copies (gathers, merges) on the slowest ranks."""
+    comm_mode: str
+    """The exchange used (``auto`` resolved)."""
+    comm_seconds: float
+    """Time of the collectives themselves, forward + backward, hidden or not."""
+    comm_bytes: int
+    """Bytes the busiest rank sends per layer, forward + backward."""
+    kernels: int
+    """Most attention kernel calls on one rank per layer, forward + backward."""
+    measured: bool
+    """True when per-rank attention was measured (communication is always projected)."""
+
+    def as_dict(self) -> dict:
+        """Plain dict for JSON output."""
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+def _arrays(plan: SequencePlan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    return plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank
+
+
+def local_only_mask(plan: SequencePlan) -> np.ndarray:
+    """Shards whose whole key prefix ``[0, end)`` lies on their own rank. Shape (num_shards,), bool.
+
+    Matches ``CPAttnMeta.shard_local_only``: a document's prefix is all on rank r up to the start of its
+    first shard on another rank, when its first shard is on r; otherwise no prefix of it is.
+    """
+    order = np.lexsort((plan.shard_start, plan.shard_doc))
+    doc, rank, start = plan.shard_doc[order], plan.shard_rank[order], plan.shard_start[order]
+    num_docs = int(doc.max()) + 1 if doc.size else 0
+    first = np.r_[True, doc[1:] != doc[:-1]] if doc.size else np.zeros(0, bool)
+    first_rank = np.full(num_docs, -1, np.int64)
+    first_rank[doc[first]] = rank[first]
+    foreign = rank != first_rank[doc]
+    switch = np.full(num_docs, np.iinfo(np.int64).max, np.int64)
+    np.minimum.at(switch, doc[foreign], start[foreign])
+    end = plan.shard_start + plan.shard_len
+    return (plan.shard_rank == first_rank[plan.shard_doc]) & (end <= switch[plan.shard_doc])
+
+
+def shard_seconds(shard_start, shard_len, shape: ModelShape, profile: HardwareProfile,
+                  backward: bool = False) -> np.ndarray:
+    """Projected kernel time of each shard (no call overhead), seconds. Shape (num_shards,), float64."""
+    shard_start = np.asarray(shard_start, dtype=np.int64)
+    padded = profile.padded_rows(shard_len)
+    if profile.causal_skip:
+        pairs = cost.workload(shard_start, padded.astype(np.int64)).astype(np.float64)
+        eq_len = np.sqrt(2.0 * pairs)
+    else:
+        pairs = padded * (shard_start + padded)
+        eq_len = np.sqrt(pairs)
+    return _pair_seconds(pairs, eq_len, shape, profile, backward) + profile.sequence_overhead_us * 1e-6
+
+
+def _pair_seconds(pairs, eq_len, shape: ModelShape, profile: HardwareProfile, backward: bool) -> np.ndarray:
+    """Kernel time of sequences computing ``pairs`` query-key pairs each, at equivalent length ``eq_len``."""
+    pairs = np.asarray(pairs, dtype=np.float64)
+    flops = 4.0 * pairs * shape.num_heads * shape.head_dim * (BWD_FLOPS if backward else 1.0)
+    tflops = profile.attention_tflops(eq_len, backward)
+    return np.where(pairs > 0, flops / (tflops * 1e12), 0.0)
+
+
+def comm_volumes(plan: SequencePlan) -> dict[str, dict[str, np.ndarray]]:
+    """Per comm mode, the rows each rank sends and receives in its forward collective (``send``, ``recv``).
+
+    Each is (cp,) int64; all-gather rows include the padding to the largest slot, as the runtime sends them.
+    """
+    cp = plan.cp
+    tokens = cost.rank_tokens(plan.shard_len, plan.shard_rank, cp)
+    slot = int(cost.allgather_contributions(*_arrays(plan), cp).max())
+    quota = int(tokens.max())
+
+    def gathered(rows):
+        return {"send": np.full(cp, rows), "recv": np.full(cp, cp * rows),
+                "wire": np.full(cp, (cp - 1) * rows)}
+
+    return {"full": gathered(quota), "allgather": gathered(slot),
+            "a2a": {"send": cost.exact_need_sent(*_arrays(plan), cp),
+                    "recv": cost.exact_need_received(*_arrays(plan), cp)}}
+
+
+def resolve_comm(comm: str, volumes: dict) -> str:
+    """``auto`` -> ``a2a`` if its busiest rank moves fewer tokens than an all-gather rank, else ``allgather``.
+
+    The runtime's rule (``CPAttnMeta.auto_comm``), applied to ``comm_volumes``.
+    """
+    if comm != "auto":
+        return comm
+    a2a = volumes["a2a"]
+    busiest = int(np.maximum(a2a["send"], a2a["recv"]).max())
+    return "a2a" if busiest < int(volumes["allgather"]["wire"].max()) else "allgather"
+
+
+def _collective_seconds(mode: str, volumes: dict, shape: ModelShape, profile: HardwareProfile) -> float:
+    vol = volumes[mode]
+    tokens = int(vol["wire"].max()) if mode != "a2a" else int(np.maximum(vol["send"], vol["recv"]).max())
+    if tokens == 0:  # every rank skips an exchange that moves nothing
+        return 0.0
+    return tokens * shape.kv_row_bytes / (profile.link_gbps * 1e9) + profile.collective_latency_us * 1e-6
+
+
+def _wire_bytes(mode: str, volumes: dict, shape: ModelShape) -> int:
+    vol = volumes[mode]
+    tokens = int(vol["wire"].max()) if mode != "a2a" else int(vol["send"].max())
+    return 2 * tokens * shape.kv_row_bytes  # forward K/V + backward dK/dV
+
+
+def rank_work(plan: SequencePlan, shape: ModelShape, profile: HardwareProfile, mode: str,
+              volumes: dict | None = None) -> RankWork:
+    """Projected per-rank work of ``plan`` when K/V moves with ``mode`` (``full``, ``allgather``, ``a2a``)."""
+    cp = plan.cp
+    volumes = comm_volumes(plan) if volumes is None else volumes
+    local = local_only_mask(plan)
+    overhead = profile.kernel_overhead_us * 1e-6
+    hbm = profile.hbm_gbps * 1e9
+    keys = (plan.shard_start + plan.shard_len).astype(np.float64)
+    tokens = cost.rank_tokens(plan.shard_len, plan.shard_rank, cp).astype(np.float64)
+    parts, copies, calls = {}, {}, np.zeros(cp, np.int64)
+    for name, mask in (("local", local), ("remote", ~local)):
+        ranks = plan.shard_rank[mask]
+        busy = np.bincount(ranks, minlength=cp) > 0
+        calls += 2 * busy
+        for backward in (False, True):
+            seconds = shard_seconds(plan.shard_start[mask], plan.shard_len[mask], shape, profile, backward)
+            parts[(name, backward)] = np.bincount(ranks, weights=seconds, minlength=cp) + overhead * busy
+        # each copy reads and writes its bytes once
+        copied = (np.bincount(ranks, weights=plan.shard_len[mask], minlength=cp) * shape.q_row_bytes
+                  + np.bincount(ranks, weights=keys[mask], minlength=cp) * shape.kv_row_bytes)
+        if name == "remote":
+            copied = copied + busy * (tokens + volumes[mode]["recv"]) * shape.kv_row_bytes
+        copies[name] = 2.0 * copied / hbm
+    other = 2.0 * (volumes[mode]["send"] * shape.kv_row_bytes + 2.0 * tokens * shape.q_row_bytes) / hbm
+    return RankWork(local_fwd=parts[("local", False)], remote_fwd=parts[("remote", False)],
+                    local_bwd=parts[("local", True)], remote_bwd=parts[("remote", True)],
+                    local_copy=copies["local"], remote_copy=copies["remote"], other_copy=other, kernels=calls)
+
+
+def _pass(comm: float, first_kernel, first_copy, second_kernel, second_copy, other, overlap: bool,
+          local_first: bool):
+    """Per-rank ``(time, attention, copies, exposed comm)`` of one pass; ``time`` is the sum of the rest.
+
+    Forward: local part (maybe overlapped with the exchange), then remote. Backward: remote part, then local
+    (maybe overlapped with the reverse exchange).
+    """
+    local_time = first_kernel + first_copy if local_first else second_kernel + second_copy
+    exposed = np.maximum(comm - local_time, 0.0) if overlap else np.full(local_time.shape, comm)
+    attention = first_kernel + second_kernel
+    copies = first_copy + second_copy + other
+    return attention + copies + exposed, attention, copies, exposed
+
+
+def project_step(plan: SequencePlan, shape: ModelShape, profile: HardwareProfile, comm: str, overlap: bool,
+                 work: RankWork | None = None) -> StepLatency:
+    """Latency of one layer's attention forward + backward under ``plan``, exchanging K/V with ``comm``.
+
+    ``comm`` is ``full``, ``allgather``, ``a2a``, ``auto`` or ``ring``; ``overlap`` computes local shards
+    while the exchange is in flight (ignored for ``ring``, which always overlaps step by step). ``work``
+    replaces the projected per-rank compute (e.g. with measured kernel times).
+    """
+    if comm not in COMM_CHOICES:
+        raise ValueError(f"unknown comm mode '{comm}' (choose from {', '.join(COMM_CHOICES)})")
+    if comm == "ring":
+        return _project_ring(plan, shape, profile)
+    volumes = comm_volumes(plan)
+    mode = resolve_comm(comm, volumes)
+    work = rank_work(plan, shape, profile, mode, volumes) if work is None else work
+    seconds = _collective_seconds(mode, volumes, shape, profile)
+    fwd, fwd_attn, fwd_copy, fwd_comm = _pass(seconds, work.local_fwd, work.local_copy, work.remote_fwd,
+                                              work.remote_copy, work.other_copy, overlap, local_first=True)
+    bwd, bwd_attn, bwd_copy, bwd_comm = _pass(seconds, work.local_bwd, work.local_copy, work.remote_bwd,
+                                              work.remote_copy, work.other_copy, overlap, local_first=False)
+    f, b = int(np.argmax(fwd)), int(np.argmax(bwd))
+    return StepLatency(total=float(fwd[f] + bwd[b]), attn_fwd=float(fwd_attn[f]), attn_bwd=float(bwd_attn[b]),
+                       comm=float(fwd_comm[f] + bwd_comm[b]), other=float(fwd_copy[f] + bwd_copy[b]),
+                       comm_mode=mode,
+                       comm_seconds=2 * seconds, comm_bytes=_wire_bytes(mode, volumes, shape),
+                       kernels=int(work.kernels.max()), measured=work.measured)
+
+
+def _project_ring(plan: SequencePlan, shape: ModelShape, profile: HardwareProfile) -> StepLatency:
+    cp = plan.cp
+    steps = cost.ring_step_work(*_arrays(plan), cp)
+    tokens = cost.rank_tokens(plan.shard_len, plan.shard_rank, cp)
+    sequences = np.maximum(steps.sequences, 1)
+    pair_mean = steps.pairs / sequences
+    row_mean = steps.query_tokens / sequences
+    hbm = profile.hbm_gbps * 1e9
+    busy = steps.sequences > 0
+    # partial outputs (and dq in the backward) merge in float32 with their log-sum-exp: read two, write one
+    merge = np.where(np.arange(cp)[None, :] > 0, 3.0 * steps.query_tokens * shape.num_heads
+                     * (shape.head_dim + 1) * 4, 0.0)
+    gathers = 2.0 * (steps.key_tokens * shape.kv_row_bytes + steps.query_tokens * shape.q_row_bytes)
+    copy = (gathers + merge) / hbm
+    block = (int(tokens.max()) * shape.kv_row_bytes / (profile.link_gbps * 1e9)
+             + profile.collective_latency_us * 1e-6)
+    sends = np.arange(cp) < cp - 1  # step s overlaps the transfer of the block used at step s + 1
+    totals, attn, copies = [], [], []
+    for backward, transfer in ((False, block), (True, 2 * block)):
+        padded = pair_mean * profile.padded_rows(row_mean) / np.maximum(row_mean, 1.0)
+        eq_len = np.sqrt(2.0 * np.maximum(padded, 1.0))
+        each = _pair_seconds(padded, eq_len, shape, profile, backward) + profile.sequence_overhead_us * 1e-6
+        kernel = sequences * each
+        kernel = np.where(busy, kernel + profile.kernel_overhead_us * 1e-6, 0.0)
+        compute = kernel + copy
+        slowest = np.argmax(compute, axis=0)
+        step_time = np.maximum(compute.max(axis=0), np.where(sends, transfer, 0.0))
+        totals.append(float(step_time.sum()))
+        attn.append(float(kernel[slowest, np.arange(cp)].sum()))
+        copies.append(float(copy[slowest, np.arange(cp)].sum()))
+    total = sum(totals)
+    sent, _ = cost.ring_comm_tokens(plan.shard_len, plan.shard_rank, cp)
+    wire = 3 * int(sent.max()) * shape.kv_row_bytes  # K/V forward, K/V + dK/dV backward
+    return StepLatency(total=total, attn_fwd=attn[0], attn_bwd=attn[1],
+                       comm=max(0.0, total - sum(attn) - sum(copies)), other=sum(copies), comm_mode="ring",
+                       comm_seconds=3 * (cp - 1) * block, comm_bytes=wire,
+                       kernels=int(2 * busy.sum(axis=1).max()), measured=False)

@@ -1,0 +1,197 @@
+"""Terminal report of a bench run: one rich table per scenario, the paper comparison and the targets.
+
+Every latency number from the projection is labelled PROJECTED (or MEASURED where ``--measured`` timed the
+per-rank attention on a GPU); CPU runtime numbers are measured.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["paper_comparison", "print_report"]
+
+REPORT_WIDTH = 160
+"""Columns of the tables when the output is not a terminal."""
+RANKINGS = (("strategy_ranking", "strategies (mean over their collective comm modes)"),
+            ("system_ranking", "systems"), ("collective_ranking", "collective systems"))
+"""The CPU runtime orders compared with the projection's."""
+
+
+def _table(title: str, *columns: str) -> Table:
+    table = Table(title=title, title_justify="left", title_style="bold")
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    return table
+
+
+def _show(console: Console, table: Table) -> None:
+    # off a terminal (files, CI logs) rich would squeeze tables into 80 columns
+    width = console.width
+    if not console.is_terminal:
+        console.width = max(width, REPORT_WIDTH)
+    try:
+        console.print(table)
+    finally:
+        console.width = width
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _quality(console: Console, quality: dict) -> None:
+    rows = quality["rows"]
+    table = _table(f"Plan quality ({rows[0]['num_seqs']} sequences per source)", "source", "C", "cp",
+                   "strategy", "imbal mean", "p50", "max", "all-gather saving", "exact-need saving",
+                   "shards/seq", "mean shard len")
+    for r in rows:
+        table.add_row(r["source"], str(r["context_len"]), str(r["cp"]), r["strategy"],
+                      f"{r['imbalance_mean']:.3f}", f"{r['imbalance_p50']:.3f}", f"{r['imbalance_max']:.3f}",
+                      _pct(r["ag_saving_mean"]), _pct(r["a2a_saving_mean"]),
+                      f"{r['shards_mean']:.1f}", f"{r['shard_len_mean']:.0f}")
+    _show(console, table)
+
+
+def _speed(console: Console, speed: dict) -> None:
+    rows = speed["rows"]
+    table = _table(f"Planner speed ({rows[0]['source']}, C={rows[0]['context_len']}, cp {rows[0]['cp']}, "
+                   "one core)", "strategy", "Numba seq/s (per sequence)", "Numba seq/s (batch, validated)",
+                   "Python seq/s", "speedup", "same plans")
+    for r in rows:
+        python, batch = r["python_seqs_per_s"], r["batch_seqs_per_s"]
+        table.add_row(r["strategy"], f"{r['numba_seqs_per_s']:.0f}",
+                      "n/a" if batch is None else f"{batch:.0f}",
+                      "n/a" if python is None else f"{python:.2f} ({r['python_seqs']} seqs)",
+                      "n/a" if python is None else f"{r['speedup']:.0f}x",
+                      "n/a" if r["python_matches"] is None else ("yes" if r["python_matches"] else "NO"))
+    _show(console, table)
+
+
+def _runtime(console: Console, runtime: dict) -> None:
+    table = _table(f"Runtime on CPU, MEASURED: cp_attention fwd+bwd on {runtime['cp']} gloo ranks, "
+                   f"{runtime['source']} C={runtime['context_len']}, H={runtime['num_heads']} "
+                   f"D={runtime['head_dim']} float32, reference kernels, {runtime['num_seqs']} seq x "
+                   f"{runtime['reps']} steps", "strategy/comm", "step ms", f"vs {runtime['baseline']}",
+                   "MB sent/rank", "projected ms (CPU model)", "projected ratio", "projected ratio (H100)")
+    gpu_base = next(r for r in runtime["rows"] if r["case"] == runtime["baseline"])["gpu_projected_ms"]
+    for r in runtime["rows"]:
+        table.add_row(r["case"], f"{r['step_ms']:.1f}", f"{r['ratio']:.3f}", f"{r['sent_mb']:.2f}",
+                      f"{r['projected_ms']:.1f}", f"{r['projected_ratio']:.3f}",
+                      f"{r['gpu_projected_ms'] / gpu_base:.3f}")
+    _show(console, table)
+    for key, what in RANKINGS:
+        ranking = runtime[key]
+        if len(ranking["systems"]) < 2:
+            continue
+        verdict = "same order" if ranking["same_order"] else "orders differ"
+        console.print(f"  {what}, fastest first, measured: {' < '.join(ranking['measured_order'])}")
+        console.print(f"  {what}, fastest first, projected (CPU-calibrated model): "
+                      f"{' < '.join(ranking['projected_order'])}")
+        console.print(f"  {what}: {verdict}; rank correlation {ranking['spearman']:.2f}")
+    console.print(f"  rank correlation over all cases {runtime['spearman_all_cases']:.2f}")
+    console.print(f"  the CPU-calibrated model accounts for {100 * runtime['projected_share']:.0f}% of the "
+                  "measured step time of the collective cases; the remainder is not modelled")
+    spread = runtime.get("comm_mode_spread")
+    if spread is not None:
+        console.print(f"  measurement spread: one plan under full / allgather / a2a differs by "
+                      f"{100 * spread['step_ms']:.0f}% measured, {100 * spread['projected_ms']:.1f}% "
+                      "projected "
+                      "(median over strategies): smaller measured differences are noise on this machine")
+
+
+def _latency(console: Console, latency: dict) -> None:
+    kind = "MEASURED attention + projected comm" if latency["measured"] else "PROJECTED"
+    settings = latency["settings"]
+    labels = list(settings[0]["systems"])
+    for source in dict.fromkeys(s["source"] for s in settings):
+        mine = [s for s in settings if s["source"] == source]
+        table = _table(f"Step latency, {kind} ({latency['profile']}): speedup over Llama3 CP, "
+                       f"{source} C={mine[0]['context_len']} (paper Figure 5)", "system",
+                       *[f"cp{s['cp']} H{s['num_heads']}" for s in mine])
+        for label in labels:
+            table.add_row(label, *[f"{s['systems'][label]['speedup']:.2f}x" for s in mine])
+        _show(console, table)
+    cp, heads = max(s["cp"] for s in settings), max(s["num_heads"] for s in settings)
+    for s in settings:
+        if s["cp"] != cp or s["num_heads"] != heads:
+            continue
+        table = _table(f"Latency breakdown, {kind}, ms per layer fwd+bwd: {s['source']} cp{cp} H{heads} "
+                       "(paper Figure 6)", "system", "attn fwd", "attn bwd", "comm (exposed)", "other",
+                       "total", "comm mode", "MB sent/rank", "kernels/rank")
+        for label, r in s["systems"].items():
+            b = r["breakdown_ms"]
+            table.add_row(label, f"{b['attn_fwd']:.2f}", f"{b['attn_bwd']:.2f}", f"{b['comm']:.2f}",
+                          f"{b['other']:.2f}", f"{r['latency_ms']:.2f}", "/".join(r["comm_modes"]),
+                          f"{r['comm_mb']:.0f}", f"{r['kernels']:.1f}")
+        _show(console, table)
+    sweep = latency["sweep"]
+    if sweep["points"]:
+        table = _table(f"Speedup over Llama3 CP against context length, PROJECTED: {sweep['source']} "
+                       f"cp{sweep['cp']} H{sweep['num_heads']} (paper Figure 7)", "context",
+                       *sweep["points"][0]["speedup"])
+        for p in sweep["points"]:
+            table.add_row(f"{p['context_len'] // 1024}K", *[f"{v:.2f}x" for v in p["speedup"].values()])
+        _show(console, table)
+
+
+def paper_comparison(results: dict) -> list[str]:
+    """Lines comparing the paper's average speedups with ours, and why they differ."""
+    latency = results.get("latency")
+    if not latency or not latency["paper_averages"]:
+        return []
+    kind = "measured attention" if latency["measured"] else "projected"
+    lines = [f"Paper vs this run (FlashCP speedup, average over settings; ours {kind}):"]
+    for baseline, a in latency["paper_averages"].items():
+        lines.append(f"  over {baseline}: paper {a['paper']:.2f}x, ours {a['ours']:.2f}x "
+                     f"({a['settings']} settings)")
+    imbalance = ""
+    if results.get("quality"):
+        llama = [r["imbalance_mean"] for r in results["quality"]["rows"] if r["strategy"] == "llama3"]
+        imbalance = f" (mean Llama3 CP imbalance on our sequences: {np.mean(llama):.2f})" if llama else ""
+    lines += [
+        "Why the numbers differ:",
+        "  - Ours is a per-layer model with public-spec bandwidths and a published kernel curve; the paper "
+        "timed whole runs on 8 H100s. No NCCL inefficiency, framework overhead or non-attention layers here.",
+        "  - The speedup over Llama3 CP tracks Llama3's workload imbalance" + imbalance + "; our sequences "
+        "come from length distributions packed with truncation at the context length, not the paper's "
+        "samples.",
+        "  - Per-Doc CP pays here only for tile padding, one call overhead per part and its key gathers; the "
+        "paper also measured costs of many small copies and transfers (its Figure 6 'Others') that this "
+        "model does not charge, so Per-Doc CP looks stronger here than in the paper.",
+        "  - The paper's averages include inference (forward only) and RedPajama; ours are training "
+        f"(forward + backward) on {', '.join(dict.fromkeys(s['source'] for s in latency['settings']))}.",
+    ]
+    return lines
+
+
+def print_report(results: dict, console: Console) -> None:
+    """Print every scenario present in ``results``, then the paper comparison, the targets and the notes."""
+    console.print(f"[bold]flashcp bench[/] {results['flashcp_version']} (torch {results['torch']}); "
+                  f"profile: {results['profile']['name']}")
+    sections = {"quality": _quality, "speed": _speed, "runtime": _runtime, "latency": _latency}
+    for name, show in sections.items():
+        if results.get(name):
+            show(console, results[name])
+    for line in paper_comparison(results):
+        console.print(line)
+    latency = results.get("latency")
+    if latency:
+        for t in latency["targets"]:
+            status = "[green]met[/]" if t["met"] else "[red]not met[/]"
+            detail = f"; misses: {', '.join(t['misses'])}" if t["misses"] else ""
+            console.print(f"target: {t['target']}: {status} (min {t['min_speedup']:.3f}x, mean "
+                          f"{t['mean_speedup']:.3f}x){detail}")
+    runtime = results.get("runtime")
+    if runtime:
+        for key, what in RANKINGS:
+            ranking = runtime[key]
+            if len(ranking["systems"]) >= 2:
+                console.print(f"target: CPU-measured step time ranks the {what} as the projection does: "
+                              f"{'[green]met[/]' if ranking['same_order'] else '[red]not met[/]'} (rank "
+                              f"correlation {ranking['spearman']:.2f})")
+    for note in results["notes"]:
+        console.print(f"note: {note}")
+    seconds = results["seconds"]
+    console.print("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))

@@ -1,0 +1,170 @@
+"""The bench run: its configuration (full and ``--quick`` sizes) and the scenarios it runs, in one dict.
+
+``run_bench(config)`` runs the selected scenarios on shared sequences and plans (``PlanBook``) and returns
+every number in a JSON-ready dict; ``flashcp.bench.report`` prints it and ``flashcp.bench.plots`` draws it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from flashcp import __version__
+from flashcp.bench.latency import latency_scenario
+from flashcp.bench.profile import HardwareProfile
+from flashcp.bench.projection import ModelShape
+from flashcp.bench.quality import plan_quality
+from flashcp.bench.runtime_cpu import cpu_cases, runtime_cpu
+from flashcp.bench.sequences import SequenceSource, open_source
+from flashcp.bench.speed import planner_speed
+from flashcp.bench.systems import PlanBook, available_strategies, default_systems, improved_strategy
+
+__all__ = ["SCENARIOS", "BenchConfig", "bench_config", "run_bench"]
+
+SCENARIOS = ("quality", "speed", "runtime", "latency")
+"""Scenario names in run order: plan quality, planner speed, CPU runtime, projected latency."""
+DEFAULT_DISTS = ("wlb", "prolong", "pile")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchConfig:
+    """What one ``flashcp bench`` run does."""
+
+    sources: tuple[str, ...]
+    """Distributions (``wlb``, ``prolong``, ``pile``, a JSON of lengths) and/or dataset folders."""
+    scenarios: tuple[str, ...] = SCENARIOS
+    """Which of SCENARIOS to run."""
+    cps: tuple[int, ...] = (4, 8)
+    """CP sizes for plan quality and latency."""
+    heads: tuple[int, ...] = (16, 32)
+    """Attention heads for the latency projection (head dim 128, bf16)."""
+    context_len: int = 131072
+    """Context length of distribution sources (a dataset keeps its own)."""
+    num_seqs: int = 32
+    """Sequences per source for plan quality and latency."""
+    sweep_seqs: int = 16
+    """Sequences per context length in the Figure 7 sweep."""
+    speed_seqs: int = 64
+    """Sequences timed per strategy for planner speed."""
+    python_budget_s: float = 10.0
+    """Seconds the Python reference planners may take per strategy."""
+    runtime_context_len: int = 8192
+    """Context length of the CPU runtime scenario."""
+    runtime_cp: int = field(default_factory=lambda: max(2, min(4, os.cpu_count() or 2)))
+    """Gloo ranks of the CPU runtime scenario: one per core, 2 to 4."""
+    runtime_seqs: int = 2
+    """Sequences per case in the CPU runtime scenario."""
+    runtime_reps: int = 3
+    """Timed steps per case (after one warm-up)."""
+    runtime_systems_only: bool = False
+    """Time only the bench's systems on CPU, not every strategy with every comm mode."""
+    runtime_heads: int = 4
+    """Heads (query and key/value) of the CPU runtime scenario."""
+    runtime_head_dim: int = 32
+    """Head dim of the CPU runtime scenario."""
+    seed: int = 0
+    """Seed of the packed sequences."""
+    measured: bool = False
+    """Time per-rank attention on the GPU in the latency scenario (communication stays projected)."""
+    measure_seqs: int = 1
+    """Sequences per setting measured on the GPU."""
+    measure_budget_s: float = 120.0
+    """Seconds of GPU timing in the latency scenario; later settings fall back to projection."""
+    device: str = "cuda"
+    """Device for ``measured``."""
+    notes: list = field(default_factory=list)
+    """Notes gathered while configuring (shown with the results)."""
+
+    def __post_init__(self):
+        unknown = set(self.scenarios) - set(SCENARIOS)
+        if unknown:
+            raise ValueError(f"unknown scenario {sorted(unknown)[0]!r}: choose from {', '.join(SCENARIOS)}")
+        if not self.sources:
+            raise ValueError("no sources: give DATA or --dist")
+        if min(self.cps) < 1 or min(self.heads) < 1 or self.num_seqs < 1 or self.runtime_cp < 1:
+            raise ValueError("cp sizes, head counts and sequence counts must be positive")
+
+
+def bench_config(*, quick: bool, data: str | None = None, dists: tuple[str, ...] | None = None,
+                 **overrides) -> BenchConfig:
+    """The full or ``--quick`` configuration; DATA alone replaces the default distributions."""
+    sources = ((data,) if data else ()) + (dists if dists is not None else (() if data else DEFAULT_DISTS))
+    sizes: dict = dict(num_seqs=4, sweep_seqs=2, speed_seqs=8, python_budget_s=1.0, runtime_context_len=4096,
+                       runtime_seqs=1, runtime_reps=1, runtime_systems_only=True) if quick else {}
+    sizes.update({k: v for k, v in overrides.items() if v is not None})
+    return BenchConfig(sources=sources, **sizes)
+
+
+def _runtime_source(sources: list[SequenceSource]) -> SequenceSource:
+    """The CPU runtime runs on DATA when given (re-packed at its size), else ``pile`` (many documents)."""
+    return next((s for s in sources if s.is_dataset), next((s for s in sources if s.label == "pile"),
+                                                         sources[0]))
+
+
+def run_bench(config: BenchConfig, profile: HardwareProfile, log=print) -> dict:
+    """Run ``config.scenarios`` and return every number (JSON-ready). ``log`` gets progress lines."""
+    started = time.perf_counter()
+    sources = [open_source(spec) for spec in config.sources]
+    book = PlanBook(config.seed)
+    strategies = available_strategies()
+    systems, notes = default_systems()
+    results: dict = {
+        "flashcp_version": __version__, "torch": torch.__version__, "machine": platform.machine(),
+        "config": {k: v for k, v in asdict(config).items() if k != "notes"},
+        "profile": profile.to_json(), "strategies": strategies, "improved_strategy": improved_strategy(),
+        "systems": [{"label": s.label, "strategy": s.strategy, "comm": s.comm, "overlap": s.overlap}
+                    for s in systems], "notes": list(config.notes) + notes, "seconds": {}}
+    if not strategies:
+        results["notes"].append("no planner strategies are available: nothing to bench")
+        return results
+
+    def timed(name, fn):
+        log(f"bench: {name}...")
+        t0 = time.perf_counter()
+        results[name] = fn()
+        results["seconds"][name] = time.perf_counter() - t0
+
+    if "quality" in config.scenarios:
+        timed("quality", lambda: plan_quality(book, sources, strategies, list(config.cps), config.context_len,
+                                              config.num_seqs))
+    if "speed" in config.scenarios:
+        timed("speed", lambda: planner_speed(book, sources[0], strategies, max(config.cps),
+                                             config.context_len, config.speed_seqs, config.python_budget_s))
+    if "runtime" in config.scenarios:
+        ring = any(s.comm == "ring" for s in systems)
+        # --quick times the bench's systems only; the full run every strategy with every comm mode
+        cases = systems if config.runtime_systems_only else cpu_cases(strategies, ring, improved_strategy())
+        shape = ModelShape(num_heads=config.runtime_heads, num_kv_heads=config.runtime_heads,
+                           head_dim=config.runtime_head_dim, dtype_bytes=4)
+        timed("runtime", lambda: runtime_cpu(book, _runtime_source(sources), cases, config.runtime_cp,
+                                             config.runtime_context_len, shape, config.runtime_seqs,
+                                             config.runtime_reps, profile, systems))
+    if "latency" in config.scenarios:
+        measure = None
+        if config.measured:
+            measure = _gpu_measure(config.device)
+        timed("latency", lambda: latency_scenario(
+            book, sources, systems, list(config.cps), list(config.heads), config.context_len, config.num_seqs,
+            profile, sweep_seqs=config.sweep_seqs, measure=measure, measure_seqs=config.measure_seqs,
+            measure_budget_s=config.measure_budget_s))
+    results["seconds"]["total"] = time.perf_counter() - started
+    return results
+
+
+def _gpu_measure(device_name: str):
+    """``measure(plan, doc_lens, shape, profile, comm) -> RankWork`` timing every rank on one GPU."""
+    from flashcp.bench.measure import measured_work
+    from flashcp.errors import FlashcpError
+
+    device = torch.device(device_name)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise FlashcpError(f"--measured needs a CUDA device, and '{device_name}' is not an available one")
+
+    def measure(plan, doc_lens, shape, profile, comm):
+        return measured_work(plan, doc_lens, shape, profile, comm, device)
+
+    return measure

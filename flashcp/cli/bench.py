@@ -1,0 +1,126 @@
+"""``flashcp bench``: plan quality, planner speed, CPU runtime and projected step latency in one run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from flashcp.cli.console import console, info
+
+__all__ = ["command"]
+
+
+def _ints(value: str | None, name: str) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        numbers = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got '{value}'",
+                                 param_hint=name) from None
+    if not numbers or min(numbers) < 1:
+        raise click.BadParameter(f"expected positive integers, got '{value}'", param_hint=name)
+    return numbers
+
+
+def _names(value: str | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+@click.command("bench")
+@click.argument("data", required=False, type=click.Path(file_okay=False))
+@click.option("--quick", is_flag=True, help="Small CI-sized run (well under 2 minutes on 2 CPU cores).")
+@click.option("--scenario", "scenarios", metavar="LIST",
+              help="Comma-separated subset of quality,speed,runtime,latency (default: all; none with "
+                   "--calibrate alone).")
+@click.option("--dist", "dists", metavar="LIST",
+              help="Length distributions: wlb, prolong, pile or JSON files (default: all three, or only DATA "
+                   "when DATA is given).")
+@click.option("--cp", "cps", metavar="LIST", help="CP sizes (default 4,8).")
+@click.option("--heads", metavar="LIST", help="Attention heads for the latency projection (default 16,32).")
+@click.option("--context-len", type=click.IntRange(min=16), help="Context length of distributions "
+              "(default 131072; DATA keeps its own).")
+@click.option("--seqs", type=click.IntRange(min=1), help="Sequences per source (default 32, quick 4).")
+@click.option("--runtime-context-len", type=click.IntRange(min=16),
+              help="Context length of the CPU runtime scenario (default 8192, quick 4096).")
+@click.option("--runtime-cp", type=click.IntRange(min=1),
+              help="Gloo ranks of the CPU runtime scenario (default: one per core, 2 to 4).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the packed sequences.")
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
+              help="Hardware profile JSON (default: H100 SXM NVLink from public specs).")
+@click.option("--calibrate", is_flag=True, help="Measure the attention curve and overheads on the GPU and "
+              "write a profile (--profile-out), then use it.")
+@click.option("--profile-out", type=click.Path(dir_okay=False), help="Where --calibrate writes the profile "
+              "(default bench/out/profile-<device>.json).")
+@click.option("--measured", is_flag=True, help="Latency scenario with per-rank attention timed on the GPU "
+              "(each rank in turn on one device); communication stays projected.")
+@click.option("--measure-budget", type=click.FloatRange(min=1), default=120.0, show_default=True,
+              help="Seconds of GPU timing for --measured; later settings are projected.")
+@click.option("--device", default="cuda", show_default=True, help="Device for --calibrate / --measured.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every number to this file.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Write the figure-style charts to this PNG.")
+def command(data, quick, scenarios, dists, cps, heads, context_len, seqs, runtime_context_len, runtime_cp,
+            seed, profile_path, calibrate, profile_out, measured, measure_budget, device, json_path,
+            plot_path):
+    """Compare CP strategies: plan quality, planner speed, CPU runtime and projected step latency.
+
+    DATA is a dataset folder (its sequences are benched instead of the default distributions). Latency
+    numbers are PROJECTED from a hardware profile unless --measured times attention on a GPU.
+    """
+    from flashcp.bench.profile import load_profile
+    from flashcp.bench.report import print_report
+    from flashcp.bench.suite import SCENARIOS, bench_config, run_bench
+    from flashcp.errors import FlashcpError
+    from flashcp.fileio import write_json_atomic
+
+    chosen = _names(scenarios)
+    if chosen is None:
+        chosen = ("latency",) if measured else (() if calibrate else SCENARIOS)
+    elif measured and "latency" not in chosen:
+        chosen = (*chosen, "latency")
+    if plot_path and "latency" not in chosen:
+        raise click.BadParameter("--plot needs the latency scenario", param_hint="--plot")
+    try:
+        config = bench_config(quick=quick, data=data, dists=_names(dists), scenarios=chosen,
+                              cps=_ints(cps, "--cp"), heads=_ints(heads, "--heads"), context_len=context_len,
+                              num_seqs=seqs, runtime_context_len=runtime_context_len, runtime_cp=runtime_cp,
+                              seed=seed, measured=measured, measure_budget_s=measure_budget, device=device)
+    except ValueError as e:
+        raise FlashcpError(str(e)) from None
+    profile = load_profile(profile_path)
+    if calibrate:
+        profile = _calibrate(profile, device, profile_out)
+    if chosen:
+        results = run_bench(config, profile, log=lambda m: info(m))
+        print_report(results, console)
+        if json_path:
+            write_json_atomic(json_path, results)
+            info(f"wrote {json_path}")
+        if plot_path:
+            from flashcp.bench.plots import write_plots
+
+            write_plots(results, plot_path)
+            info(f"wrote {plot_path}")
+
+
+def _calibrate(profile, device_name: str, profile_out: str | None):
+    import torch
+
+    from flashcp.bench.calibrate import calibrate_profile
+    from flashcp.bench.calibrate import device_name as name_of
+    from flashcp.bench.profile import save_profile
+    from flashcp.errors import FlashcpError
+
+    device = torch.device(device_name)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise FlashcpError(f"--calibrate measures a GPU, and '{device_name}' is not an available CUDA device")
+    info(f"calibrating on {name_of(device)}...")
+    calibrated = calibrate_profile(profile, device)
+    path = Path(profile_out or f"bench/out/profile-{name_of(device).replace(' ', '-')}.json")
+    save_profile(calibrated, path)
+    info(f"wrote {path}: " + ", ".join(f"{n}: {f:.0f}/{b:.0f}" for n, f, b in zip(
+        calibrated.lengths, calibrated.forward_tflops, calibrated.backward_tflops)) + " TFLOP/s fwd/bwd; "
+        f"kernel overhead {calibrated.kernel_overhead_us:.1f} us; copy {calibrated.hbm_gbps:.0f} GB/s")
+    return calibrated

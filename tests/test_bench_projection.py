@@ -1,0 +1,209 @@
+"""The latency projection and the hardware profile: loader refusals, curve shape, cost-model properties."""
+
+import json
+
+import numpy as np
+import pytest
+
+from flashcp.bench.profile import HardwareProfile, load_profile, save_profile
+from flashcp.bench.projection import (
+    ModelShape,
+    comm_volumes,
+    local_only_mask,
+    project_step,
+    resolve_comm,
+    shard_seconds,
+)
+from flashcp.errors import FlashcpError
+from flashcp.planner.cost import exact_need_received, exact_need_sent, workload
+from flashcp.planner.plan import SequencePlan
+from flashcp.runtime.emulate import random_plan
+from flashcp.runtime.meta import build_rank_metas
+from tests.naive import naive_exact_need_sent
+from tests.plans import llama3_like_plan, perdoc_like_plan, whole_docs_case
+
+SHAPE = ModelShape(num_heads=32, num_kv_heads=32, head_dim=128)
+
+
+@pytest.fixture(scope="module")
+def profile() -> HardwareProfile:
+    return load_profile()
+
+
+# ---------------------------------------------------------------- profile loader
+
+
+def test_default_profile_cites_every_parameter(profile):
+    assert not profile.calibrated and profile.peak_tflops == 989.0
+    for name in ("peak_tflops", "attention_tflops", "query_tile", "link_gbps", "hbm_gbps",
+                 "kernel_overhead_us", "sequence_overhead_us", "collective_latency_us"):
+        assert profile.sources[name], f"{name} has no source"
+    assert "ASSUMPTION" in profile.sources["kernel_overhead_us"]
+
+
+@pytest.mark.parametrize("text, words", [
+    ("{not json", "is not valid JSON"),
+    ('{"format": "something-else"}', "is not a flashcp hardware profile"),
+    ('{"format": "flashcp-hardware-profile"}', "needs 'attention_tflops'"),
+])
+def test_bad_profile_gets_one_sentence(tmp_path, text, words):
+    path = tmp_path / "p.json"
+    path.write_text(text)
+    with pytest.raises(FlashcpError, match=words) as info:
+        load_profile(path)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_profile_values_are_refused(tmp_path, profile):
+    good = profile.to_json()
+    changes = ((lambda o: o["link_gbps"].update(value="fast"), "needs 'link_gbps'"),
+               (lambda o: o["attention_tflops"].update(lengths=[4, 2, 8, 16, 32, 64]), "increasing"),
+               (lambda o: o["hbm_gbps"].update(value=-1), "must be positive"))
+    for change, words in changes:
+        obj = json.loads(json.dumps(good))
+        change(obj)
+        path = tmp_path / "p.json"
+        path.write_text(json.dumps(obj))
+        with pytest.raises(FlashcpError, match=words):
+            load_profile(path)
+    with pytest.raises(FlashcpError, match="cannot be read"):
+        load_profile(tmp_path / "missing.json")
+
+
+def test_profile_round_trip(tmp_path, profile):
+    save_profile(profile, tmp_path / "p.json")
+    again = load_profile(tmp_path / "p.json")
+    assert again == profile
+
+
+def test_curve_hits_its_points_and_is_capped(profile):
+    lengths = np.array(profile.lengths)
+    np.testing.assert_allclose(profile.attention_tflops(lengths), profile.forward_tflops)
+    np.testing.assert_allclose(profile.attention_tflops(lengths, backward=True), profile.backward_tflops)
+    grid = np.geomspace(1, 1 << 20, 200)
+    values = profile.attention_tflops(grid)
+    assert (np.diff(values) >= -1e-9).all() and values.max() <= profile.peak_tflops
+    assert values[-1] == pytest.approx(profile.forward_tflops[-1])
+
+
+# ---------------------------------------------------------------- projection properties
+
+
+def test_whole_documents_need_no_communication(profile):
+    doc_lens, plan = whole_docs_case(4096, 4, np.random.default_rng(0))
+    for comm in ("allgather", "a2a", "auto"):
+        step = project_step(plan, SHAPE, profile, comm, overlap=False)
+        assert step.comm_seconds == 0 and step.comm == 0 and step.comm_bytes == 0, comm
+    full = project_step(plan, SHAPE, profile, "full", overlap=False)
+    assert full.comm_seconds > 0 and full.total > project_step(plan, SHAPE, profile, "auto", False).total
+
+
+def test_attention_time_is_monotone_in_flops(profile):
+    """More work never takes less time: in length at a fixed prefix, in the prefix at a fixed length, and
+    across whole-tile shards of any shape ordered by FLOPs."""
+    lengths = np.arange(1, 40000, 37)
+    for start in (0, 100, 5000):
+        for backward in (False, True):
+            seconds = shard_seconds(np.full(lengths.size, start), lengths, SHAPE, profile, backward)
+            assert (np.diff(seconds) >= 0).all(), f"decreases in length at start {start}"
+    starts = np.arange(0, 100000, 313)
+    for length in (1, 64, 200, 4096):
+        seconds = shard_seconds(starts, np.full(starts.size, length), SHAPE, profile, backward=True)
+        assert (np.diff(seconds) > 0).all(), f"not increasing in the prefix at length {length}"
+    rng = np.random.default_rng(0)
+    starts, lengths = rng.integers(0, 100000, 500), profile.query_tile * rng.integers(1, 200, 500)
+    order = np.argsort(workload(starts, lengths))
+    seconds = shard_seconds(starts[order], lengths[order], SHAPE, profile)
+    assert (np.diff(seconds) >= 0).all()
+    tiny = shard_seconds([0, 0], [1, profile.query_tile], SHAPE, profile)
+    assert tiny[0] == tiny[1] > 0, "a shard shorter than a tile pays for the whole tile"
+
+
+def test_balanced_plan_beats_imbalanced_one(profile):
+    doc_lens = np.array([1000] * 30 + [34000])  # a long document at the end lands on the last chunks
+    llama3 = llama3_like_plan(doc_lens, 4)
+    balanced = perdoc_like_plan(doc_lens, 4)
+    assert llama3.metrics().imbalance > 1.5 > 1.01 > balanced.metrics().imbalance
+    step = project_step(llama3, SHAPE, profile, "full", False)
+    other = project_step(balanced, SHAPE, profile, "full", False)
+    assert step.attn_fwd + step.attn_bwd > other.attn_fwd + other.attn_bwd
+
+
+def test_overlap_never_slower_and_breakdown_adds_up(profile):
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        doc_lens = rng.integers(1, 3000, size=int(rng.integers(1, 12)))
+        plan = random_plan(doc_lens, 4, rng, max_pieces=4, cut_prob=0.001)
+        for comm in ("full", "allgather", "a2a", "auto"):
+            plain = project_step(plan, SHAPE, profile, comm, overlap=False)
+            hidden = project_step(plan, SHAPE, profile, comm, overlap=True)
+            assert hidden.total <= plain.total + 1e-12
+            for step in (plain, hidden):
+                parts = step.attn_fwd + step.attn_bwd + step.comm + step.other
+                assert parts == pytest.approx(step.total, rel=1e-9)
+
+
+def test_projection_matches_the_runtime_meta():
+    """Local-only shards, the auto comm choice and a2a send volumes agree with CPAttnMeta's."""
+    rng = np.random.default_rng(7)
+    for _ in range(60):
+        doc_lens = rng.integers(1, 30, size=int(rng.integers(1, 8)))
+        cp = int(rng.integers(1, 5))
+        if doc_lens.sum() < cp:
+            continue
+        plan = random_plan(doc_lens, cp, rng, max_pieces=5, cut_prob=0.2)
+        metas = build_rank_metas(plan, doc_lens)
+        mask = local_only_mask(plan)
+        volumes = comm_volumes(plan)
+        assert resolve_comm("auto", volumes) == metas[0].auto_comm
+        for meta in metas:
+            assert (mask[plan.rank_slice(meta.rank)] == meta.shard_local_only.numpy()).all()
+            assert volumes["a2a"]["send"][meta.rank] == meta.exchanges["a2a"].wire_send_tokens
+            assert volumes["a2a"]["recv"][meta.rank] == meta.exchanges["a2a"].wire_recv_tokens
+
+
+def test_exact_need_sent_equals_reference():
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        doc_lens = rng.integers(1, 20, size=int(rng.integers(1, 6)))
+        cp = int(rng.integers(1, 5))
+        if doc_lens.sum() < cp:
+            continue
+        plan = random_plan(doc_lens, cp, rng, max_pieces=4, cut_prob=0.3)
+        args = (plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
+        shards = list(zip(*(a.tolist() for a in args[:4])))
+        sent = exact_need_sent(*args)
+        assert sent.tolist() == naive_exact_need_sent(shards, cp)
+        assert sent.sum() == exact_need_received(*args).sum()
+
+
+def test_unknown_comm_is_refused(profile):
+    plan = SequencePlan.from_arrays([0], [0], [8], [0], 1)
+    with pytest.raises(ValueError, match="unknown comm mode"):
+        project_step(plan, SHAPE, profile, "carrier-pigeon", False)
+
+
+def test_ring_projection(profile):
+    from flashcp.planner.ring import ring_plan
+
+    doc_lens = np.array([32768])  # one causal document: contiguous chunks are imbalanced, zigzag is not
+    contiguous = project_step(ring_plan(doc_lens, 4), SHAPE, profile, "ring", overlap=True)
+    zigzag = project_step(perdoc_like_plan(doc_lens, 4), SHAPE, profile, "ring", overlap=True)
+    assert zigzag.total < contiguous.total
+    for step in (contiguous, zigzag):
+        assert step.comm_mode == "ring" and step.comm_seconds > 0 and step.comm_bytes > 0
+        assert step.attn_fwd + step.attn_bwd + step.comm + step.other == pytest.approx(step.total, rel=1e-9)
+
+
+def test_dense_kernels_pay_for_the_whole_rectangle(profile):
+    from dataclasses import replace
+
+    dense = replace(profile, causal_skip=False, query_tile=1)
+    length = profile.lengths[2]
+    (seconds,) = shard_seconds([0], [length], SHAPE, dense)
+    flops = 4.0 * length * length * SHAPE.num_heads * SHAPE.head_dim
+    assert seconds == pytest.approx(flops / (profile.forward_tflops[2] * 1e12))
+    lengths = np.arange(1, 20000, 61)
+    for start in (0, 3000):
+        times = shard_seconds(np.full(lengths.size, start), lengths, SHAPE, dense, backward=True)
+        assert (np.diff(times) > 0).all()
