@@ -1,23 +1,32 @@
 #!/usr/bin/env bash
 # The paper's Table 2: CP-SAT's exact sharding (at a block granularity) against the flashcp heuristic.
-# Usage: bench/audit_table2.sh [OUT_DIR]   (env: CPS="4 8", DISTS="pile wlb", SAMPLES=20, TIME_LIMIT=20,
-#                                           GRANULARITY=1024, WORKERS=0, SEQS=200, CONTEXT_LEN=131072)
-# Writes OUT_DIR/<dist>-cp<N>.json (per-sequence results) and prints one table per (dist, cp).
+# Usage: bench/audit_table2.sh [OUT_DIR]
+#   env: CPS="4 8" DISTS="pile wlb" SAMPLES=20 TIME_LIMIT=10 GRANULARITY=1024 WORKERS=2 SEQS=100
+#        CONTEXT_LEN=131072
+# Per (dist, cp): the ILP on the plain block grid; for cp 4 also with the plan's own cuts added to the grid
+# (--plan-cuts: never worse than the plan), and the same capped at the plan's own max workload
+# (--match-imbalance: comm saving at equal imbalance). Writes OUT_DIR/<dist>-cp<N>[-cuts[-match]].json/.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/flashcp-table2}
-CPS=${CPS:-"4 8"}
-DISTS=${DISTS:-"pile wlb"}
 mkdir -p "$OUT"
-for dist in $DISTS; do
+common=(--ilp --samples "${SAMPLES:-20}" --seed 0 --time-limit "${TIME_LIMIT:-10}"
+        --granularity "${GRANULARITY:-1024}" --workers "${WORKERS:-2}")
+for dist in ${DISTS:-pile wlb}; do
   data="$OUT/$dist"
-  [ -f "$data/manifest.json" ] || python -m flashcp synth "$data" --dist "$dist" --num-seqs "${SEQS:-200}" \
+  [ -f "$data/manifest.json" ] || python -m flashcp synth "$data" --dist "$dist" --num-seqs "${SEQS:-100}" \
       --context-len "${CONTEXT_LEN:-131072}" --seed 0 --no-tokens
-  for cp in $CPS; do
+  for cp in ${CPS:-4 8}; do
     [ -f "$data/plans/cp$cp-flashcp/plan.json" ] || python -m flashcp plan "$data" --cp "$cp" --strategy flashcp
-    echo "== $dist, cp $cp =="
-    python -m flashcp audit "$data" --plan "cp$cp-flashcp" --ilp --samples "${SAMPLES:-20}" --seed 0 \
-        --time-limit "${TIME_LIMIT:-20}" --granularity "${GRANULARITY:-1024}" --workers "${WORKERS:-0}" \
-        --json "$OUT/$dist-cp$cp.json"
+    run() {  # run NAME EXTRA_ARGS...
+      local name=$1; shift
+      python -m flashcp audit "$data" --plan "cp$cp-flashcp" "${common[@]}" "$@" --json "$OUT/$name.json" \
+          2>&1 | tee "$OUT/$name.txt"
+    }
+    run "$dist-cp$cp"
+    if [ "$cp" = 4 ]; then
+      run "$dist-cp$cp-cuts" --plan-cuts
+      run "$dist-cp$cp-cuts-match" --plan-cuts --match-imbalance
+    fi
   done
 done

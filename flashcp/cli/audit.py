@@ -118,7 +118,8 @@ def _table(summary: dict, plan_name: str, grid: str, time_limit: float) -> Table
     table.add_row("optimality gap (mean / max)", gap, "")
     table.add_row("proven optimal", f"{summary['optimal']} / {n}", "")
     table.caption = ("savings against a full K/V all-gather: all-gather = 1 - max contribution / (C/N); "
-                     "exact-need = 1 - max received / ((N-1)C/N)")
+                     "exact-need = 1 - max received / ((N-1)C/N); gap = (objective - CP-SAT bound) / "
+                     "max(1, objective): relative for imbalance + weight x comm, points of saving for comm alone")
     if summary["quota_relaxed"] or summary["no_solution"]:
         table.caption += (f"\n{summary['quota_relaxed']} solved only with relaxed quotas, "
                           f"{summary['no_solution']} without a plan: not averaged")
