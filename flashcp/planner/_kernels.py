@@ -138,6 +138,25 @@ def _descending_order(lens):
 
 
 @njit(cache=True)
+def _emit_span(offsets, doc, pos, end, rank, pdoc, pstart, plen, prank, count):
+    """Append the pieces of sequence span ``[pos, end)`` (cut at document bounds) for ``rank``.
+
+    ``doc`` is the document holding ``pos`` or an earlier one; returns the updated ``(doc, count)``.
+    """
+    while pos < end:
+        while offsets[doc + 1] <= pos:
+            doc += 1
+        take = min(end, offsets[doc + 1]) - pos
+        pdoc[count] = doc
+        pstart[count] = pos - offsets[doc]
+        plen[count] = take
+        prank[count] = rank
+        count += 1
+        pos += take
+    return doc, count
+
+
+@njit(cache=True)
 def llama3_kernel(lens, cp):
     offsets = _doc_offsets(lens)
     quotas = _quotas(offsets[-1], cp)
@@ -152,17 +171,8 @@ def llama3_kernel(lens, cp):
     for k in range(2 * cp):
         rank = k if k < cp else 2 * cp - 1 - k
         size = quotas[rank] // 2 if k < cp else quotas[rank] - quotas[rank] // 2
-        end = pos + size
-        while pos < end:
-            while offsets[doc + 1] <= pos:
-                doc += 1
-            take = min(end, offsets[doc + 1]) - pos
-            pdoc[count] = doc
-            pstart[count] = pos - offsets[doc]
-            plen[count] = take
-            prank[count] = rank
-            count += 1
-            pos += take
+        doc, count = _emit_span(offsets, doc, pos, pos + size, rank, pdoc, pstart, plen, prank, count)
+        pos += size
     return _finish(pdoc, pstart, plen, prank, count, lens)
 
 
@@ -180,17 +190,8 @@ def ring_kernel(lens, cp):
     doc = 0
     pos = 0
     for rank in range(cp):
-        end = pos + quotas[rank]
-        while pos < end:
-            while offsets[doc + 1] <= pos:
-                doc += 1
-            take = min(end, offsets[doc + 1]) - pos
-            pdoc[count] = doc
-            pstart[count] = pos - offsets[doc]
-            plen[count] = take
-            prank[count] = rank
-            count += 1
-            pos += take
+        doc, count = _emit_span(offsets, doc, pos, pos + quotas[rank], rank, pdoc, pstart, plen, prank, count)
+        pos += quotas[rank]
     return _finish(pdoc, pstart, plen, prank, count, lens)
 
 
