@@ -13,7 +13,8 @@ the tokenizer itself:
 - pack, N workers.
 
 overhead = pack(1 worker) time / tokenizer time - 1 (target <= 15%); speedup = pack(1) / pack(N) (target
->= 1.7x for 2 workers on 2 cores). Times are the best of --repeat rounds, each running all three in turn.
+>= 1.7x for 2 workers on 2 cores). Times are the best of --repeat rounds, each running all three in turn: on
+a shared machine one run of the same work varies by 20% or more, so use --repeat 3 or more on a quiet one.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ class DataFileWriter:
     """Writes the ``index``-th data file one row group at a time, for data too large to hold at once.
 
     Rows go to a temporary file beside the final name (``atomic_path``: ``.part-NNNNN.parquet.*.tmp``) with
-    the settings of ``write_parquet_atomic``; ``close`` renames it into place, ``abort`` removes it.
+    zstd compression and no dictionary encoding; ``close`` renames it into place, ``abort`` removes it.
     """
 
     def __init__(self, root: Path, index: int, schema: pa.Schema = DATA_SCHEMA):
@@ -131,8 +131,9 @@ class DataFileWriter:
         self._atomic = atomic_path(self.root / self.rel)
         tmp = self._atomic.__enter__()
         try:
+            # plain encoding: with vocabularies of ~10^5 ids a dictionary overflows and costs time and space
             self._writer = pq.ParquetWriter(tmp, schema, compression=PARQUET_COMPRESSION,
-                                            write_statistics=False, store_schema=True)
+                                            use_dictionary=False, write_statistics=False, store_schema=True)
         except BaseException as e:
             self._atomic.__exit__(type(e), e, e.__traceback__)
             raise
