@@ -520,3 +520,87 @@ def naive_block_optimum(doc_lens: list[int], cp: int, granularity: int, *, comm_
         if best is None or key < best:
             best = key
     return best
+
+
+def _naive_span_pieces(doc_lens: list[int], pos: int, end: int) -> list[tuple[int, int, int]]:
+    """(doc, start, len) pieces of sequence span [pos, end), cut at document bounds, one token at a time."""
+    pieces: list[list[int]] = []
+    for t in range(pos, end):
+        doc, before = 0, 0
+        while before + doc_lens[doc] <= t:
+            before += doc_lens[doc]
+            doc += 1
+        if pieces and pieces[-1][0] == doc:
+            pieces[-1][2] += 1
+        else:
+            pieces.append([doc, t - before, 1])
+    return [tuple(p) for p in pieces]  # type: ignore[misc]
+
+
+def _naive_place(doc_lens, pos, end, rank, quotas, tokens, load, weight, pieces):
+    """The peers' placement rule: the preferred rank takes what fits, the rest goes head first to the rank
+    with room and the least load (ties: lowest rank)."""
+    cp = len(quotas)
+    while pos < end:
+        take = min(quotas[rank] - tokens[rank], end - pos)
+        if take > 0:
+            for doc, start, length in _naive_span_pieces(doc_lens, pos, pos + take):
+                pieces.append((doc, start, length, rank))
+                if weight is None:
+                    load[rank] += naive_workload(start, length)
+            if weight is not None:
+                load[rank] += weight
+            tokens[rank] += take
+            pos += take
+        if pos < end:
+            rank = min((r for r in range(cp) if tokens[r] < quotas[r]), key=lambda r: (load[r], r))
+
+
+def naive_magi(doc_lens: list[int], cp: int, chunk: int = 512) -> list[tuple[int, int, int, int]]:
+    """MagiAttention's MinHeap dispatch: chunks by decreasing workload (ties: later chunk first), each to the
+    least-loaded rank with room for all of it, else the least-loaded rank with any room takes its head."""
+    context_len = sum(doc_lens)
+    quotas = naive_quotas(context_len, cp)
+    bounds = [(s, min(context_len, s + chunk)) for s in range(0, context_len, chunk)]
+    work = [sum(naive_workload(s, n) for _, s, n in _naive_span_pieces(doc_lens, a, b)) for a, b in bounds]
+    order = sorted(range(len(bounds)), key=lambda i: (-work[i], -i))
+    tokens, load, pieces = [0] * cp, [0] * cp, []
+    for i in order:
+        a, b = bounds[i]
+        fits = [r for r in range(cp) if quotas[r] - tokens[r] >= b - a]
+        some = fits or [r for r in range(cp) if tokens[r] < quotas[r]]
+        best = min(some, key=lambda r: (load[r], r))
+        _naive_place(doc_lens, a, b, best, quotas, tokens, load, None, pieces)
+    return naive_finish(pieces)
+
+
+def naive_ptrr_times(doc_lens: list[int], chunk: int) -> list[int]:
+    """Key blocks each query block reads under the document-causal mask, counted block pair by block pair."""
+    context_len = sum(doc_lens)
+    doc_of = [d for d, n in enumerate(doc_lens) for _ in range(n)]
+    blocks = range(0, (context_len + chunk - 1) // chunk)
+    times = []
+    for i in blocks:
+        queries = range(i * chunk, min(context_len, (i + 1) * chunk))
+        read = 0
+        for j in range(i + 1):
+            keys = range(j * chunk, min(context_len, (j + 1) * chunk))
+            if any(doc_of[k] == doc_of[q] and k <= q for q in queries for k in keys):
+                read += 1
+        times.append(read)
+    return times
+
+
+def naive_ptrr(doc_lens: list[int], cp: int, chunk: int = 128) -> list[tuple[int, int, int, int]]:
+    """PyTorch's PTRR: blocks sorted by decreasing process time (stable), row k of cp blocks dealt to ranks
+    0..cp-1 (k even) or cp-1..0 (k odd); a rank without room passes the rest on (see ``_naive_place``)."""
+    context_len = sum(doc_lens)
+    quotas = naive_quotas(context_len, cp)
+    times = naive_ptrr_times(doc_lens, chunk)
+    order = sorted(range(len(times)), key=lambda i: -times[i])
+    tokens, load, pieces = [0] * cp, [0] * cp, []
+    for p, i in enumerate(order):
+        rank = p % cp if (p // cp) % 2 == 0 else cp - 1 - p % cp
+        _naive_place(doc_lens, i * chunk, min(context_len, (i + 1) * chunk), rank, quotas, tokens, load,
+                     times[i], pieces)
+    return naive_finish(pieces)
