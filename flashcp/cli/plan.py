@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import click
 from rich.table import Table
@@ -10,7 +11,7 @@ from rich.table import Table
 from flashcp.cli.console import console, info, progress
 from flashcp.data.dataset import Dataset
 from flashcp.planner.pipeline import plan_dataset
-from flashcp.planner.strategies import STRATEGIES
+from flashcp.planner.strategies import DEFAULT_STRATEGY, STRATEGIES
 
 
 def summary_table(title: str, rows: dict[str, dict]) -> Table:
@@ -32,21 +33,34 @@ def summary_table(title: str, rows: dict[str, dict]) -> Table:
 @click.command("plan")
 @click.argument("data", type=click.Path())
 @click.option("--cp", "cp", type=int, required=True, help="CP size N (ranks per sequence).")
-@click.option("--strategy", default="flashcp", show_default=True,
+@click.option("--strategy", default=DEFAULT_STRATEGY, show_default=True,
               help=f"One of: {', '.join(STRATEGIES)}.")
 @click.option("--target-imbalance", type=float, default=None,
-              help="Target max/mean workload R (flashcp: 1.05, flashcp+: 1.01 by default).")
+              help="Target max/mean workload R (flashcp: 1.05, flashcp+ and flashcp2: 1.01 by default).")
+@click.option("--objective", type=click.Choice(["time"]), default=None,
+              help="flashcp2: what the search minimises (time = projected step time) [default: time].")
+@click.option("--profile", type=click.Path(dir_okay=False), default=None,
+              help="flashcp2: hardware profile JSON for the objective [default: the bench's H100 profile].")
+@click.option("--effort", type=click.IntRange(min=0), default=None,
+              help="flashcp2: local-search budget per sequence, 48 objective evaluations per unit "
+                   "[default: 1; 0 = portfolio only].")
+@click.option("--chunk-size", type=click.IntRange(min=1), default=None,
+              help="magi, ptrr: chunk tokens [default: 512 for magi, 128 for ptrr].")
 @click.option("--workers", type=int, default=1, show_default=True, help="Worker processes.")
 @click.option("--name", default=None, help="Plan folder name [default: cp{N}-{strategy}].")
 @click.option("--force", is_flag=True, help="Replace an existing plan of the same name.")
-def command(data: str, cp: int, strategy: str, target_imbalance: float | None, workers: int, name: str | None,
+def command(data: str, cp: int, strategy: str, target_imbalance: float | None, objective: str | None,
+            profile: str | None, effort: int | None, chunk_size: int | None, workers: int, name: str | None,
             force: bool) -> None:
     """Plan every sequence of DATA for CP size N; every plan is validated before it is written."""
     started = time.perf_counter()
     dataset = Dataset(data)
     with progress(f"planning cp{cp} {strategy}", dataset.num_sequences) as advance:
+        overrides = {"objective": objective, "profile": str(Path(profile).resolve()) if profile else None,
+                     "effort": effort, "chunk_size": chunk_size}
         meta = plan_dataset(data, cp, strategy, target_imbalance=target_imbalance, workers=workers,
-                            force=force, name=name, progress=advance)
+                            force=force, name=name, progress=advance,
+                            overrides={k: v for k, v in overrides.items() if v is not None})
     elapsed = time.perf_counter() - started
     summary = meta["summary"]
     params = ", ".join(f"{k}={v}" for k, v in meta["params"].items())

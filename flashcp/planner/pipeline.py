@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError, PlanError
-from flashcp.planner import _batch
+from flashcp.planner import _batch, _search
 from flashcp.planner.cost import comm_saving, exact_need_saving
 from flashcp.planner.plan import SequencePlan
 from flashcp.planner.store import (
@@ -36,7 +36,7 @@ from flashcp.planner.store import (
     write_plan_file,
     write_plan_json,
 )
-from flashcp.planner.strategies import Strategy, check_shape, get_strategy, resolve_params
+from flashcp.planner.strategies import Strategy, check_shape, get_strategy, kernel_args, resolve_params
 
 __all__ = [
     "BASELINES",
@@ -121,8 +121,12 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
     params = resolve_params(chosen) if params is None else params
     row_offsets = np.ascontiguousarray(row_offsets, dtype=np.int64)
     doc_lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
-    target = float(params.get("target_imbalance", 1.0))
-    offsets, doc, start, length, rank = _batch.plan_batch(row_offsets, doc_lens, cp, chosen.code, target)
+    if chosen.code >= _search.MAGI:  # magi, ptrr, flashcp2
+        offsets, doc, start, length, rank = _search.plan_batch(row_offsets, doc_lens, cp, chosen.code,
+                                                               *kernel_args(chosen, params))
+    else:
+        target = float(params.get("target_imbalance", 1.0))
+        offsets, doc, start, length, rank = _batch.plan_batch(row_offsets, doc_lens, cp, chosen.code, target)
     errors, imbalance, ag, a2a = _batch.check_batch(row_offsets, doc_lens, offsets, doc, start, length, rank,
                                                     cp)
     if errors.any():
@@ -133,7 +137,7 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
 
 
 def strategy_metrics(sequences: Sequence[np.ndarray], cp: int, strategy: str,
-                     target_imbalance: float | None = None) -> dict[str, np.ndarray]:
+                     target_imbalance: float | None = None, **overrides) -> dict[str, np.ndarray]:
     """Per-sequence ``imbalance``, ``ag_comm_tokens`` and ``a2a_comm_tokens`` of a strategy's plans.
 
     ``sequences`` is a list of ``doc_lens`` arrays; every plan is validated on the way.
@@ -143,7 +147,7 @@ def strategy_metrics(sequences: Sequence[np.ndarray], cp: int, strategy: str,
     row_offsets = np.zeros(len(lens) + 1, np.int64)
     row_offsets[1:] = np.cumsum([s.size for s in lens])
     flat = np.concatenate(lens) if lens else np.zeros(0, np.int64)
-    planned = plan_rows(row_offsets, flat, cp, chosen, resolve_params(chosen, target_imbalance))
+    planned = plan_rows(row_offsets, flat, cp, chosen, resolve_params(chosen, target_imbalance, **overrides))
     return {"imbalance": planned.imbalance, "ag_comm_tokens": planned.ag_comm_tokens,
             "a2a_comm_tokens": planned.a2a_comm_tokens}
 
@@ -247,18 +251,22 @@ def _concat(parts: list[PlannedRows]) -> PlannedRows:
 
 def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
                  target_imbalance: float | None = None, workers: int = 1, force: bool = False,
-                 name: str | None = None, progress: Callable[[int], None] | None = None) -> dict:
+                 name: str | None = None, progress: Callable[[int], None] | None = None,
+                 overrides: dict | None = None) -> dict:
     """Plan every sequence of the dataset at ``root`` and write ``plans/<name>/``; returns its plan.json.
 
     ``name`` defaults to ``cp{N}-{strategy}``. An existing plan of that name is refused unless ``force``; it
-    is then replaced only once the new one is complete. ``progress(rows)`` is called as rows finish. The
+    is then replaced only once the new one is complete. ``progress(rows)`` is called as rows finish.
+    ``overrides`` set the strategy's other parameters (``chunk_size``, ``effort``, ``profile``, ...). The
     returned dict carries the baselines' summaries under ``summary["baselines"]``.
     """
     dataset = Dataset(root)
     try:
         chosen = get_strategy(strategy)
-        params = resolve_params(chosen, target_imbalance)
+        params = resolve_params(chosen, target_imbalance, **(overrides or {}))
         check_shape(dataset.context_len, cp)
+        if chosen.code == _search.FLASHCP2:
+            kernel_args(chosen, params)  # reads the profile: a bad one fails before any work
     except ValueError as e:
         raise FlashcpError(str(e)) from None
     if workers < 1:
