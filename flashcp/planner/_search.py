@@ -9,18 +9,22 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from flashcp.planner._kernels import _finish, flashcp_kernel, llama3_kernel
+from flashcp.planner._kernels import _finish, _quotas, flashcp_kernel, llama3_kernel
 from flashcp.planner._peers import magi_kernel, ptrr_kernel
 from flashcp.planner._plus import flashcp_plus_kernel
-from flashcp.planner.cost import _rank_workloads
+from flashcp.planner.cost import _exact_need_received, _rank_workloads, workload
 from flashcp.planner.objective import step_seconds
 
 __all__ = ["FLASHCP2", "MAGI", "PTRR", "flashcp2_kernel", "local_search", "plan_batch", "plan_one"]
 
 MAGI, PTRR, FLASHCP2 = 5, 6, 7
 """Strategy codes this module plans (registry ``Strategy.code``)."""
-PORTFOLIO_CHUNKS = (512, 1024, 2048)
-"""Chunk sizes of the chunked-assignment (``magi``) candidates."""
+PORTFOLIO_CHUNKS = (512, 2048)
+"""Chunk sizes of the chunked-assignment (``magi``) candidates besides 1024 (which effort 0 tries too)."""
+AFFINITY = ((1024, 0.01), (1024, 0.03), (512, 0.01), (1024, 0.1), (2048, 0.01), (2048, 0.03))
+"""The constructive candidates ``(chunk, tolerance)`` of ``affinity_kernel``; effort 0 tries the first two."""
+FAST = 2
+"""Affinity candidates at effort 0."""
 EVALS_PER_EFFORT = 48
 """Objective evaluations of the local search per unit of ``effort``."""
 STEPS = (1024, 256, 64, 16)
@@ -69,10 +73,12 @@ def local_search(doc, start, length, rank, cp, model, target, budget):
     A move shifts two document boundaries at once by the same ``delta`` so that tokens go from rank x to
     rank y at the first and back at the second (every rank keeps its tokens). Moves are tried for every pair
     of boundaries between the same two ranks, shifts from ``STEPS`` (largest first), and kept when the step
-    time drops and the imbalance stays within ``target``; a pass over all moves repeats while it improves,
+    time drops, the imbalance stays within ``target`` and the largest receive does not grow; a pass over all
+    moves repeats while it improves,
     until ``budget`` objective evaluations are spent.
     """
     best = step_seconds(doc, start, length, rank, cp, model)
+    received = _exact_need_received(doc, start, length, rank, cp).max()
     used = 0
     left, right = _boundaries(doc, start, length)
     nb = left.shape[0]
@@ -106,12 +112,101 @@ def local_search(doc, start, length, rank, cp, model, target, budget):
                         used += 1
                         got = step_seconds(doc, start, length, rank, cp, model)
                         if got < best and _imbalance(start, length, rank, cp) <= target:
-                            best = got
-                            improved = True
-                            break
+                            now = _exact_need_received(doc, start, length, rank, cp).max()
+                            if now <= received:
+                                best = got
+                                received = now
+                                improved = True
+                                break
                         _shift(b_l, b_r, -d_j, start, length)
                         _shift(a_l, a_r, -d_i, start, length)
     return best, used
+
+
+@njit(cache=True)
+def affinity_kernel(lens, cp, chunk, tolerance):
+    """Chunked assignment that keeps documents contiguous: MinHeap order with a preference for neighbours.
+
+    Every document is cut into chunks of ``chunk`` tokens from its end (its first chunk is the shorter
+    one). Chunks go by decreasing workload (ties: lower document, then later chunk) to the least-loaded
+    rank with room for them (ties: lowest rank), except that the rank holding the chunk right after it in
+    the same document takes it when it has room and stays within the mean workload: that rank then holds
+    one contiguous piece and receives only the prefix before it. Quotas: when no rank has room for a chunk,
+    the least-loaded rank with room takes its head and the rest goes on (as in ``magi``).
+    """
+    num_docs = lens.shape[0]
+    quotas = _quotas(lens.sum(), cp)
+    num_chunks = 0
+    for d in range(num_docs):
+        num_chunks += (lens[d] + chunk - 1) // chunk
+    cdoc = np.empty(num_chunks, np.int64)
+    cstart = np.empty(num_chunks, np.int64)
+    clen = np.empty(num_chunks, np.int64)
+    cwork = np.empty(num_chunks, np.int64)
+    total = 0
+    k = 0
+    for d in range(num_docs):
+        end = lens[d]
+        while end > 0:
+            take = min(chunk, end)
+            cdoc[k] = d
+            cstart[k] = end - take
+            clen[k] = take
+            cwork[k] = workload(end - take, take)
+            total += cwork[k]
+            end -= take
+            k += 1
+    mean = total / cp
+    order = np.argsort(-cwork, kind="mergesort")
+    owner = np.full(num_chunks, -1, np.int64)  # rank of each chunk, -1 until placed (or when split)
+    capacity = 2 * num_chunks + 4 * cp + 4
+    pdoc = np.empty(capacity, np.int64)
+    pstart = np.empty(capacity, np.int64)
+    plen = np.empty(capacity, np.int64)
+    prank = np.empty(capacity, np.int64)
+    load = np.zeros(cp, np.int64)
+    tokens = np.zeros(cp, np.int64)
+    count = 0
+    for j in range(num_chunks):
+        i = order[j]
+        size = clen[i]
+        best = -1
+        for r in range(cp):
+            if quotas[r] - tokens[r] >= size and (best < 0 or load[r] < load[best]):
+                best = r
+        # chunk i - 1 is the one after it in the same document (chunks were cut from the end)
+        if i > 0 and cdoc[i - 1] == cdoc[i] and owner[i - 1] >= 0:
+            near = owner[i - 1]
+            if quotas[near] - tokens[near] >= size and load[near] + cwork[i] <= mean and \
+                    (best < 0 or load[near] <= load[best] + tolerance * mean):
+                best = near
+        if best >= 0:
+            pdoc[count] = cdoc[i]
+            pstart[count] = cstart[i]
+            plen[count] = size
+            prank[count] = best
+            count += 1
+            load[best] += cwork[i]
+            tokens[best] += size
+            owner[i] = best
+            continue
+        pos = cstart[i]
+        end = pos + size
+        while pos < end:
+            best = -1
+            for r in range(cp):
+                if tokens[r] < quotas[r] and (best < 0 or load[r] < load[best]):
+                    best = r
+            take = min(end - pos, quotas[best] - tokens[best])
+            pdoc[count] = cdoc[i]
+            pstart[count] = pos
+            plen[count] = take
+            prank[count] = best
+            count += 1
+            load[best] += workload(pos, take)
+            tokens[best] += take
+            pos += take
+    return _finish(pdoc, pstart, plen, prank, count, lens)
 
 
 @njit(cache=True)
@@ -121,13 +216,18 @@ def flashcp2_kernel(lens, cp, target, effort, model):
     best_time = step_seconds(best_doc, best_start, best_len, best_rank, cp, model)
     # the imbalance every candidate must meet: the target, or flashcp+'s own when it misses the target
     limit = max(target, _imbalance(best_start, best_len, best_rank, cp))
-    for c in range(2 + len(PORTFOLIO_CHUNKS)):
-        if c == 0:
+    num = len(AFFINITY) if effort > 0 else FAST
+    for c in range(num + (3 + len(PORTFOLIO_CHUNKS) if effort > 0 else 1)):
+        if c < num:
+            doc, start, length, rank = affinity_kernel(lens, cp, AFFINITY[c][0], AFFINITY[c][1])
+        elif c == num:
+            doc, start, length, rank = magi_kernel(lens, cp, 1024)
+        elif c == num + 1:
             doc, start, length, rank = flashcp_kernel(lens, cp, 1.05)
-        elif c == 1:
+        elif c == num + 2:
             doc, start, length, rank = llama3_kernel(lens, cp)
         else:
-            doc, start, length, rank = magi_kernel(lens, cp, PORTFOLIO_CHUNKS[c - 2])
+            doc, start, length, rank = magi_kernel(lens, cp, PORTFOLIO_CHUNKS[c - num - 3])
         t = step_seconds(doc, start, length, rank, cp, model)
         if t < best_time and _imbalance(start, length, rank, cp) <= limit:
             best_doc, best_start, best_len, best_rank, best_time = doc, start, length, rank, t

@@ -38,8 +38,8 @@ from flashcp.planner.cost import (
     workload,
 )
 
-__all__ = ["BWD_FLOPS", "ObjectiveShape", "cached_model", "curve_tflops", "model_vector", "pair_seconds",
-           "plan_step_seconds", "step_seconds"]
+__all__ = ["BWD_FLOPS", "ObjectiveShape", "batch_step_seconds", "cached_model", "curve_tflops", "model_vector",
+           "pair_seconds", "plan_step_seconds", "step_seconds"]
 
 BWD_FLOPS = 2.5
 """Backward FLOPs per forward FLOP (the flash-attention benchmark convention the profile's curve uses)."""
@@ -261,3 +261,15 @@ def plan_step_seconds(plan, model: np.ndarray) -> float:
     """:func:`step_seconds` of a :class:`~flashcp.planner.plan.SequencePlan`."""
     return float(step_seconds(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, plan.cp,
                               model))
+
+
+@njit(cache=True)
+def batch_step_seconds(shard_offsets, doc, start, length, rank, cp, model):
+    """:func:`step_seconds` of every row of flat plans (``shard_offsets`` (rows + 1,)). Shape (rows,)."""
+    rows = shard_offsets.shape[0] - 1
+    out = np.empty(rows, np.float64)
+    for row in range(rows):
+        lo = shard_offsets[row]
+        hi = shard_offsets[row + 1]
+        out[row] = step_seconds(doc[lo:hi], start[lo:hi], length[lo:hi], rank[lo:hi], cp, model)
+    return out
