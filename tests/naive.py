@@ -604,3 +604,127 @@ def naive_ptrr(doc_lens: list[int], cp: int, chunk: int = 128) -> list[tuple[int
         _naive_place(doc_lens, i * chunk, min(context_len, (i + 1) * chunk), rank, quotas, tokens, load,
                      times[i], pieces)
     return naive_finish(pieces)
+
+
+def naive_affinity(doc_lens: list[int], cp: int, chunk: int, tolerance: float) -> list[tuple[int, int, int, int]]:
+    """flashcp2's constructive candidate: per-document chunks cut from the end, by decreasing workload
+    (ties: lower document, then later chunk), to the least-loaded rank with room, unless the rank holding the
+    next chunk of the same document has room, stays within the mean and is within ``tolerance * mean`` of
+    that rank's load; a chunk no rank has room for is split head first over the least-loaded ranks."""
+    quotas = naive_quotas(sum(doc_lens), cp)
+    chunks = []  # (doc, start, len) in cut order: a document's later chunk comes first
+    for d, n in enumerate(doc_lens):
+        end = n
+        while end > 0:
+            take = min(chunk, end)
+            chunks.append((d, end - take, take))
+            end -= take
+    work = [naive_workload(s, n) for _, s, n in chunks]
+    mean = sum(work) / cp
+    order = sorted(range(len(chunks)), key=lambda i: -work[i])
+    owner = [-1] * len(chunks)
+    load, tokens, pieces = [0] * cp, [0] * cp, []
+    for i in order:
+        d, s, n = chunks[i]
+        fits = [r for r in range(cp) if quotas[r] - tokens[r] >= n]
+        best = min(fits, key=lambda r: (load[r], r)) if fits else -1
+        if i > 0 and chunks[i - 1][0] == d and owner[i - 1] >= 0:
+            near = owner[i - 1]
+            if quotas[near] - tokens[near] >= n and load[near] + work[i] <= mean and \
+                    (best < 0 or load[near] <= load[best] + tolerance * mean):
+                best = near
+        if best >= 0:
+            pieces.append((d, s, n, best))
+            load[best] += work[i]
+            tokens[best] += n
+            owner[i] = best
+            continue
+        pos = s
+        while pos < s + n:
+            r = min((r for r in range(cp) if tokens[r] < quotas[r]), key=lambda r: (load[r], r))
+            take = min(s + n - pos, quotas[r] - tokens[r])
+            pieces.append((d, pos, take, r))
+            load[r] += naive_workload(pos, take)
+            tokens[r] += take
+            pos += take
+    return naive_finish(pieces)
+
+
+def naive_local_search(shards: list[tuple[int, int, int, int]], cp: int, step_time, target: float,
+                       budget: int, steps=(1024, 256, 64, 16)) -> list[tuple[int, int, int, int]]:
+    """flashcp2's local search, move by move: for each shift (largest first) and each pair of boundaries
+    (i < j) between the same two ranks, shift boundary i by +-shift and boundary j so that the tokens go
+    back; keep the first move that lowers ``step_time(shards)`` while the imbalance stays within ``target``
+    and the largest exact-need receive does not grow; repeat while a pass improves, within ``budget``
+    evaluations. Boundaries: touching shards of one document on different ranks, in (doc, start) order."""
+    shards = [list(s) for s in shards]
+    order = sorted(range(len(shards)), key=lambda i: (shards[i][0], shards[i][1]))
+    bounds = [(a, b) for a, b in zip(order, order[1:])
+              if shards[a][0] == shards[b][0] and shards[a][1] + shards[a][2] == shards[b][1]]
+
+    def shift(pair, delta):
+        a, b = pair
+        shards[a][2] += delta
+        shards[b][1] += delta
+        shards[b][2] -= delta
+
+    def received():
+        return naive_metrics([tuple(s) for s in shards], cp)[2]
+
+    best, recv, used = step_time(shards), received(), 0
+    improved = True
+    while improved and used < budget:
+        improved = False
+        for step in steps:
+            for i, (al, ar) in enumerate(bounds):
+                for bl, br in bounds[i + 1:]:
+                    x, y = shards[ar][3], shards[al][3]
+                    if (shards[bl][3], shards[br][3]) == (x, y):
+                        sign_j = 1
+                    elif (shards[bl][3], shards[br][3]) == (y, x):
+                        sign_j = -1
+                    else:
+                        continue
+                    for sign_i in (1, -1):
+                        d_i, d_j = sign_i * step, sign_i * sign_j * step
+                        if (d_i > 0 and shards[ar][2] <= d_i) or (d_i < 0 and shards[al][2] <= -d_i):
+                            continue
+                        if (d_j > 0 and shards[br][2] <= d_j) or (d_j < 0 and shards[bl][2] <= -d_j):
+                            continue
+                        if used >= budget:
+                            return [tuple(s) for s in shards]  # type: ignore[misc]
+                        shift((al, ar), d_i)
+                        shift((bl, br), d_j)
+                        used += 1
+                        got = step_time(shards)
+                        imbalance = naive_metrics([tuple(s) for s in shards], cp)[0]
+                        if got < best and imbalance <= target and received() <= recv:
+                            best, recv, improved = got, received(), True
+                            break
+                        shift((bl, br), -d_j)
+                        shift((al, ar), -d_i)
+    return [tuple(s) for s in shards]  # type: ignore[misc]
+
+
+def naive_flashcp2(doc_lens: list[int], cp: int, step_time, target: float = 1.01,
+                   effort: int = 1) -> list[tuple[int, int, int, int]]:
+    """flashcp2 from the references: flashcp+ first, then the portfolio in the kernel's order; a candidate
+    wins when it is strictly faster under ``step_time`` and within max(target, flashcp+'s imbalance);
+    then the local search with 48 evaluations per unit of effort."""
+    best = naive_flashcp_plus(doc_lens, cp, target)
+    best_time = step_time(best)
+    limit = max(target, naive_metrics(best, cp)[0])
+    affinity = [(1024, 0.01), (1024, 0.03), (512, 0.01), (1024, 0.1), (2048, 0.01), (2048, 0.03)]
+    candidates = [lambda c=c, t=t: naive_affinity(doc_lens, cp, c, t) for c, t in affinity[:6 if effort else 2]]
+    candidates.append(lambda: naive_magi(doc_lens, cp, 1024))
+    if effort:
+        candidates += [lambda: naive_flashcp(doc_lens, cp, 1.05), lambda: naive_llama3(doc_lens, cp),
+                       lambda: naive_magi(doc_lens, cp, 512), lambda: naive_magi(doc_lens, cp, 2048)]
+    for make in candidates:
+        plan = make()
+        t = step_time(plan)
+        if t < best_time and naive_metrics(plan, cp)[0] <= limit:
+            best, best_time = plan, t
+    if effort:
+        best = naive_finish(naive_local_search(best, cp, step_time, limit, 48 * effort))
+    return best

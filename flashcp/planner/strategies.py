@@ -239,8 +239,9 @@ def check_shape(context_len: int, cp: int) -> None:
 
 def run_kernel(strategy: Strategy, lens: np.ndarray, cp: int, params: dict):
     """Call the strategy's kernel on contiguous int64 ``lens``; returns the four shard arrays."""
-    if strategy.code >= _search.MAGI:
-        return _search.plan_one(lens, cp, strategy.code, *kernel_args(strategy, params))
+    if strategy.code >= _search.MAGI:  # one row of the batch kernel: one compiled entry point, not two
+        rows = np.array([0, lens.size], np.int64)
+        return _search.plan_batch(rows, lens, cp, strategy.code, *kernel_args(strategy, params))[1:]
     if "target_imbalance" in strategy.defaults:
         return strategy.kernel(lens, cp, float(params["target_imbalance"]))
     return strategy.kernel(lens, cp)

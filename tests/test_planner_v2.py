@@ -1,0 +1,212 @@
+"""magi, ptrr, the step-time objective and flashcp2: kernels against plain-Python references and torch."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flashcp.bench.profile import load_profile
+from flashcp.bench.projection import ModelShape, project_step
+from flashcp.planner import _search
+from flashcp.planner._peers import ptrr_process_times
+from flashcp.planner.objective import cached_model, plan_step_seconds
+from flashcp.planner.plan import SequencePlan
+from flashcp.planner.strategies import plan_sequence
+from tests.naive import (
+    naive_affinity,
+    naive_flashcp2,
+    naive_magi,
+    naive_metrics,
+    naive_ptrr,
+    naive_ptrr_times,
+)
+
+MODEL = cached_model(None, 32, 32, 128, 1)
+SHAPE = ModelShape(num_heads=32, num_kv_heads=32, head_dim=128)
+
+
+def examples(n):
+    return settings(max_examples=n, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def sequences(draw, max_docs=14, max_len=2500):
+    lens = draw(st.lists(st.one_of(st.integers(1, 60), st.integers(1, max_len)), min_size=1, max_size=max_docs))
+    cp = draw(st.integers(1, min(8, sum(lens))))
+    return lens, cp
+
+
+def as_tuples(plan: SequencePlan):
+    return list(zip(plan.shard_doc.tolist(), plan.shard_start.tolist(), plan.shard_len.tolist(),
+                    plan.shard_rank.tolist()))
+
+
+def bench_step_time(cp):
+    """The step time as flashcp bench computes it (numpy), for plans given as shard tuples."""
+    profile = load_profile()
+
+    def step_time(shards):
+        plan = SequencePlan.from_arrays(*zip(*shards), cp=cp)
+        return project_step(plan, SHAPE, profile, "auto", True).total
+
+    return step_time
+
+
+# --- magi and ptrr
+
+
+@examples(120)
+@given(case=sequences(max_len=400), chunk=st.integers(1, 96))
+def test_peers_equal_references(case, chunk):
+    lens, cp = case
+    for name, reference in (("magi", naive_magi), ("ptrr", naive_ptrr)):
+        plan = plan_sequence(name, lens, cp, chunk_size=chunk)
+        assert as_tuples(plan) == reference(lens, cp, chunk), f"{name} cp={cp} chunk={chunk} lens={lens}"
+        plan.validate(lens)
+
+
+def test_magi_by_hand():
+    # one document of 8 tokens, chunks of 2: workloads 3, 7, 11, 15. Largest first to the least-loaded
+    # rank with room: 15 -> rank 0, 11 -> rank 1, 7 -> rank 1 (11 < 15), 3 -> rank 0 (15 < 18)
+    plan = plan_sequence("magi", [8], 2, chunk_size=2)
+    assert as_tuples(plan) == [(0, 0, 2, 0), (0, 6, 2, 0), (0, 2, 4, 1)]
+    # equal workloads: the later chunk first (two documents of 2 tokens, chunks of 2, cp 2)
+    assert as_tuples(plan_sequence("magi", [2, 2], 2, chunk_size=2)) == [(1, 0, 2, 0), (0, 0, 2, 1)]
+
+
+def test_ptrr_times_and_dealing_match_torch():
+    torch = pytest.importorskip("torch")
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _PTRRLoadBalancer
+
+    # torch's own docstring example: 16 tasks over 4 groups
+    times = torch.tensor([9, 14, 2, 20, 10, 15, 8, 14, 16, 19, 15, 3, 12, 1, 12, 10])
+    groups = _PTRRLoadBalancer.ptrr_scheduling(times, 4).tolist()
+    lens = [1] * 16  # 16 blocks of one token: rank of block i from our dealing rule
+    order = sorted(range(16), key=lambda i: -int(times[i]))
+    ours = [[] for _ in range(4)]
+    for p, i in enumerate(order):
+        ours[p % 4 if (p // 4) % 2 == 0 else 3 - p % 4].append(i)
+    assert [sorted(g) for g in ours] == groups
+    assert naive_ptrr_times([5, 11, 3, 13], 4) == ptrr_process_times(np.array([5, 11, 3, 13]), 4).tolist()
+    del lens
+
+
+def test_ptrr_equals_torch_load_balancer():
+    torch = pytest.importorskip("torch")
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _PTRRLoadBalancer
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    lens, cp = [300, 1000, 50, 700, 2046], 4  # 4096 tokens = 32 blocks of 128, 8 per rank
+    doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+
+    def document_causal(b, h, q, k):
+        return (doc[q] == doc[k]) & (k <= q)
+
+    mask = create_block_mask(document_causal, 1, 1, sum(lens), sum(lens), device="cpu")
+    indices = _PTRRLoadBalancer(mask, cp)._generate_indices()[0].numpy()
+    per_rank = sum(lens) // cp
+    plan = plan_sequence("ptrr", lens, cp)
+    starts = np.r_[0, np.cumsum(lens)]
+    for rank in range(cp):
+        ours = sorted(t for d, s, n, r in as_tuples(plan) if r == rank
+                      for t in range(starts[d] + s, starts[d] + s + n))
+        assert ours == sorted(indices[rank * per_rank:(rank + 1) * per_rank].tolist())
+
+
+# --- the objective
+
+
+def test_objective_equals_bench_projection():
+    profile = load_profile()
+    rng = np.random.default_rng(5)
+    for _ in range(25):
+        lens = rng.integers(1, 30000, rng.integers(1, 25))
+        cp = int(rng.integers(1, 17))
+        for name in ("flashcp", "flashcp+", "llama3", "perdoc", "magi"):
+            plan = plan_sequence(name, lens, cp)
+            expected = project_step(plan, SHAPE, profile, "auto", True).total
+            assert plan_step_seconds(plan, MODEL) == pytest.approx(expected, rel=1e-12)
+
+
+# --- flashcp2
+
+
+@examples(40)
+@given(case=sequences(max_docs=10, max_len=3000), effort=st.sampled_from([0, 1]))
+def test_flashcp2_kernel_equals_reference(case, effort):
+    lens, cp = case
+    got = plan_sequence("flashcp2", lens, cp, effort=effort)
+    assert as_tuples(got) == naive_flashcp2(lens, cp, bench_step_time(cp), effort=effort)
+
+
+@examples(12)
+@given(case=sequences(max_docs=10, max_len=800), chunk=st.sampled_from([16, 64]),
+       tolerance=st.sampled_from([0.01, 0.1]))
+def test_affinity_equals_reference(case, chunk, tolerance):
+    lens, cp = case
+    got = _search.affinity_kernel(np.asarray(lens, np.int64), cp, chunk, tolerance)
+    assert list(zip(*(a.tolist() for a in got))) == naive_affinity(lens, cp, chunk, tolerance)
+
+
+@pytest.mark.parametrize("dist", ["wlb", "prolong"])
+def test_flashcp2_never_slower_than_flashcp_plus(dist):
+    from flashcp.data.synth import load_distribution, pack_lengths
+
+    offsets, lens, _, _, _ = pack_lengths(load_distribution(dist), np.random.default_rng(3), 12, 131072)
+    for cp in (4, 16):
+        for i in range(offsets.size - 1):
+            doc_lens = lens[offsets[i]:offsets[i + 1]]
+            plus = plan_sequence("flashcp+", doc_lens, cp)
+            ours = plan_sequence("flashcp2", doc_lens, cp)
+            ours.validate(doc_lens)
+            assert plan_step_seconds(ours, MODEL) <= plan_step_seconds(plus, MODEL)
+            assert ours.metrics().imbalance <= max(1.01, plus.metrics().imbalance)
+
+
+@examples(60)
+@given(case=sequences(max_docs=16, max_len=20000))
+def test_flashcp2_never_slower_than_flashcp_plus_on_random_sequences(case):
+    lens, cp = case
+    plus = plan_sequence("flashcp+", lens, cp)
+    ours = plan_sequence("flashcp2", lens, cp)
+    ours.validate(lens)
+    assert plan_step_seconds(ours, MODEL) <= plan_step_seconds(plus, MODEL)
+    assert naive_metrics(as_tuples(ours), cp)[0] <= max(1.01, plus.metrics().imbalance)
+
+
+def test_parameters_are_checked():
+    with pytest.raises(ValueError, match="takes no chunk size"):
+        plan_sequence("flashcp", [4, 6], 2, chunk_size=4)
+    with pytest.raises(ValueError, match="chunk size must be a positive integer"):
+        plan_sequence("magi", [4, 6], 2, chunk_size=0)
+    with pytest.raises(ValueError, match="effort must be"):
+        plan_sequence("flashcp2", [4, 6], 2, effort=-1)
+
+
+def test_plan_cli_records_the_new_parameters(tmp_path):
+    from click.testing import CliRunner
+
+    from flashcp.cli import cli
+
+    def run(*args):
+        return CliRunner().invoke(cli, [str(a) for a in args])
+
+    root = tmp_path / "d"
+    assert run("synth", root, "--dist", "wlb", "--num-seqs", 6, "--context-len", 8192, "--no-tokens",
+               ).exit_code == 0
+    result = run("plan", root, "--cp", 4)
+    assert result.exit_code == 0, result.output
+    meta = json.loads((root / "plans" / "cp4-flashcp2" / "plan.json").read_text())
+    assert meta["params"]["effort"] == 1 and meta["params"]["objective"] == "time"
+    assert run("plan", root, "--cp", 4, "--strategy", "magi", "--chunk-size", 256).exit_code == 0
+    meta = json.loads((root / "plans" / "cp4-magi" / "plan.json").read_text())
+    assert meta["params"] == {"chunk_size": 256}
+    assert run("verify", root).exit_code == 0
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    result = run("plan", root, "--cp", 2, "--profile", bad)
+    assert result.exit_code == 1 and "is not a flashcp hardware profile" in result.output
+    result = run("plan", root, "--cp", 2, "--strategy", "llama3", "--chunk-size", 64)
+    assert result.exit_code == 1 and "takes no chunk size" in result.output
