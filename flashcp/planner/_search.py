@@ -228,8 +228,10 @@ def flashcp2_kernel(lens, cp, target, effort, model):
             doc, start, length, rank = llama3_kernel(lens, cp)
         else:
             doc, start, length, rank = magi_kernel(lens, cp, PORTFOLIO_CHUNKS[c - num - 3])
+        if _imbalance(start, length, rank, cp) > limit:  # cheap test first
+            continue
         t = step_seconds(doc, start, length, rank, cp, model)
-        if t < best_time and _imbalance(start, length, rank, cp) <= limit:
+        if t < best_time:
             best_doc, best_start, best_len, best_rank, best_time = doc, start, length, rank, t
     if effort > 0:
         start = best_start.copy()
