@@ -41,23 +41,24 @@ def summary_table(title: str, rows: dict[str, dict]) -> Table:
               help="flashcp2: what the search minimises (time = projected step time) [default: time].")
 @click.option("--profile", type=click.Path(dir_okay=False), default=None,
               help="flashcp2: hardware profile JSON for the objective [default: the bench's H100 profile].")
-@click.option("--effort", type=click.IntRange(min=0), default=None,
+@click.option("--effort", default=None,
               help="flashcp2: local-search budget per sequence, 48 objective evaluations per unit "
-                   "[default: 1; 0 = portfolio only].")
+                   "[default: 1; 0 = a smaller portfolio, no search]; 'ilp' or 'ilp:SECONDS' then polishes "
+                   "every sequence with CP-SAT (10 s each by default).")
 @click.option("--chunk-size", type=click.IntRange(min=1), default=None,
               help="magi, ptrr: chunk tokens [default: 512 for magi, 128 for ptrr].")
 @click.option("--workers", type=int, default=1, show_default=True, help="Worker processes.")
 @click.option("--name", default=None, help="Plan folder name [default: cp{N}-{strategy}].")
 @click.option("--force", is_flag=True, help="Replace an existing plan of the same name.")
 def command(data: str, cp: int, strategy: str, target_imbalance: float | None, objective: str | None,
-            profile: str | None, effort: int | None, chunk_size: int | None, workers: int, name: str | None,
+            profile: str | None, effort: str | None, chunk_size: int | None, workers: int, name: str | None,
             force: bool) -> None:
     """Plan every sequence of DATA for CP size N; every plan is validated before it is written."""
     started = time.perf_counter()
     dataset = Dataset(data)
     with progress(f"planning cp{cp} {strategy}", dataset.num_sequences) as advance:
         overrides = {"objective": objective, "profile": str(Path(profile).resolve()) if profile else None,
-                     "effort": effort, "chunk_size": chunk_size}
+                     "effort": int(effort) if effort and effort.isdigit() else effort, "chunk_size": chunk_size}
         meta = plan_dataset(data, cp, strategy, target_imbalance=target_imbalance, workers=workers,
                             force=force, name=name, progress=advance,
                             overrides={k: v for k, v in overrides.items() if v is not None})

@@ -110,14 +110,15 @@ def local_search(doc, start, length, rank, cp, model, target, budget):
                         _shift(a_l, a_r, d_i, start, length)
                         _shift(b_l, b_r, d_j, start, length)
                         used += 1
-                        got = step_seconds(doc, start, length, rank, cp, model)
-                        if got < best and _imbalance(start, length, rank, cp) <= target:
-                            now = _exact_need_received(doc, start, length, rank, cp).max()
-                            if now <= received:
-                                best = got
-                                received = now
-                                improved = True
-                                break
+                        if _imbalance(start, length, rank, cp) <= target:
+                            got = step_seconds(doc, start, length, rank, cp, model)
+                            if got < best:
+                                now = _exact_need_received(doc, start, length, rank, cp).max()
+                                if now <= received:
+                                    best = got
+                                    received = now
+                                    improved = True
+                                    break
                         _shift(b_l, b_r, -d_j, start, length)
                         _shift(a_l, a_r, -d_i, start, length)
     return best, used

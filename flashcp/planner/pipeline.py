@@ -28,6 +28,7 @@ from flashcp.errors import FlashcpError, PlanError
 from flashcp.planner import _batch, _search
 from flashcp.planner.cost import comm_saving, exact_need_saving
 from flashcp.planner.plan import SequencePlan
+from flashcp.planner.polish import parse_effort, polish_plan
 from flashcp.planner.store import (
     PLAN_JSON,
     PLANS_DIR,
@@ -122,8 +123,12 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
     row_offsets = np.ascontiguousarray(row_offsets, dtype=np.int64)
     doc_lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
     if chosen.code >= _search.MAGI:  # magi, ptrr, flashcp2
-        offsets, doc, start, length, rank = _search.plan_batch(row_offsets, doc_lens, cp, chosen.code,
-                                                               *kernel_args(chosen, params))
+        args = kernel_args(chosen, params)
+        offsets, doc, start, length, rank = _search.plan_batch(row_offsets, doc_lens, cp, chosen.code, *args)
+        ilp_seconds = parse_effort(params["effort"])[1] if "effort" in params else None
+        if ilp_seconds is not None:
+            offsets, doc, start, length, rank = _polish_rows(row_offsets, doc_lens, cp, args[-1], ilp_seconds,
+                                                             offsets, doc, start, length, rank)
     else:
         target = float(params.get("target_imbalance", 1.0))
         offsets, doc, start, length, rank = _batch.plan_batch(row_offsets, doc_lens, cp, chosen.code, target)
@@ -134,6 +139,21 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
         raise PlanError(f"the {chosen.name} plan of {where}, row {bad}, {_ERROR_TEXT[int(errors[bad])]}")
     return PlannedRows(shard_offsets=offsets, shard_doc=doc, shard_start=start, shard_len=length,
                        shard_rank=rank, imbalance=imbalance, ag_comm_tokens=ag, a2a_comm_tokens=a2a)
+
+
+def _polish_rows(row_offsets, doc_lens, cp, model, seconds, offsets, doc, start, length, rank):
+    """``--effort ilp``: every row's plan polished with CP-SAT (``flashcp.planner.polish``)."""
+    parts = []
+    for i in range(row_offsets.size - 1):
+        lo, hi = offsets[i], offsets[i + 1]
+        plan = SequencePlan(shard_doc=doc[lo:hi], shard_start=start[lo:hi], shard_len=length[lo:hi],
+                            shard_rank=rank[lo:hi], cp=cp)
+        parts.append(polish_plan(doc_lens[row_offsets[i]:row_offsets[i + 1]], plan, model, seconds))
+    new_offsets = np.zeros(len(parts) + 1, np.int64)
+    new_offsets[1:] = np.cumsum([p.num_shards for p in parts])
+    flat = [np.ascontiguousarray(np.concatenate([getattr(p, name) for p in parts]), dtype=np.int64)
+            for name in ("shard_doc", "shard_start", "shard_len", "shard_rank")]
+    return (new_offsets, *flat)
 
 
 def strategy_metrics(sequences: Sequence[np.ndarray], cp: int, strategy: str,

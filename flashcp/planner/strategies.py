@@ -209,8 +209,10 @@ def resolve_params(strategy: Strategy, target_imbalance: float | None = None, **
         params[key] = value
     if "chunk_size" in params and not (isinstance(params["chunk_size"], int) and params["chunk_size"] >= 1):
         raise ValueError(f"chunk size must be a positive integer, got {params['chunk_size']}")
-    if "effort" in params and not (isinstance(params["effort"], int) and params["effort"] >= 0):
-        raise ValueError(f"effort must be a non-negative integer, got {params['effort']}")
+    if "effort" in params:
+        from flashcp.planner.polish import parse_effort
+
+        parse_effort(params["effort"])
     if "objective" in params and params["objective"] not in OBJECTIVES:
         raise ValueError(f"unknown objective '{params['objective']}': choose one of {', '.join(OBJECTIVES)}")
     return params
@@ -228,8 +230,10 @@ def objective_model(params: dict) -> np.ndarray:
 def kernel_args(strategy: Strategy, params: dict) -> tuple:
     """``(target, chunk, effort, model)`` for ``_search.plan_batch`` (codes MAGI, PTRR, FLASHCP2)."""
     model = objective_model(params) if strategy.code == _search.FLASHCP2 else np.zeros(1, np.float64)
+    from flashcp.planner.polish import parse_effort
+
     return (float(params.get("target_imbalance", 1.0)), int(params.get("chunk_size", 1)),
-            int(params.get("effort", 0)), model)
+            parse_effort(params.get("effort", 0))[0], model)
 
 
 def check_shape(context_len: int, cp: int) -> None:
