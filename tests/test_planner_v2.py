@@ -210,3 +210,24 @@ def test_plan_cli_records_the_new_parameters(tmp_path):
     assert result.exit_code == 1 and "is not a flashcp hardware profile" in result.output
     result = run("plan", root, "--cp", 2, "--strategy", "llama3", "--chunk-size", 64)
     assert result.exit_code == 1 and "takes no chunk size" in result.output
+
+
+def test_effort_values():
+    from flashcp.planner.polish import DEFAULT_ILP_SECONDS, parse_effort
+
+    assert parse_effort(0) == (0, None) and parse_effort("3") == (3, None)
+    assert parse_effort("ilp") == (1, DEFAULT_ILP_SECONDS) and parse_effort("ilp:2.5") == (1, 2.5)
+    for bad in (-1, "ilp:0", "ilp:x", "fast", True):
+        with pytest.raises(ValueError, match="effort must be"):
+            parse_effort(bad)
+
+
+def test_ilp_polish_is_never_slower():
+    from flashcp.planner.polish import polish_plan
+
+    lens = [3000, 2500, 1800, 900, 700, 400, 300, 200, 100, 92]
+    plan = plan_sequence("flashcp2", lens, 4)
+    polished = polish_plan(lens, plan, MODEL, 2.0)
+    polished.validate(lens)
+    assert plan_step_seconds(polished, MODEL) <= plan_step_seconds(plan, MODEL)
+    assert polished.metrics().imbalance <= plan.metrics().imbalance * (1 + 1e-12)
