@@ -523,18 +523,14 @@ def naive_block_optimum(doc_lens: list[int], cp: int, granularity: int, *, comm_
 
 
 def _naive_span_pieces(doc_lens: list[int], pos: int, end: int) -> list[tuple[int, int, int]]:
-    """(doc, start, len) pieces of sequence span [pos, end), cut at document bounds, one token at a time."""
-    pieces: list[list[int]] = []
-    for t in range(pos, end):
-        doc, before = 0, 0
-        while before + doc_lens[doc] <= t:
-            before += doc_lens[doc]
-            doc += 1
-        if pieces and pieces[-1][0] == doc:
-            pieces[-1][2] += 1
-        else:
-            pieces.append([doc, t - before, 1])
-    return [tuple(p) for p in pieces]  # type: ignore[misc]
+    """(doc, start, len) pieces of sequence span [pos, end): its overlap with every document, in order."""
+    pieces, first = [], 0
+    for doc, n in enumerate(doc_lens):
+        lo, hi = max(pos, first), min(end, first + n)
+        if lo < hi:
+            pieces.append((doc, lo - first, hi - lo))
+        first += n
+    return pieces
 
 
 def _naive_place(doc_lens, pos, end, rank, quotas, tokens, load, weight, pieces):
@@ -575,19 +571,16 @@ def naive_magi(doc_lens: list[int], cp: int, chunk: int = 512) -> list[tuple[int
 
 
 def naive_ptrr_times(doc_lens: list[int], chunk: int) -> list[int]:
-    """Key blocks each query block reads under the document-causal mask, counted block pair by block pair."""
+    """Key blocks each query block reads under the document-causal mask: query q reads keys from its
+    document's first token to q, so block i reads the union of those keys' blocks over its queries."""
     context_len = sum(doc_lens)
-    doc_of = [d for d, n in enumerate(doc_lens) for _ in range(n)]
-    blocks = range(0, (context_len + chunk - 1) // chunk)
+    doc_start = [sum(doc_lens[:d]) for d, n in enumerate(doc_lens) for _ in range(n)]
     times = []
-    for i in blocks:
-        queries = range(i * chunk, min(context_len, (i + 1) * chunk))
-        read = 0
-        for j in range(i + 1):
-            keys = range(j * chunk, min(context_len, (j + 1) * chunk))
-            if any(doc_of[k] == doc_of[q] and k <= q for q in queries for k in keys):
-                read += 1
-        times.append(read)
+    for i in range((context_len + chunk - 1) // chunk):
+        read = set()
+        for q in range(i * chunk, min(context_len, (i + 1) * chunk)):
+            read.update(range(doc_start[q] // chunk, q // chunk + 1))
+        times.append(len(read))
     return times
 
 
@@ -706,11 +699,29 @@ def naive_local_search(shards: list[tuple[int, int, int, int]], cp: int, step_ti
     return [tuple(s) for s in shards]  # type: ignore[misc]
 
 
-def naive_flashcp2(doc_lens: list[int], cp: int, step_time, target: float = 1.01,
+def naive_step_time(cp: int):
+    """The step time as ``flashcp bench`` computes it (numpy projection: default profile, H = H_kv = 32,
+    D = 128, auto comm, overlap), for plans given as (doc, start, len, rank) shards."""
+    from flashcp.bench.profile import load_profile
+    from flashcp.bench.projection import ModelShape, project_step
+    from flashcp.planner.plan import SequencePlan
+
+    profile = load_profile()
+    shape = ModelShape(num_heads=32, num_kv_heads=32, head_dim=128)
+
+    def step_time(shards):
+        plan = SequencePlan.from_arrays(*zip(*shards), cp=cp)
+        return project_step(plan, shape, profile, "auto", True).total
+
+    return step_time
+
+
+def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float = 1.01,
                    effort: int = 1) -> list[tuple[int, int, int, int]]:
     """flashcp2 from the references: flashcp+ first, then the portfolio in the kernel's order; a candidate
-    wins when it is strictly faster under ``step_time`` and within max(target, flashcp+'s imbalance);
-    then the local search with 48 evaluations per unit of effort."""
+    wins when it is strictly faster under ``step_time`` (default ``naive_step_time``) and within
+    max(target, flashcp+'s imbalance); then the local search with 48 evaluations per unit of effort."""
+    step_time = step_time or naive_step_time(cp)
     best = naive_flashcp_plus(doc_lens, cp, target)
     best_time = step_time(best)
     limit = max(target, naive_metrics(best, cp)[0])

@@ -43,17 +43,6 @@ def as_tuples(plan: SequencePlan):
                     plan.shard_rank.tolist()))
 
 
-def bench_step_time(cp):
-    """The step time as flashcp bench computes it (numpy), for plans given as shard tuples."""
-    profile = load_profile()
-
-    def step_time(shards):
-        plan = SequencePlan.from_arrays(*zip(*shards), cp=cp)
-        return project_step(plan, SHAPE, profile, "auto", True).total
-
-    return step_time
-
-
 # --- magi and ptrr
 
 
@@ -138,7 +127,7 @@ def test_objective_equals_bench_projection():
 def test_flashcp2_kernel_equals_reference(case, effort):
     lens, cp = case
     got = plan_sequence("flashcp2", lens, cp, effort=effort)
-    assert as_tuples(got) == naive_flashcp2(lens, cp, bench_step_time(cp), effort=effort)
+    assert as_tuples(got) == naive_flashcp2(lens, cp, effort=effort)
 
 
 @examples(12)
@@ -231,3 +220,23 @@ def test_ilp_polish_is_never_slower():
     polished.validate(lens)
     assert plan_step_seconds(polished, MODEL) <= plan_step_seconds(plan, MODEL)
     assert polished.metrics().imbalance <= plan.metrics().imbalance * (1 + 1e-12)
+
+
+def test_local_search_equals_reference_and_moves():
+    from tests.naive import naive_local_search, naive_step_time
+
+    rng = np.random.default_rng(7)
+    moved = 0
+    for _ in range(4):
+        lens = [int(x) for x in rng.integers(1, 12000, rng.integers(3, 15))]
+        cp = int(rng.integers(2, 9))
+        start_plan = plan_sequence("flashcp+", lens, cp)
+        arrays = [a.copy() for a in (start_plan.shard_doc, start_plan.shard_start, start_plan.shard_len,
+                                     start_plan.shard_rank)]
+        _search.local_search(*arrays, cp, MODEL, 1.05, 48)
+        got = list(zip(*(a.tolist() for a in arrays)))
+        expected = naive_local_search(as_tuples(start_plan), cp, naive_step_time(cp), 1.05, 48)
+        assert got == expected
+        moved += got != as_tuples(start_plan)
+        SequencePlan.from_arrays(*arrays, cp=cp).validate(lens)
+    assert moved > 0, "the search found no move to check"
