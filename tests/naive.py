@@ -725,11 +725,11 @@ def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float =
     best = naive_flashcp_plus(doc_lens, cp, target)
     best_time = step_time(best)
     limit = max(target, naive_metrics(best, cp)[0])
-    affinity = [(1024, 0.01), (1024, 0.03), (512, 0.01), (1024, 0.1), (2048, 0.01), (2048, 0.03)]
-    candidates = [lambda c=c, t=t: naive_affinity(doc_lens, cp, c, t) for c, t in affinity[:6 if effort else 2]]
-    candidates.append(lambda: naive_magi(doc_lens, cp, 1024))
+    affinity = [(2048, 0.03), (1024, 0.1), (1024, 0.01), (512, 0.01), (1024, 0.03), (2048, 0.01)]
+    candidates = [lambda c=c, t=t: naive_affinity(doc_lens, cp, c, t) for c, t in affinity[:6 if effort else 3]]
+    candidates.append(lambda: naive_flashcp(doc_lens, cp, 1.05))
     if effort:
-        candidates += [lambda: naive_flashcp(doc_lens, cp, 1.05), lambda: naive_llama3(doc_lens, cp),
+        candidates += [lambda: naive_magi(doc_lens, cp, 1024), lambda: naive_llama3(doc_lens, cp),
                        lambda: naive_magi(doc_lens, cp, 512), lambda: naive_magi(doc_lens, cp, 2048)]
     for make in candidates:
         plan = make()
@@ -737,5 +737,5 @@ def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float =
         if t < best_time and naive_metrics(plan, cp)[0] <= limit:
             best, best_time = plan, t
     if effort:
-        best = naive_finish(naive_local_search(best, cp, step_time, limit, 48 * effort))
+        best = naive_finish(naive_local_search(best, cp, step_time, limit, 16 * effort))
     return best

@@ -42,7 +42,7 @@ def summary_table(title: str, rows: dict[str, dict]) -> Table:
 @click.option("--profile", type=click.Path(dir_okay=False), default=None,
               help="flashcp2: hardware profile JSON for the objective [default: the bench's H100 profile].")
 @click.option("--effort", default=None,
-              help="flashcp2: local-search budget per sequence, 48 objective evaluations per unit "
+              help="flashcp2: local-search budget per sequence, 16 objective evaluations per unit "
                    "[default: 1; 0 = a smaller portfolio, no search]; 'ilp' or 'ilp:SECONDS' then polishes "
                    "every sequence with CP-SAT (10 s each by default).")
 @click.option("--chunk-size", type=click.IntRange(min=1), default=None,

@@ -21,11 +21,11 @@ MAGI, PTRR, FLASHCP2 = 5, 6, 7
 """Strategy codes this module plans (registry ``Strategy.code``)."""
 PORTFOLIO_CHUNKS = (512, 2048)
 """Chunk sizes of the chunked-assignment (``magi``) candidates besides 1024 (which effort 0 tries too)."""
-AFFINITY = ((1024, 0.01), (1024, 0.03), (512, 0.01), (1024, 0.1), (2048, 0.01), (2048, 0.03))
-"""The constructive candidates ``(chunk, tolerance)`` of ``affinity_kernel``; effort 0 tries the first two."""
-FAST = 2
+AFFINITY = ((2048, 0.03), (1024, 0.1), (1024, 0.01), (512, 0.01), (1024, 0.03), (2048, 0.01))
+"""The constructive candidates ``(chunk, tolerance)`` of ``affinity_kernel``, the most often best first."""
+FAST = 3
 """Affinity candidates at effort 0."""
-EVALS_PER_EFFORT = 48
+EVALS_PER_EFFORT = 16
 """Objective evaluations of the local search per unit of ``effort``."""
 STEPS = (1024, 256, 64, 16)
 """Boundary shifts the local search tries, largest first."""
@@ -222,9 +222,9 @@ def flashcp2_kernel(lens, cp, target, effort, model):
         if c < num:
             doc, start, length, rank = affinity_kernel(lens, cp, AFFINITY[c][0], AFFINITY[c][1])
         elif c == num:
-            doc, start, length, rank = magi_kernel(lens, cp, 1024)
-        elif c == num + 1:
             doc, start, length, rank = flashcp_kernel(lens, cp, 1.05)
+        elif c == num + 1:
+            doc, start, length, rank = magi_kernel(lens, cp, 1024)
         elif c == num + 2:
             doc, start, length, rank = llama3_kernel(lens, cp)
         else:

@@ -112,12 +112,17 @@ def model_vector(profile, shape: ObjectiveShape, *, with_tokens: bool = False) -
 
 
 @njit(cache=True)
-def _curve_one(length, knots, values, peak):
-    x = math.log(max(length, 1.0))
+def _curve_at(x, knots, values, peak):
+    """The curve at ``x = log(max(length, 1))``."""
     y = np.interp(x, knots, values)
     if knots.shape[0] > 1 and x < knots[0]:
         y = values[0] + (values[1] - values[0]) / (knots[1] - knots[0]) * (x - knots[0])
     return min(math.exp(y), peak)
+
+
+@njit(cache=True)
+def _curve_one(length, knots, values, peak):
+    return _curve_at(math.log(max(length, 1.0)), knots, values, peak)
 
 
 @njit(cache=True)
@@ -151,7 +156,12 @@ def pair_seconds(pairs, eq_len, heads, head_dim, backward, knots, values, peak):
 
 
 @njit(cache=True)
-def _shard_seconds(start, length, model, backward, knots, values):
+def _shard_seconds_both(start, length, model, knots, fwd_curve, bwd_curve):
+    """Projected forward and backward kernel time of one shard (no call overhead), seconds.
+
+    Its query count is rounded up to whole tiles; it runs at the curve's throughput for its equivalent
+    length (``sqrt(2 W)`` when the kernel skips the masked triangle, else ``sqrt(W)`` of the rectangle).
+    """
     tile = model[_TILE]
     padded = math.ceil(max(float(length), 1.0) / tile) * tile
     if model[_SKIP] > 0:
@@ -160,8 +170,13 @@ def _shard_seconds(start, length, model, backward, knots, values):
     else:
         pairs = padded * (start + padded)
         eq_len = math.sqrt(pairs)
-    return _pair_seconds_one(pairs, eq_len, model[_H], model[_D], backward, knots, values, model[_PEAK]) \
-        + model[_SEQ] * 1e-6
+    if pairs <= 0:
+        return model[_SEQ] * 1e-6, model[_SEQ] * 1e-6
+    x = math.log(max(eq_len, 1.0))
+    flops = 4.0 * pairs * model[_H] * model[_D]
+    out_f = flops / (_curve_at(x, knots, fwd_curve, model[_PEAK]) * 1e12) + model[_SEQ] * 1e-6
+    out_b = flops * BWD_FLOPS / (_curve_at(x, knots, bwd_curve, model[_PEAK]) * 1e12) + model[_SEQ] * 1e-6
+    return out_f, out_b
 
 
 @njit(cache=True)
@@ -217,8 +232,9 @@ def step_seconds(doc, start, length, rank, cp, model):
     for i in range(num_shards):
         part = 0 if rank[i] == first_rank[doc[i]] and start[i] + length[i] <= switch[doc[i]] else 1
         r = rank[i]
-        kern_f[part, r] += _shard_seconds(start[i], length[i], model, False, knots, fwd_curve)
-        kern_b[part, r] += _shard_seconds(start[i], length[i], model, True, knots, bwd_curve)
+        fwd, bwd = _shard_seconds_both(start[i], length[i], model, knots, fwd_curve, bwd_curve)
+        kern_f[part, r] += fwd
+        kern_b[part, r] += bwd
         rows[part, r] += length[i]
         keys[part, r] += start[i] + length[i]
         busy[part, r] = 1.0
