@@ -1,0 +1,171 @@
+"""Data parallel x context parallel on a 2-D DeviceMesh of 4 gloo ranks equals one process on the global batch.
+
+One spawn of 4 ranks builds three meshes, DP 2 x CP 2, DP 1 x CP 4 and DP 4 x CP 1, and on each trains, for
+the ``flashcp+`` and ``llama3`` plans, the tiny model and a stock transformers Llama, with FSDP2
+(``fully_shard`` over the flattened mesh) and with replicated weights plus an all-reduce: three AdamW steps
+in float64 must give the losses and parameters of three single-process steps on the same global batches
+(the next ``dp`` sequences of the stream each step; the loss is the global batch's token-mean), to 1e-10.
+Six sequences make the DP 4 run straddle an epoch's end. The same spawn checks the DCP checkpoint's exact
+resume and the refusals of a mesh that does not fit the plan.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashcp.errors import FlashcpError
+from flashcp.models.tiny import TinyConfig, TinyDecoder
+from flashcp.planner.strategies import plan_sequence
+from flashcp.runtime import CPLoader
+from flashcp.train import fold_vocab, train_step
+from flashcp.train.parallel import SHARDING_MODES, ParallelGroups, build_mesh, full_parameters, shard_model
+from flashcp.train.step import tiny_loss_sum
+from tests.dist import spawn
+from tests.naive import naive_document_attention, naive_sequence_views
+from tests.plans import write_dataset, write_plan
+
+HAS_HF = importlib.util.find_spec("transformers") is not None
+CONTEXT, NUM_SEQS, STEPS = 64, 6, 3
+VOCAB, DIM, LAYERS, HEADS, KV_HEADS = 32, 16, 2, 4, 2
+LR, SEED, TOL = 1e-2, 5, 1e-10
+MESHES = ((2, 2), (1, 4), (4, 1))
+STRATEGIES = ("flashcp+", "llama3")
+MODELS = ("tiny", "llama") if HAS_HF else ("tiny",)
+COMMS = ("allgather", "a2a", "full")
+
+
+def make_model(kind: str, cp: bool) -> torch.nn.Module:
+    torch.manual_seed(SEED)
+    if kind == "tiny":
+        cfg = TinyConfig(vocab_size=VOCAB, dim=DIM, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                         ffn_dim=2 * DIM)
+        return TinyDecoder(cfg).double()
+    from flashcp.integrations.hf import tiny_hf_model
+
+    return tiny_hf_model(kind, vocab_size=VOCAB, dim=DIM, num_layers=LAYERS, num_heads=HEADS,
+                         num_kv_heads=KV_HEADS, ffn_dim=2 * DIM, dtype=torch.float64,
+                         attn_implementation="cp_attention" if cp else "sdpa")
+
+
+def global_batch_training(kind: str, sequences, dp: int) -> tuple[list[float], dict]:
+    """Single-process AdamW steps, step s on the stream's sequences [s*dp, (s+1)*dp) (file order, epoch after
+    epoch); loss = summed token losses of the global batch / its label tokens. Returns losses, parameters."""
+    model = make_model(kind, cp=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        total, labels_total = 0, 0
+        for g in range(step * dp, (step + 1) * dp):
+            tokens, doc_lens = sequences[g % len(sequences)]
+            ids, positions, labels = naive_sequence_views(tokens, doc_lens, VOCAB)
+            if kind == "tiny":
+                logits = model(ids, positions, lambda q, k, v, d=doc_lens: naive_document_attention(q, k, v, d))
+            else:  # stock sdpa masks documents from position ids that restart at 0
+                logits = model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0]
+            total = total + F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+            labels_total += int((labels != -100).sum())
+        loss = total / labels_total
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mesh") / "data"
+    rng = np.random.default_rng(21)
+    rows = []
+    for _ in range(NUM_SEQS):
+        cuts = np.sort(rng.choice(np.arange(1, CONTEXT), size=int(rng.integers(1, 6)), replace=False))
+        rows.append(np.diff(np.r_[0, cuts, CONTEXT]))
+    rows[2] = np.array([CONTEXT])  # one document over every rank
+    dataset, tokens = write_dataset(root, [rows], CONTEXT, rng, row_group_rows=4)
+    for cp in sorted({cp for _, cp in MESHES} | {2}):
+        for strategy in STRATEGIES:
+            write_plan(dataset, f"cp{cp}-{strategy}", [[plan_sequence(strategy, lens, cp) for lens in rows]], cp)
+    sequences = list(zip(tokens[0], rows))
+    references = {(dp, kind): global_batch_training(kind, sequences, dp)
+                  for dp in sorted({dp for dp, _ in MESHES}) for kind in MODELS}
+    return str(root), references
+
+
+def _cases():
+    cases = [(strategy, kind, mode) for strategy in STRATEGIES for kind in MODELS for mode in SHARDING_MODES]
+    return [(*case, COMMS[i % len(COMMS)]) for i, case in enumerate(cases)]
+
+
+def _train(root, groups, mesh, strategy, kind, mode, comm, steps, model=None, optimizer=None, loader=None):
+    if model is None:
+        model = shard_model(make_model(kind, cp=True), groups, mode)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        loader = CPLoader.from_mesh(root, f"cp{groups.cp_size}-{strategy}", mesh, shuffle=False)
+    if kind == "tiny":
+        loss_sum_fn = tiny_loss_sum
+    else:
+        from flashcp.integrations.hf import hf_loss_sum as loss_sum_fn
+    losses = []
+    batches = iter(())
+    while len(losses) < steps:
+        batch = next(batches, None)
+        if batch is None:
+            batches = iter(loader)
+            continue
+        losses.append(train_step(model, optimizer, fold_vocab(batch, VOCAB), loss_sum_fn, groups=groups,
+                                 comm=comm).loss)
+    return losses, model, optimizer, loader
+
+
+def _worker(rank, world, root, references, ckpt_dir):
+    failures = []
+    for dp, cp in MESHES:
+        mesh = build_mesh(dp, cp)
+        groups = ParallelGroups.from_mesh(mesh)
+        for strategy, kind, mode, comm in _cases():
+            where = f"dp{dp} x cp{cp} plan={strategy} model={kind} {mode} comm={comm}"
+            ref_losses, ref_params = references[dp, kind]
+            losses, model, _, _ = _train(root, groups, mesh, strategy, kind, mode, comm, STEPS)
+            got = full_parameters(model)
+            loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
+            param_err = max((got[n] - ref).abs().max().item() for n, ref in ref_params.items())
+            if not loss_err < TOL or not param_err < TOL:
+                failures.append(f"{where}: max |loss err| {loss_err:.2e}, max |param err| {param_err:.2e}")
+        if (dp, cp) == (2, 2):
+            failures += _refusals(root, mesh)
+    return failures
+
+
+def _refusals(root, mesh):
+    failures = []
+    cases = [(lambda: CPLoader.from_mesh(root, "cp4-llama3", mesh), "made for cp 4 but the device mesh's 'cp'"),
+             (lambda: CPLoader.from_mesh(root, "cp2-llama3", mesh, dp_dim="data"),
+              "but the loader needs 'data'")]
+    for make, expected in cases:
+        try:
+            make()
+            failures.append(f"a mesh that does not fit was accepted ({expected})")
+        except FlashcpError as e:
+            if expected not in str(e):
+                failures.append(f"refusal says '{e}', expected '{expected}'")
+    return failures
+
+
+def test_dp_x_cp_on_a_mesh_equals_one_process_on_the_global_batch(planned, tmp_path):
+    root, references = planned
+    spawn(_worker, 4, root, references, str(tmp_path))
+
+
+def test_the_global_batches_differ_between_dp_sizes(planned):
+    # the references for dp 1, 2, 4 are different trainings: equal numbers above are not equal by accident
+    _, references = planned
+    for kind in MODELS:
+        finals = [references[dp, kind][1] for dp in (1, 2, 4)]
+        for a, b in ((0, 1), (1, 2)):
+            moved = max((finals[a][n] - finals[b][n]).abs().max().item() for n in finals[a])
+            assert moved > 1e-4, f"{kind}: dp sizes {a} and {b} trained the same parameters"
