@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from flashcp.planner.strategies import plan_sequence
-from flashcp.runtime import CPAttnMeta, cp_attention
+from flashcp.runtime import CommStats, CPAttnMeta, cp_attention
 from flashcp.runtime.meta import rank_token_positions
 
 COMMS = ("allgather", "a2a", "full", "ring")
@@ -94,14 +94,17 @@ def _worker(rank: int, cp: int, port: int, context_len: int, seeds: int, queue) 
                 pos = torch.from_numpy(rank_token_positions(plan, doc_lens, rank)[0])
                 for comm in COMMS:
                     inputs = [t[pos].to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
-                    out = cp_attention(*inputs, meta, comm=comm, backend="reference")
+                    stats = CommStats()
+                    out = cp_attention(*inputs, meta, comm=comm, backend="reference", stats=stats)
                     grads = torch.autograd.grad(out, inputs, dout[pos].to(torch.bfloat16))
                     got = [torch.zeros(context_len, *t.shape[1:], dtype=torch.float64) for t in ref]
                     for g, mine in zip(got, (out, *grads)):
                         g[pos] = mine.detach().double()
                         dist.all_reduce(g)  # every rank's slice, disjoint: the sum is the whole sequence
                     errs = [errors(g, r) for g, r in zip(got, ref)]
-                    row = {"cp": cp, "sequence": name, "strategy": strategy, "comm": comm, "seed": seed}
+                    row = {"cp": cp, "sequence": name, "strategy": strategy, "comm": comm, "seed": seed,
+                           "kv_sent_bytes": stats.total("sent_bytes", tensor="kv", direction="forward"),
+                           "dkv_sent_bytes": stats.total("sent_bytes", tensor="dkv")}
                     for t, e, b in zip(("out", "dq", "dk", "dv"), errs, base_err):
                         row[f"{t}_ratio"], row[f"{t}_max_ratio"] = e[0] / b[0], e[1] / b[1]
                     rows.append(row)
@@ -131,8 +134,14 @@ def main(argv=None) -> int:
         mp.start_processes(_worker, args=(cp, free_port(), args.context_len, args.seeds, queue), nprocs=cp,
                            join=True, start_method="spawn")
         rows += queue.get()
+    print_ratios(rows, args)
+    print_bytes(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def print_ratios(rows, args) -> None:
     print(f"bf16 error / plain bf16 SDPA error, mean of {args.seeds} draws, C={args.context_len}, H={HEADS} "
           f"K={KV_HEADS} D={HEAD_DIM}; relative L2 error, then max abs error")
     print(f"{'cp':>2} {'sequence':<10} {'plan':<8} {'comm':<9} {'out':>5} {'dq':>5} {'dk':>5} {'dv':>5} | "
@@ -145,7 +154,17 @@ def main(argv=None) -> int:
         maxes = [np.mean([r[f"{t}_max_ratio"] for r in mine]) for t in ("out", "dq", "dk", "dv")]
         print(f"{key[0]:>2} {key[1]:<10} {key[2]:<8} {key[3]:<9} " + " ".join(f"{m:5.2f}" for m in means)
               + " | " + " ".join(f"{m:5.2f}" for m in maxes))
-    return 0
+
+
+def print_bytes(rows) -> None:
+    """Forward K/V and backward dK/dV bytes rank 0 sent in one layer (perdoc, seed 0)."""
+    print("\nbytes rank 0 sent in one attention layer (perdoc plan): forward K/V, backward dK/dV")
+    print(f"{'cp':>2} {'sequence':<10} {'comm':<9} {'K/V':>9} {'dK/dV':>9} {'ratio':>6}")
+    for r in rows:
+        if r["strategy"] == "perdoc" and r["seed"] == 0:
+            ratio = r["dkv_sent_bytes"] / r["kv_sent_bytes"] if r["kv_sent_bytes"] else float("nan")
+            print(f"{r['cp']:>2} {r['sequence']:<10} {r['comm']:<9} {r['kv_sent_bytes']:>9} "
+                  f"{r['dkv_sent_bytes']:>9} {ratio:6.2f}")
 
 
 if __name__ == "__main__":

@@ -145,12 +145,12 @@ def _worker(rank, world, root, references, ckpt_dir):
 
 
 def _resume_checks(root, ckpt_dir):
-    """The loop on DP 2 x CP 2 with FSDP2: stop after step 2 (a DCP folder), resume to step 4; steps 3 and 4
+    """The loop on DP 2 x CP 2 with FSDP2 in float32: stop after step 2 (a DCP folder), resume to step 4; steps 3 and 4
     equal the uninterrupted run's bit for bit, and so does the saved loader state."""
     import json
 
     failures = []
-    base = dict(data=root, plan="cp2-flashcp+", model="tiny", dtype="float64", vocab_size=VOCAB, dim=DIM,
+    base = dict(data=root, plan="cp2-flashcp+", model="tiny", dtype="float32", vocab_size=VOCAB, dim=DIM,
                 num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, lr=LR, seed=3, dp=2,
                 sharding="fsdp", comm="a2a")
     full_ckpt, part_ckpt = f"{ckpt_dir}/full", f"{ckpt_dir}/part"

@@ -175,8 +175,8 @@ def load_sharded_checkpoint(path: str | Path, *, model: nn.Module, optimizer: to
                            f"{CHECKPOINT_FORMAT}")
     _check_config(path, meta.get("config", {}), config)
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=str(path), process_group=group)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(path), process_group=group)  # fills the tensors of ``state`` in place
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     loader.load_state_dict(meta["loader"])
     return int(meta["step"])

@@ -226,7 +226,8 @@ def run_training(options: TrainOptions, *, group=None, device: torch.device | st
     device = torch.device(device)
     rank, world = group_rank(group), group_size(group)
     log = log if rank == 0 else None
-    error, run, groups = None, None, None
+    error: Exception | None = None
+    run, groups = None, None
     on_mesh = options.dp > 1 or options.sharding == "fsdp"
     if on_mesh and not (dist.is_available() and dist.is_initialized()):
         error = FlashcpError(f"--dp {options.dp} with --sharding {options.sharding} needs a process group; "

@@ -111,6 +111,8 @@ def shard_model(model: nn.Module, groups: ParallelGroups, mode: str) -> nn.Modul
         fully_shard(module, mesh=groups.flat_mesh)
     for module in sharded:  # the factor belongs to each module's own parameter group, not to its children
         module.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+        # plain SUM collectives: a custom factor would otherwise become NCCL's PREMUL_SUM, which gloo lacks
+        module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
     return model
 
 
