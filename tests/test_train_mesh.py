@@ -140,6 +140,8 @@ def _worker(rank, world, root, references, ckpt_dir):
                 failures.append(f"{where}: max |loss err| {loss_err:.2e}, max |param err| {param_err:.2e}")
         if (dp, cp) == (2, 2):
             failures += _refusals(root, mesh)
+        if cp > 1:
+            failures += _bf16_checks(groups, rank)
     failures += _resume_checks(root, ckpt_dir)
     return failures
 
@@ -172,6 +174,50 @@ def _resume_checks(root, ckpt_dir):
     except FlashcpError as e:
         if "was made by a different run: dim 16 (now 32)" not in str(e):
             failures.append(f"resume refusal says '{e}'")
+    return failures
+
+
+def _bf16_checks(groups, rank):
+    """bf16 dK/dV of every comm mode on this mesh's CP groups: relative L2 error at most 1.2x that of plain
+    bf16 SDPA on the whole sequence (partial dK/dV are summed in float32); ``bench/bf16_dkv.py`` measures more.
+    """
+    from flashcp.runtime import CPAttnMeta, cp_attention
+    from flashcp.runtime.meta import rank_token_positions
+
+    failures = []
+    cp, cp_rank = groups.cp_size, rank % groups.cp_size
+    context = 512
+    gen = torch.Generator().manual_seed(0)
+    for name, doc_lens in (("single-doc", np.array([context])),
+                           ("many-doc", np.array([40, 3, 150, 77, 1, 200, 41]))):
+        q, k, v, dout = (torch.randn(context, h, 32, generator=gen, dtype=torch.float64) for h in (4, 2, 2, 4))
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = torch.autograd.grad(naive_document_attention(*ref_in, doc_lens), ref_in, dout)
+        base_in = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+        groups_ = q.shape[1] // k.shape[1]
+        doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.as_tensor(doc_lens))
+        pos = torch.arange(context)
+        keep = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+        base_out = F.scaled_dot_product_attention(
+            base_in[0].transpose(0, 1), base_in[1].repeat_interleave(groups_, 1).transpose(0, 1),
+            base_in[2].repeat_interleave(groups_, 1).transpose(0, 1), attn_mask=keep).transpose(0, 1)
+        base = torch.autograd.grad(base_out, base_in, dout.to(torch.bfloat16))
+        plan = plan_sequence("perdoc", doc_lens, cp)
+        meta = CPAttnMeta.from_plan(plan, doc_lens, cp_rank)
+        mine = torch.from_numpy(rank_token_positions(plan, doc_lens, cp_rank)[0])
+        for comm in ("allgather", "a2a", "full", "ring"):
+            inputs = [t[mine].to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+            out = cp_attention(*inputs, meta, group=groups.cp_group, comm=comm, backend="reference")
+            grads = torch.autograd.grad(out, inputs, dout[mine].to(torch.bfloat16))
+            for label, index in (("dk", 1), ("dv", 2)):
+                full = torch.zeros_like(ref[index])
+                full[mine] = grads[index].double()
+                torch.distributed.all_reduce(full, group=groups.cp_group)  # disjoint slices: the whole tensor
+                err = ((full - ref[index]).norm() / ref[index].norm()).item()
+                base_err = ((base[index].double() - ref[index]).norm() / ref[index].norm()).item()
+                if not err <= 1.2 * base_err:
+                    failures.append(f"bf16 cp{cp} {name} {comm} {label}: relative error {err:.2e} is "
+                                    f"{err / base_err:.2f}x plain bf16 SDPA's {base_err:.2e}")
     return failures
 
 
