@@ -136,6 +136,7 @@ def main(argv=None) -> int:
         rows += queue.get()
     print_ratios(rows, args)
     print_bytes(rows)
+    print_loss_error()
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
@@ -165,6 +166,21 @@ def print_bytes(rows) -> None:
             ratio = r["dkv_sent_bytes"] / r["kv_sent_bytes"] if r["kv_sent_bytes"] else float("nan")
             print(f"{r['cp']:>2} {r['sequence']:<10} {r['comm']:<9} {r['kv_sent_bytes']:>9} "
                   f"{r['dkv_sent_bytes']:>9} {ratio:6.2f}")
+
+
+def print_loss_error(num_tokens: int = 4096, vocab: int = 32000) -> None:
+    """Relative error of a summed next-token loss over bf16 logits: computed in bf16, and the way
+    ``causal_lm_loss_sum`` computes it."""
+    from flashcp.models.tiny import causal_lm_loss_sum
+
+    gen = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(num_tokens, vocab, generator=gen)).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (num_tokens,), generator=gen)
+    ref = F.cross_entropy(logits.double(), labels, reduction="sum").item()
+    in_bf16 = F.cross_entropy(logits, labels, reduction="sum").item()
+    flashcp = causal_lm_loss_sum(logits, labels).item()
+    print(f"\nsummed loss over {num_tokens} tokens, vocabulary {vocab}, bf16 logits: relative error "
+          f"{abs(in_bf16 - ref) / ref:.2e} computed in bf16, {abs(flashcp - ref) / ref:.2e} by causal_lm_loss_sum")
 
 
 if __name__ == "__main__":
