@@ -97,6 +97,10 @@ def test_option_and_setup_refusals(planned):
         options(root, dtype="float16")
     with pytest.raises(FlashcpError, match="plan 'cp2-llama3-like' was made for cp 2 but world_size is 1"):
         run_training(options(root, plan="cp2-llama3-like"))
+    with pytest.raises(FlashcpError, match="--dp 2 with --sharding replicate needs a process group; launch with"):
+        run_training(options(root, dp=2))
+    with pytest.raises(ValueError, match="unknown sharding 'zero3'"):
+        options(root, sharding="zero3")
     with pytest.raises(FlashcpError, match="boom"):
         agree_on_errors(FlashcpError("boom"))
     agree_on_errors(None)

@@ -223,9 +223,16 @@ def _bf16_checks(groups, rank):
 
 def _refusals(root, mesh):
     failures = []
+    options = dict(data=root, model="tiny", dtype="float64", vocab_size=VOCAB, dim=DIM, num_layers=LAYERS,
+                   num_heads=HEADS, num_kv_heads=KV_HEADS, steps=1)
     cases = [(lambda: CPLoader.from_mesh(root, "cp4-llama3", mesh), "made for cp 4 but the device mesh's 'cp'"),
              (lambda: CPLoader.from_mesh(root, "cp2-llama3", mesh, dp_dim="data"),
-              "but the loader needs 'data'")]
+              "but the loader needs 'data'"),
+             (lambda: run_training(TrainOptions(**options, plan="cp2-llama3", dp=3)),
+              "--dp 3 does not divide the 4 ranks launched; launch dp x cp ranks"),
+             (lambda: run_training(TrainOptions(**options, plan="cp4-llama3", dp=2)),
+              "plan 'cp4-llama3' was made for cp 4 but the device mesh's 'cp' dimension has 2 ranks; build the "
+              "mesh with cp 4 or run 'flashcp plan --cp 2'")]
     for make, expected in cases:
         try:
             make()
