@@ -74,10 +74,15 @@ class Batch:
     row: int
     """Row of the sequence in that file."""
 
-    def to(self, device: torch.device | str) -> Batch:
-        """Return this batch with its tensors and attention meta on ``device``."""
-        return replace(self, input_ids=self.input_ids.to(device), position_ids=self.position_ids.to(device),
-                       labels=self.labels.to(device), attn=self.attn.to(device))
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """Return this batch with its tensors and attention meta on ``device``.
+
+        ``non_blocking`` copies the token tensors asynchronously when they are in pinned memory (see
+        ``flashcp.runtime.prefetch``).
+        """
+        return replace(self, input_ids=self.input_ids.to(device, non_blocking=non_blocking),
+                       position_ids=self.position_ids.to(device, non_blocking=non_blocking),
+                       labels=self.labels.to(device, non_blocking=non_blocking), attn=self.attn.to(device))
 
 
 @dataclass(frozen=True, slots=True)

@@ -126,8 +126,8 @@ def save_sharded_checkpoint(path: str | Path, *, step: int, model: nn.Module, op
     path = Path(path)
     staging = path.parent / f".{path.name}.staging"
     rank = group_rank(group)
+    check_sharded_target(path)  # on every rank: none is left waiting for a rank that refused
     if rank == 0:
-        check_sharded_target(path)
         if staging.exists():  # a previous save killed midway: the staging folder is flashcp's own
             shutil.rmtree(staging)
         staging.mkdir(parents=True)

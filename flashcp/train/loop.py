@@ -304,7 +304,7 @@ def _set_up(options: TrainOptions, rank: int, world: int, device: torch.device,
 
 def _step(options: TrainOptions, step: int, run: _Run, group, world: int, device: torch.device) -> StepLog:
     began = time.perf_counter()
-    batch = fold_vocab(run.next_batch().to(device), options.vocab_size)
+    batch = fold_vocab(run.next_batch().to(device, non_blocking=run.prefetcher is not None), options.vocab_size)
     if run.groups is not None:
         group = run.groups.grad_group  # the timings below are gathered over every rank
     result = train_step(run.model, run.optimizer, batch, run.loss_sum_fn, group=group, comm=options.comm,
