@@ -117,8 +117,9 @@ def save_sharded_checkpoint(path: str | Path, *, step: int, model: nn.Module, op
     Model and optimizer go through DCP (each rank writes its own shards: FSDP2 DTensors or replicated
     tensors alike), and rank 0 writes ``flashcp.json`` beside them: format, step, config and the loader
     state (the same on every rank, see ``CPLoader``). The folder is built under a staging name next to
-    ``path`` and swapped in at the end, so a run killed while saving leaves the previous checkpoint intact;
-    a DCP checkpoint can be loaded on another mesh shape (DCP reshards).
+    ``path`` and swapped in at the end (the previous checkpoint moves to ``.NAME.old`` for the two renames
+    and is deleted after), so a run killed while saving leaves the previous checkpoint intact, and
+    ``load_sharded_checkpoint`` finds it. A DCP checkpoint can be loaded on another mesh shape (DCP reshards).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -163,6 +164,9 @@ def load_sharded_checkpoint(path: str | Path, *, model: nn.Module, optimizer: to
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = Path(path)
+    old = path.parent / f".{path.name}.old"
+    if not path.exists() and is_sharded_checkpoint(old):  # killed between the two renames of a save
+        path = old
     if not path.exists():
         raise FlashcpError(f"checkpoint {path} does not exist; run without --resume to start from step 0")
     check_sharded_target(path)
