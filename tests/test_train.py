@@ -119,6 +119,10 @@ def test_script_prints_one_sentence_and_exits_1(planned, capsys):
                         "--kv-heads", "1", "--vocab", "16"]) == 0
     err = capsys.readouterr().err
     assert "step 2/2  loss" in err and "tok/s" in err
+    assert script.main([str(root), "--plan", "cp1-llama3-like", "--dp", "2", "--sharding", "fsdp",
+                        "--prefetch", "0"]) == 1
+    assert capsys.readouterr().err.strip() == ("error: --dp 2 with --sharding fsdp needs a process group; "
+                                                "launch with torchrun")
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
