@@ -243,6 +243,7 @@ def _refusals(root, mesh):
     return failures
 
 
+@pytest.mark.slow
 def test_dp_x_cp_on_a_mesh_equals_one_process_on_the_global_batch(planned, tmp_path):
     root, references = planned
     spawn(_worker, 4, root, references, str(tmp_path))
