@@ -21,7 +21,7 @@ MAGI, PTRR, FLASHCP2 = 5, 6, 7
 """Strategy codes this module plans (registry ``Strategy.code``)."""
 PORTFOLIO_CHUNKS = (512, 2048)
 """Chunk sizes of the chunked-assignment (``magi``) candidates besides 1024 (which effort 0 tries too)."""
-AFFINITY = ((2048, 0.03), (1024, 0.1), (1024, 0.01), (512, 0.01), (1024, 0.03), (2048, 0.01))
+AFFINITY = ((2048, 0.03), (1024, 0.1), (1024, 0.01), (512, 0.01), (1024, 0.03), (2048, 0.01), (512, 0.03), (512, 0.1))
 """The constructive candidates ``(chunk, tolerance)`` of ``affinity_kernel``, the most often best first."""
 FAST = 3
 """Affinity candidates at effort 0."""

@@ -93,8 +93,9 @@ identical plans.
     decreasing workload to the least-loaded rank with room, except that the rank holding the next chunk of
     the same document takes it while it stays within the mean workload and within ``tolerance * mean`` of
     the least-loaded rank; (chunk, tolerance) = (2048, 0.03), (1024, 0.1), (1024, 0.01), (512, 0.01),
-    (1024, 0.03), (2048, 0.01)), ``flashcp`` (R = 1.05), ``magi`` at 1024 tokens, ``llama3`` and ``magi``
-    at 512 and 2048 tokens; effort 0 tries only the first three chunked assignments and ``flashcp``. A
+    (1024, 0.03), (2048, 0.01), (512, 0.03), (512, 0.1)), ``flashcp`` (R = 1.05), ``magi`` at 1024 tokens,
+    ``llama3`` and ``magi`` at 512 and 2048 tokens; effort 0 tries only the first three chunked assignments
+    and ``flashcp``. A
     candidate replaces the best one when it is strictly faster and its imbalance is within ``limit = max(
     target, imbalance of flashcp+)``, so the result is never slower than ``flashcp+``. Then, with ``effort``
     > 0, local search: paired moves of two document boundaries between the same two ranks by the same
