@@ -107,7 +107,7 @@ def test_corrupt_data_file(dataset, tmp_path):
     assert result.exit_code == 1 and "does not match its sha256 in the manifest" in result.output
     path.write_bytes(b"not parquet at all")
     result = run("plan", root, "--cp", 2)
-    assert result.exit_code == 1 and "cannot be read as Parquet" in result.output
+    assert result.exit_code == 1 and "was replaced or truncated" in result.output
     assert not (root / "plans" / "cp2-flashcp").exists()
 
 
