@@ -75,6 +75,9 @@ def command(data, quick, scenarios, dists, cps, heads, context_len, seqs, runtim
     from flashcp.errors import FlashcpError
     from flashcp.fileio import write_json_atomic
 
+    if data is not None and not Path(data).is_dir():
+        raise FlashcpError(f"dataset folder {data} " + ("is a file, not a dataset folder" if Path(data).exists()
+                                                        else "does not exist"))
     chosen = _names(scenarios)
     if chosen is None:
         chosen = ("latency",) if measured else (() if calibrate else SCENARIOS)
