@@ -152,7 +152,7 @@ def command(data: str, plan_name: str | None, seq: int, as_json: bool) -> None:
     title = (f"sequence {seq} ({dataset.files[index].path} row {row}): {doc_lens.size} documents, "
              f"{int(doc_lens.sum()):,} tokens; plan {store.name} ({store.strategy}, cp {store.cp})")
     if as_json:
-        emit_json(_to_json(stored.plan, doc_lens, seq=seq, data_file=dataset.files[index].path, row=row,
+        emit_json(_to_json(stored.plan, doc_lens, sequence=seq, data_file=dataset.files[index].path, row=row,
                            plan_name=store.name, strategy=store.strategy))
     for line in render(stored.plan, doc_lens, title):
         console.print(line)

@@ -350,6 +350,8 @@ def _prepare_locked(root: Path, created: bool, identity_sha256: str, identity: d
                      "'pack --force'; re-run that command to finish it")
     if force and (manifest is not None or state is not None):
         foreign = _foreign_entry(root)
+        if foreign is not None and foreign.is_symlink():
+            refuse_symlink(foreign, root)
         if foreign is not None:
             raise FlashcpError(f"{foreign} was not made by flashcp; --force replaces only flashcp's own files: "
                                "move it out of the dataset and re-run")

@@ -255,6 +255,8 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
     that were cleaned up. The returned dict carries the baselines' summaries under ``summary["baselines"]``.
     """
     dataset = Dataset(root)
+    if target_imbalance is not None and not (math.isfinite(target_imbalance) and target_imbalance >= 1):
+        raise FlashcpError(f"--target-imbalance must be a finite number of at least 1, got {target_imbalance}")
     try:
         chosen = get_strategy(strategy)
         params = resolve_params(chosen, target_imbalance)
@@ -263,9 +265,7 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
         raise FlashcpError(str(e)) from None
     if workers < 1:
         raise FlashcpError(f"--workers must be at least 1, got {workers}")
-    if target_imbalance is not None and not (math.isfinite(target_imbalance) and target_imbalance >= 1):
-        raise FlashcpError(f"--target-imbalance must be a finite number of at least 1, got {target_imbalance}")
-    name = name or plan_name(cp, chosen.name)
+    name = plan_name(cp, chosen.name) if name is None else name
     total_rows = dataset.num_sequences
     step = max(1, -(-total_rows // BASELINE_MAX_ROWS))
     for index, data_file in enumerate(dataset.files):

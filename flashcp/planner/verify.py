@@ -93,9 +93,15 @@ def verify_dataset(root: str | Path, progress: Callable[[int], None] | None = No
         try:
             store = PlanStore(dataset, folder.name)
             report.plans[folder.name] = _verify_plan(dataset, store, doc_lens, progress, fast)
+        except _Unchecked:
+            continue
         except FlashcpError as e:
             report.problems.append(str(e))
     return report
+
+
+class _Unchecked(Exception):
+    """A plan file whose data file failed its own checks (already reported)."""
 
 
 def _verify_data_file(dataset: Dataset, index: int, fast: bool) -> tuple[np.ndarray, np.ndarray] | None:
@@ -125,7 +131,7 @@ def _verify_plan(dataset: Dataset, store: PlanStore, doc_lens, progress, fast: b
     if len(plan_files) != len(dataset.files):
         raise FlashcpError(f"plan '{name}' lists {len(plan_files)} plan files for {len(dataset.files)} data "
                            "files")
-    checked = 0
+    checked, unchecked = 0, False
     for index, entry in enumerate(plan_files):
         path = store.plan_path(index)
         where = f"plan '{name}', {entry['path']}"
@@ -137,8 +143,9 @@ def _verify_plan(dataset: Dataset, store: PlanStore, doc_lens, progress, fast: b
         if sha256_file(path) != entry["sha256"]:
             raise FlashcpError(f"{where} does not match its sha256 in {PLAN_JSON}: it was changed or is "
                                "corrupt")
-        if doc_lens[index] is None:
-            raise FlashcpError(f"{where} cannot be checked: its data file has a problem")
+        if doc_lens[index] is None:  # its data file's problem is reported; this plan is not counted as ok
+            unchecked = True
+            continue
         flat = store.read_flat(index)
         offsets, lens = doc_lens[index]
         rows = offsets.size - 1
@@ -163,6 +170,8 @@ def _verify_plan(dataset: Dataset, store: PlanStore, doc_lens, progress, fast: b
         checked += rows
         if progress:
             progress(rows)
+    if unchecked:
+        raise _Unchecked
     return checked
 
 
