@@ -412,3 +412,18 @@ def test_verify_reports_every_problem(ws):
     problems = json.loads(result.stdout)["problems"]
     assert len(problems) == 2 and "part-00000.parquet" in problems[0] and "cp2-flashcp" in problems[1]
     assert result.stderr.count("error:") == 2 and "Traceback" not in result.output
+
+
+def test_an_old_plan_moved_aside_by_a_crash_is_put_back(ws, monkeypatch):
+    """Where paths cannot be exchanged atomically, a crash between the two renames is repaired."""
+    plans = ws / "data" / "plans"
+    before = tree(ws)
+    os.rename(plans / "cp2-flashcp", plans / ".cp2-flashcp.old-99-0123abcd.tmp")
+    one_sentence(run("plan", ws / "data", "--cp", 2), "already exists")
+    assert tree(ws) == before
+    import flashcp.fileio as fileio
+
+    monkeypatch.setattr(fileio, "_renameat2", None)
+    result = run("plan", ws / "data", "--cp", 2, "--force", "--target-imbalance", 1.3)
+    assert result.exit_code == 0 and sorted(p.name for p in plans.iterdir()) == ["cp2-flashcp"]
+    assert json.loads((plans / "cp2-flashcp" / "plan.json").read_text())["params"]["target_imbalance"] == 1.3
