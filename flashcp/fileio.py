@@ -77,10 +77,11 @@ def _umask() -> int:
     return mask
 
 
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """Write ``obj`` as indented JSON, atomically."""
+def write_json_atomic(path: str | os.PathLike, obj, *, strict: bool = False) -> None:
+    """Write ``obj`` as indented JSON, atomically; ``strict`` refuses NaN and infinities (not JSON)."""
+    text = json.dumps(obj, indent=2, sort_keys=False, allow_nan=not strict) + "\n"
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, allow_nan=False) + "\n")
+        tmp.write_text(text)
 
 
 def write_parquet_atomic(path: str | os.PathLike, table: pa.Table, row_group_rows: int) -> None:

@@ -2,12 +2,16 @@
 
 Sequences come as flat arrays: ``row_offsets`` (rows + 1,) indexes ``doc_lens`` by row. Plans come back the
 same way: ``shard_offsets`` (rows + 1,) indexes the flat shard arrays.
+
+``plan_batch`` is compiled once per strategy code (the code is a compile-time literal), and each compilation
+holds only that strategy's kernel: a first ``flashcp plan --strategy flashcp`` does not compile ``flashcp+``.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import literally, njit, typeof, types
+from numba.extending import overload
 
 from flashcp.planner._kernels import (
     _doc_offsets,
@@ -25,17 +29,40 @@ from flashcp.planner.cost import _allgather_contributions, _exact_need_received,
 OK, NO_SHARDS, BAD_LENGTH, BAD_RANK, BAD_DOC, BAD_COVERAGE, BAD_QUOTA = range(7)
 
 
-@njit(cache=True)
 def _plan_one(lens, cp, code, target):
-    if code == 0:
-        return llama3_kernel(lens, cp)
-    if code == 1:
-        return perdoc_kernel(lens, cp)
-    if code == 2:
-        return flashcp_kernel(lens, cp, target)
-    if code == 4:
-        return ring_kernel(lens, cp)
-    return flashcp_plus_kernel(lens, cp, target)
+    """Plan one sequence with the strategy ``code`` (compiled code only; see ``_plan_one_impl``)."""
+    raise NotImplementedError("compiled code only")
+
+
+@overload(_plan_one)
+def _plan_one_impl(lens, cp, code, target):
+    # Only a literal code is typed, so that a compilation links the one kernel it names.
+    if not isinstance(code, types.IntegerLiteral):
+        return None
+    kernel = {0: llama3_kernel, 1: perdoc_kernel, 2: flashcp_kernel, 3: flashcp_plus_kernel,
+              4: ring_kernel}[code.literal_value]
+    if code.literal_value in (2, 3):
+        return lambda lens, cp, code, target: kernel(lens, cp, target)
+    return lambda lens, cp, code, target: kernel(lens, cp)
+
+
+def needs_compile(code: int) -> bool:
+    """Whether planning with strategy ``code`` has to compile kernels (no cached machine code yet).
+
+    Reads numba's cache index; answers False when it cannot tell.
+    """
+    vector = typeof(np.zeros(1, np.int64))
+    wanted = [(plan_batch, (vector, vector, types.int64, types.literal(code), types.float64)),
+              (check_batch, (vector,) * 7 + (types.int64,))]
+    try:
+        for dispatcher, signature in wanted:
+            cache = dispatcher._cache
+            key = cache._index_key(signature, dispatcher.targetctx.codegen())
+            if signature not in dispatcher.overloads and key not in cache._cache_file._load_index():
+                return True
+    except Exception:  # numba internals moved: say nothing rather than something wrong
+        return False
+    return False
 
 
 @njit(cache=True)
@@ -58,7 +85,7 @@ def plan_batch(row_offsets, doc_lens, cp, code, target):
     size = 0
     for row in range(rows):
         lens = np.ascontiguousarray(doc_lens[row_offsets[row]:row_offsets[row + 1]])
-        doc, start, length, rank = _plan_one(lens, cp, code, target)
+        doc, start, length, rank = _plan_one(lens, cp, literally(code), target)
         m = doc.shape[0]
         if size + m > capacity:
             # grow by the shards per row seen so far, projected over the remaining rows

@@ -256,7 +256,7 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
     """
     dataset = Dataset(root)
     if target_imbalance is not None and not (math.isfinite(target_imbalance) and target_imbalance >= 1):
-        raise FlashcpError(f"--target-imbalance must be a finite number of at least 1, got {target_imbalance}")
+        raise FlashcpError(f"--target-imbalance must be a finite number of at least 1.0, got {target_imbalance}")
     try:
         chosen = get_strategy(strategy)
         params = resolve_params(chosen, target_imbalance)
@@ -275,7 +275,10 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
                                f"{data_file.rows}; re-create the dataset")
 
     with PlanSlot(dataset, name, force=force) as slot:
-        for note in slot.notes:
+        notes = list(slot.notes)
+        if any(_batch.needs_compile(get_strategy(s).code) for s in (chosen.name, *BASELINES)):
+            notes.append("compiling planner kernels, first run only")
+        for note in notes:
             (on_note or (lambda message: None))(note)
         try:
             staging = slot.staging()

@@ -115,7 +115,7 @@ def write_plan_json(plan_dir: Path, *, dataset: Dataset, strategy: str, params: 
         "plan_files": plan_files,
         "summary": summary,
     }
-    write_json_atomic(plan_dir / PLAN_JSON, meta)
+    write_json_atomic(plan_dir / PLAN_JSON, meta, strict=True)
     return meta
 
 
