@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flashcp.data.dataset import Dataset
+from flashcp.data.dataset import REPLACE_OLD_DIR, Dataset
 from flashcp.errors import FlashcpError
 from flashcp.fileio import sha256_file
 from flashcp.planner import _batch
@@ -79,6 +79,10 @@ def verify_dataset(root: str | Path, progress: Callable[[int], None] | None = No
         report.sequences += data_file.rows
         if progress:
             progress(data_file.rows)
+    for leftover in (REPLACE_OLD_DIR, ".flashcp-replacement"):
+        if (dataset.root / leftover).exists():
+            report.warnings.append(f"{leftover} is left by an interrupted 'flashcp pack --force'; re-running that "
+                                   "command finishes it")
     plans_root = dataset.root / PLANS_DIR
     folders = sorted(p for p in plans_root.iterdir() if p.is_dir()) if plans_root.is_dir() else []
     for folder in folders:
