@@ -387,7 +387,7 @@ def test_json_results_and_verbosity_after_the_command(ws):
     result = run("verify", ws / "data", "--json")
     report = json.loads(result.stdout)
     assert report["ok"] and report["plans"] == {"cp2-flashcp": report["sequences"],
-                                                  "cp2-perdoc": report["sequences"]}
+                                                  "cp2-perdoc": report["sequences"]}, report
     result = run("show", ws / "data", "--plan", "cp2-perdoc", "--seq", 1, "--json")
     shown = json.loads(result.stdout)
     assert shown["sequence"] == 1 and sum(shown["shards"]["len"]) == 64 and len(shown["ranks"]) == 2
@@ -395,7 +395,7 @@ def test_json_results_and_verbosity_after_the_command(ws):
     packed = json.loads(result.stdout)
     assert packed["already_done"] is False and packed["manifest"]["num_sequences"] == 83
     assert "packed 83 sequences" in result.stderr
-    result = run("plan", ws / "data", "--cp", 2, "--strategy", "ring", "-q")
+    result = run("plan", ws / "data", "--cp", 2, "--strategy", "perdoc", "--name", "quiet", "-q")
     assert result.exit_code == 0 and "wrote" not in result.stderr
     result = run("plan", ws / "data", "--cp", 2, "--strategy", "llama3", "-v")
     assert result.exit_code == 0 and "wrote" in result.stderr
@@ -427,3 +427,18 @@ def test_an_old_plan_moved_aside_by_a_crash_is_put_back(ws, monkeypatch):
     result = run("plan", ws / "data", "--cp", 2, "--force", "--target-imbalance", 1.3)
     assert result.exit_code == 0 and sorted(p.name for p in plans.iterdir()) == ["cp2-flashcp"]
     assert json.loads((plans / "cp2-flashcp" / "plan.json").read_text())["params"]["target_imbalance"] == 1.3
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not parquet"])
+def test_a_damaged_plan_file_is_one_sentence(ws, damage):
+    path = ws / "data" / "plans" / "cp2-flashcp" / "part-00000.parquet"
+    path.write_bytes(path.read_bytes()[:-30] if damage == "truncated" else b"nothing like parquet")
+    unchanged(ws, ["show", ws / "data", "--plan", "cp2-flashcp"], "part-00000.parquet")
+    unchanged(ws, ["verify", ws / "data"], "part-00000.parquet")
+
+
+def test_bench_lists_each_strategy_once():
+    from flashcp.bench.systems import available_strategies
+
+    names = available_strategies()
+    assert "ring" in names and len(names) == len(set(names))
