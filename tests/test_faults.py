@@ -157,11 +157,14 @@ def test_force_pack_refuses_a_dataset_holding_files_flashcp_did_not_make(ws, int
 # ---- 3. symlinks: nothing is written, renamed or deleted through one ----
 
 @pytest.mark.parametrize("link", ["data", "plans", "plans/cp2-flashcp", "data/part-00000.parquet",
-                                  "manifest.json"])
+                                  "manifest.json", ".flashcp-replacement"])
 def test_force_pack_never_follows_a_symlink(ws, link):
     path = ws / "data" / link
     outside = ws / "victim" / "moved"
-    os.rename(path, outside)
+    if path.exists():
+        os.rename(path, outside)
+    else:  # where the replacement would be built
+        outside.mkdir()
     path.symlink_to(outside)
     unchanged(ws, pack_args(ws / "in.jsonl", ws / "data", "--force", context_len=32), "symlink")
 

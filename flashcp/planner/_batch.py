@@ -10,6 +10,7 @@ holds only that strategy's kernel: a first ``flashcp plan --strategy flashcp`` d
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from numba import literally, njit, typeof, types
@@ -54,7 +55,7 @@ def needs_compile(code: int) -> bool:
     Reads numba's cache index; answers False when it cannot tell.
     """
     vector = typeof(np.zeros(1, np.int64))
-    wanted = [(_plan_batch, (vector, vector, types.int64, types.literal(code), types.float64)),
+    wanted: list[tuple[Any, tuple]] = [(_plan_batch, (vector, vector, types.int64, types.literal(code), types.float64)),
               (check_batch, (vector,) * 7 + (types.int64,))]
     try:
         for dispatcher, signature in wanted:
