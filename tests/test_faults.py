@@ -290,6 +290,7 @@ def test_malformed_manifest(ws, case):
     for command in (["show", ws / "data"], ["plan", ws / "data", "--cp", 2, "--force"], ["verify", ws / "data"],
                     ["ls", ws / "data"]):
         unchanged(ws, command, "manifest.json")
+    unchanged(ws, pack_args(ws / "in.jsonl", ws / "data"))  # without --force: refused, one sentence
     if isinstance(change, str) or not change:  # not recognisably flashcp's: never overwritten
         unchanged(ws, pack_args(ws / "in.jsonl", ws / "data", "--force", context_len=32), "manifest")
     else:  # a damaged flashcp manifest: --force replaces the dataset

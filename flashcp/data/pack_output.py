@@ -180,6 +180,9 @@ def _read_json(path: Path, what: str) -> dict:
 def _foreign_entry(root: Path) -> Path | None:
     """The first entry of the dataset's ``data/`` and ``plans/`` that flashcp did not make (None if none)."""
     data = root / DATA_DIR
+    for folder in (data, root / PLANS_DIR):
+        if folder.exists() and not folder.is_dir():
+            return folder
     if data.exists():
         for entry in data.iterdir():
             if entry.is_symlink() or not entry.is_file() or not _DATA_FILE.fullmatch(entry.name):
@@ -203,8 +206,9 @@ def _swap(root: Path, staging: Path) -> None:
     old.mkdir()
     moved: list[str] = []
     try:
-        for name in (MANIFEST_NAME, STATE_NAME, DATA_DIR, PLANS_DIR):  # the manifest first: the old dataset
-            if (root / name).exists():                                 # stops existing before it changes
+        # the manifest first: the old dataset stops existing before any of its files moves
+        for name in (MANIFEST_NAME, STATE_NAME, DATA_DIR, PLANS_DIR):
+            if (root / name).exists():
                 os.replace(root / name, old / name)
                 moved.append(name)
         os.replace(staging / DATA_DIR, root / DATA_DIR)
@@ -359,15 +363,10 @@ def _prepare_locked(root: Path, created: bool, identity_sha256: str, identity: d
         out.notes[:0] = notes
         return out
     if manifest is not None:
-        if manifest.get("options", {}).get("identity_sha256") != identity_sha256:
-            raise FlashcpError(f"{root} already holds a dataset packed with other inputs or options "
-                               f"({_difference(identity_from_manifest(manifest), identity)}); choose another "
-                               "folder or add --force to overwrite it")
-        for entry in manifest.get("files", []):
-            path = root / entry["path"]
-            if not path.is_file() or sha256_file(path) != entry["sha256"]:
-                raise FlashcpError(f"{root} holds this dataset but its data file {entry['path']} does not "
-                                   "match the manifest; add --force to pack it again")
+        try:
+            _check_finished(root, manifest, identity_sha256, identity)
+        except (KeyError, TypeError, AttributeError):
+            raise FlashcpError(f"{manifest_path} is damaged; add --force to pack the dataset again") from None
         (root / STATE_NAME).unlink(missing_ok=True)
         return OutputFolder(root=root, created=False, parts=[], finished=manifest, notes=notes)
     if state is not None:
@@ -383,6 +382,19 @@ def _prepare_locked(root: Path, created: bool, identity_sha256: str, identity: d
         raise FlashcpError(f"output folder {root} is not empty and holds no flashcp dataset; choose a new or "
                            "empty folder, or add --force to write into it")
     return OutputFolder(root=root, created=created, parts=[], notes=notes)
+
+
+def _check_finished(root: Path, manifest: dict, identity_sha256: str, identity: dict) -> None:
+    """FlashcpError unless ``root`` holds the very dataset of this identity, every file as recorded."""
+    if manifest.get("options", {}).get("identity_sha256") != identity_sha256:
+        raise FlashcpError(f"{root} already holds a dataset packed with other inputs or options "
+                           f"({_difference(identity_from_manifest(manifest), identity)}); choose another "
+                           "folder or add --force to overwrite it")
+    for entry in manifest.get("files", []):
+        path = root / entry["path"]
+        if not path.is_file() or sha256_file(path) != entry["sha256"]:
+            raise FlashcpError(f"{root} holds this dataset but its data file {entry['path']} does not "
+                               "match the manifest; add --force to pack it again")
 
 
 def _resume_parts(root: Path, state: dict, identity_sha256: str, identity: dict) -> list[PartRecord]:
@@ -407,7 +419,8 @@ def _prepare_replacement(root: Path, identity_sha256: str, identity: dict) -> Ou
     if staging.exists():  # left by a killed 'pack --force': go on with it if it is this very pack
         manifest = _json_or_none(staging / MANIFEST_NAME)
         state = _json_or_none(staging / STATE_NAME)
-        if manifest is not None and manifest.get("options", {}).get("identity_sha256") == identity_sha256:
+        options = manifest.get("options") if manifest is not None else None
+        if isinstance(options, dict) and options.get("identity_sha256") == identity_sha256:
             _swap(root, staging)
             return OutputFolder(root=root, created=False, parts=[], finished=manifest,
                                 notes=["finished the replacement that an interrupted 'pack --force' had built"])
