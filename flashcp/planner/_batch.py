@@ -32,6 +32,12 @@ from flashcp.planner.cost import _allgather_contributions, _exact_need_received,
 OK, NO_SHARDS, BAD_LENGTH, BAD_RANK, BAD_DOC, BAD_COVERAGE, BAD_QUOTA = range(7)
 
 
+KERNELS = {0: llama3_kernel, 1: perdoc_kernel, 2: flashcp_kernel, 3: flashcp_plus_kernel, 4: ring_kernel}
+"""Strategy code -> kernel ``(lens, cp[, target]) -> (doc, start, len, rank)``: what ``plan_batch`` plans."""
+TAKES_TARGET = (2, 3)
+"""Codes whose kernel takes the target imbalance."""
+
+
 def _plan_one(lens, cp, code, target):
     """Plan one sequence with the strategy ``code`` (compiled code only; see ``_plan_one_impl``)."""
     raise NotImplementedError("compiled code only")
@@ -40,11 +46,10 @@ def _plan_one(lens, cp, code, target):
 @overload(_plan_one)
 def _plan_one_impl(lens, cp, code, target):
     # Only a literal code is typed, so that a compilation links the one kernel it names.
-    if not isinstance(code, types.IntegerLiteral):
+    if not isinstance(code, types.IntegerLiteral) or code.literal_value not in KERNELS:
         return None
-    kernel = {0: llama3_kernel, 1: perdoc_kernel, 2: flashcp_kernel, 3: flashcp_plus_kernel,
-              4: ring_kernel}[code.literal_value]
-    if code.literal_value in (2, 3):
+    kernel = KERNELS[code.literal_value]
+    if code.literal_value in TAKES_TARGET:
         return lambda lens, cp, code, target: kernel(lens, cp, target)
     return lambda lens, cp, code, target: kernel(lens, cp)
 
@@ -52,8 +57,10 @@ def _plan_one_impl(lens, cp, code, target):
 def needs_compile(code: int) -> bool:
     """Whether planning with strategy ``code`` has to compile kernels (no cached machine code yet).
 
-    Reads numba's cache index; answers False when it cannot tell.
+    Reads numba's cache index; answers False when it cannot tell (or ``code`` is not planned here).
     """
+    if code not in KERNELS:
+        return False
     vector = typeof(np.zeros(1, np.int64))
     wanted: list[tuple[Any, tuple]] = [(_plan_batch, (vector, vector, types.int64, types.literal(code), types.float64)),
               (check_batch, (vector,) * 7 + (types.int64,))]
