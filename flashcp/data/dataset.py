@@ -279,7 +279,8 @@ class Dataset:
             self.has_tokens: bool = _field(self.manifest, "has_tokens", bool)
             self.files: list[DataFile] = [_data_file(entry) for entry in _field(self.manifest, "files", list)]
         except (KeyError, TypeError, ValueError) as e:
-            raise FlashcpError(f"{manifest_path} is damaged ({e}); re-create the dataset") from None
+            detail = e.args[0] if e.args else e  # KeyError's str() adds quotes
+            raise FlashcpError(f"{manifest_path} is damaged ({detail}); re-create the dataset") from None
         if check_files:
             for data_file in self.files:
                 problem = self.file_problem(data_file)
