@@ -433,12 +433,19 @@ def test_an_old_plan_moved_aside_by_a_crash_is_put_back(ws, monkeypatch):
     assert json.loads((plans / "cp2-flashcp" / "plan.json").read_text())["params"]["target_imbalance"] == 1.3
 
 
-@pytest.mark.parametrize("damage", ["truncated", "not parquet"])
-def test_a_damaged_plan_file_is_one_sentence(ws, damage):
+@pytest.mark.parametrize("damage", ["replaced", "truncated", "not parquet"])
+def test_a_damaged_plan_file_is_refused_at_open(ws, damage):
     path = ws / "data" / "plans" / "cp2-flashcp" / "part-00000.parquet"
-    path.write_bytes(path.read_bytes()[:-30] if damage == "truncated" else b"nothing like parquet")
+    if damage == "replaced":  # the same rows, written again: another file
+        pq.write_table(pq.read_table(path), path, compression="snappy")
+    else:
+        path.write_bytes(path.read_bytes()[:-30] if damage == "truncated" else b"nothing like parquet")
     unchanged(ws, ["show", ws / "data", "--plan", "cp2-flashcp"], "part-00000.parquet")
-    unchanged(ws, ["verify", ws / "data"], "part-00000.parquet")
+    unchanged(ws, ["verify", ws / "data", "--fast"], "part-00000.parquet")
+    from flashcp.runtime import CPLoader
+
+    with pytest.raises(FlashcpError, match="part-00000.parquet"):
+        CPLoader(ws / "data", plan="cp2-flashcp", rank=0, world_size=2)
 
 
 def test_bench_lists_each_strategy_once():

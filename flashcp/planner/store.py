@@ -32,6 +32,7 @@ from flashcp.errors import FlashcpError, StalePlanError
 from flashcp.fileio import (
     FolderLock,
     check_plain_name,
+    parquet_fingerprint,
     refuse_symlink,
     replace_dir,
     sha256_file,
@@ -96,7 +97,9 @@ def write_plan_file(plan_dir: Path, index: int, table: pa.Table) -> dict:
     """Write the plan file matching the ``index``-th data file, atomically; return its plan.json entry."""
     path = plan_dir / f"part-{index:05d}.parquet"
     write_parquet_atomic(path, table, PLAN_ROW_GROUP_ROWS)
-    return {"path": path.name, "rows": table.num_rows, "sha256": sha256_file(path)}
+    size, footer = parquet_fingerprint(path)
+    return {"path": path.name, "rows": table.num_rows, "sha256": sha256_file(path), "bytes": size,
+            "footer_sha256": footer}
 
 
 def write_plan_json(plan_dir: Path, *, dataset: Dataset, strategy: str, params: dict, cp: int,
@@ -290,6 +293,30 @@ class PlanStore:
         if self.cp < 1:
             raise FlashcpError(f"{meta_path} is damaged (cp {self.cp}); re-run 'flashcp plan --force'")
         self.check_fresh()
+        for index in range(len(self.plan_files)):
+            problem = self.file_problem(index)
+            if problem:
+                raise FlashcpError(f"{problem}; re-run 'flashcp plan --force'")
+
+    def file_problem(self, index: int) -> str | None:
+        """Why the ``index``-th plan file does not match plan.json by size and footer (None when it does)."""
+        entry, path = self.plan_files[index], self.plan_path(index)
+        try:
+            size = path.stat().st_size
+        except OSError as e:
+            return f"plan file {path} cannot be read ({e.strerror or e})"
+        if entry.get("bytes") is None:
+            return None  # written before plan.json recorded sizes: only verify's hash can tell
+        if size != entry["bytes"]:
+            return f"plan file {path} has {size:,} bytes but plan.json records {entry['bytes']:,}: it was replaced " \
+                   "or truncated"
+        try:
+            _, footer = parquet_fingerprint(path)
+        except (OSError, ValueError) as e:
+            return f"plan file {path} cannot be read as Parquet ({e})"
+        if footer != entry.get("footer_sha256"):
+            return f"plan file {path} is not the file plan.json records (its Parquet footer differs)"
+        return None
 
     def check_fresh(self) -> None:
         """Raise StalePlanError unless the plan was made from the data files the manifest lists now."""

@@ -2,7 +2,7 @@
 
 Every problem found is reported, not only the first: a data file that fails is skipped by the plan checks
 that need it, and the other files and plans are still checked. ``fast`` checks only what every reader checks
-at open (each data file's size and Parquet footer fingerprint, each plan's freshness and that its files exist).
+at open (each data and plan file's size and Parquet footer fingerprint, and each plan's freshness).
 """
 
 from __future__ import annotations
