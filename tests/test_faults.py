@@ -453,3 +453,17 @@ def test_bench_lists_each_strategy_once():
 
     names = available_strategies()
     assert "ring" in names and len(names) == len(set(names))
+
+
+def test_synth_removes_the_staging_folder_of_a_killed_run(ws):
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leftover = ws / f".s.{dead.pid}-0123abcd.tmp"
+    (leftover / "data").mkdir(parents=True)
+    (leftover / "data" / "part-00000.parquet").write_bytes(b"half")
+    alive = ws / f".s.{os.getpid()}-0123abcd.tmp"  # a run still going: left alone
+    alive.mkdir()
+    result = run("synth", ws / "s", "--dist", "wlb", "--num-seqs", 2, "--context-len", 64, "--no-tokens")
+    assert result.exit_code == 0 and not leftover.exists() and alive.exists()
