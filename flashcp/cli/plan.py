@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from flashcp.cli.console import console, info, progress
+from flashcp.cli.console import console, emit_json, info, progress, set_json_output
 from flashcp.data.dataset import Dataset
 from flashcp.planner.pipeline import plan_dataset
 from flashcp.planner.strategies import DEFAULT_STRATEGY, STRATEGIES
@@ -50,19 +50,23 @@ def summary_table(title: str, rows: dict[str, dict]) -> Table:
 @click.option("--workers", type=int, default=1, show_default=True, help="Worker processes.")
 @click.option("--name", default=None, help="Plan folder name [default: cp{N}-{strategy}].")
 @click.option("--force", is_flag=True, help="Replace an existing plan of the same name.")
+@click.option("--json", "as_json", is_flag=True, help="Print plan.json and the time on stdout (text on stderr).")
 def command(data: str, cp: int, strategy: str, target_imbalance: float | None, objective: str | None,
             profile: str | None, effort: str | None, chunk_size: int | None, workers: int, name: str | None,
-            force: bool) -> None:
+            force: bool, as_json: bool = False) -> None:
     """Plan every sequence of DATA for CP size N; every plan is validated before it is written."""
+    set_json_output(as_json)
     started = time.perf_counter()
     dataset = Dataset(data)
     with progress(f"planning cp{cp} {strategy}", dataset.num_sequences) as advance:
         overrides = {"objective": objective, "profile": str(Path(profile).resolve()) if profile else None,
                      "effort": int(effort) if effort and effort.isdigit() else effort, "chunk_size": chunk_size}
         meta = plan_dataset(data, cp, strategy, target_imbalance=target_imbalance, workers=workers,
-                            force=force, name=name, progress=advance,
+                            force=force, name=name, progress=advance, on_note=info,
                             overrides={k: v for k, v in overrides.items() if v is not None})
     elapsed = time.perf_counter() - started
+    if as_json:
+        emit_json({"dataset": str(dataset.root), "plan": meta, "seconds": elapsed})
     summary = meta["summary"]
     params = ", ".join(f"{k}={v}" for k, v in meta["params"].items())
     info(f"wrote {dataset.root}/plans/{meta['name']}/ ({len(meta['plan_files'])} plan file(s), "
