@@ -240,3 +240,8 @@ def test_local_search_equals_reference_and_moves():
         moved += got != as_tuples(start_plan)
         SequencePlan.from_arrays(*arrays, cp=cp).validate(lens)
     assert moved > 0, "the search found no move to check"
+
+
+def test_needs_compile_is_false_once_compiled():
+    plan_sequence("magi", [5, 6, 7], 2)
+    assert not _search.needs_compile()

@@ -7,7 +7,7 @@ Rules in flashcp/planner/strategies.py; ``tests/naive.py`` holds the plain-Pytho
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, typeof, types
 
 from flashcp.planner._kernels import _finish, _quotas, flashcp_kernel, llama3_kernel
 from flashcp.planner._peers import magi_kernel, ptrr_kernel
@@ -15,7 +15,7 @@ from flashcp.planner._plus import flashcp_plus_kernel
 from flashcp.planner.cost import _exact_need_received, _rank_workloads, workload
 from flashcp.planner.objective import step_seconds
 
-__all__ = ["FLASHCP2", "MAGI", "PTRR", "flashcp2_kernel", "local_search", "plan_batch", "plan_one"]
+__all__ = ["FLASHCP2", "MAGI", "PTRR", "flashcp2_kernel", "local_search", "needs_compile", "plan_batch", "plan_one"]
 
 MAGI, PTRR, FLASHCP2 = 5, 6, 7
 """Strategy codes this module plans (registry ``Strategy.code``)."""
@@ -278,3 +278,19 @@ def plan_batch(row_offsets, doc_lens, cp, code, target, chunk, effort, model):
     return (shard_offsets, out[0, :size].copy(), out[1, :size].copy(), out[2, :size].copy(),
             out[3, :size].copy())
 
+
+
+def needs_compile() -> bool:
+    """Whether planning with MAGI, PTRR or FLASHCP2 has to compile ``plan_batch`` (no cached machine code).
+
+    Reads numba's cache index like ``_batch.needs_compile``; False when it cannot tell.
+    """
+    vector = typeof(np.zeros(1, np.int64))
+    signature = (vector, vector, types.int64, types.int64, types.float64, types.int64, types.int64,
+                 typeof(np.zeros(1, np.float64)))
+    try:
+        cache = plan_batch._cache
+        key = cache._index_key(signature, plan_batch.targetctx.codegen())
+        return signature not in plan_batch.overloads and key not in cache._cache_file._load_index()
+    except Exception:  # numba internals moved: say nothing rather than something wrong
+        return False

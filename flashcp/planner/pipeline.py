@@ -303,7 +303,8 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
 
     with PlanSlot(dataset, name, force=force) as slot:
         notes = list(slot.notes)
-        if any(_batch.needs_compile(get_strategy(s).code) for s in (chosen.name, *BASELINES)):
+        if any(_batch.needs_compile(get_strategy(s).code) for s in (chosen.name, *BASELINES)) or \
+                (chosen.code >= _search.MAGI and _search.needs_compile()):
             notes.append("compiling planner kernels, first run only")
         for note in notes:
             (on_note or (lambda message: None))(note)
