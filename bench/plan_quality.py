@@ -14,7 +14,7 @@ with the paper's rule) are planned by every strategy; every plan is validated. C
 - plan s: seconds spent planning the row (shared machine: compare within one run only).
 
 A strategy may carry a target, ``flashcp+@1.05``, or other parameters, ``magi:chunk_size=2048``,
-``flashcp2:effort=4``. Run from the repository root:
+``flashcp2:effort=4``, ``flashcp2:token_slack=0.05`` (with ``--price-tokens``). Run from the repository root:
 
     python bench/plan_quality.py --num-seqs 2000 --cp 4,8,16 \
         --strategies llama3,perdoc,flashcp,flashcp+,magi,ptrr,flashcp2
@@ -46,12 +46,12 @@ def parse_strategy(spec: str) -> tuple[str, str, dict]:
     overrides = {}
     for item in filter(None, rest.split(";")):
         key, _, value = item.partition("=")
-        overrides[key] = int(value)
+        overrides[key] = float(value) if "." in value else int(value)
     strategy = get_strategy(name)
     return spec, name, resolve_params(strategy, float(target) if target else None, **overrides)
 
 
-def measure(dists, cps, strategies, num_seqs, context_len, seed):
+def measure(dists, cps, strategies, num_seqs, context_len, seed, price_tokens=False):
     rows = []
     for dist in dists:
         rng = np.random.default_rng(seed)
@@ -65,7 +65,7 @@ def measure(dists, cps, strategies, num_seqs, context_len, seed):
                               context_len, cp)
                 steps = batch_step_seconds(planned.shard_offsets, planned.shard_doc, planned.shard_start,
                                            planned.shard_len, planned.shard_rank, cp,
-                                           cached_model(None, 32, 32, 128, 1))
+                                           cached_model(None, 32, 32, 128, 1, price_tokens))
                 s.update(dist=dist, cp=cp, strategy=spec, params=params, seconds=elapsed,
                          shards_per_rank=float(np.diff(planned.shard_offsets).mean() / cp),
                          received_pct=100 * (1 - s["a2a_saving_mean"]), step_ms=1e3 * float(steps.mean()),
@@ -130,10 +130,12 @@ def main():
     parser.add_argument("--context-len", type=int, default=131072)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    parser.add_argument("--price-tokens", action="store_true",
+                        help="step ms also prices the per-token layers (to compare plans made with token slack)")
     args = parser.parse_args()
     strategies = [parse_strategy(s) for s in args.strategies.split(",")]
     rows = measure(args.dists.split(","), [int(c) for c in args.cp.split(",")], strategies, args.num_seqs,
-                   args.context_len, args.seed)
+                   args.context_len, args.seed, args.price_tokens)
     print(f"{args.num_seqs:,} sequences per distribution, seed {args.seed}")
     print_table(rows, args.context_len)
     print()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from itertools import product
 
 
@@ -644,12 +645,14 @@ def naive_affinity(doc_lens: list[int], cp: int, chunk: int, tolerance: float) -
 
 
 def naive_local_search(shards: list[tuple[int, int, int, int]], cp: int, step_time, target: float,
-                       budget: int, steps=(1024, 256, 64, 16)) -> list[tuple[int, int, int, int]]:
+                       budget: int, steps=(1024, 256, 64, 16), window: int = 0) -> list[tuple[int, int, int, int]]:
     """flashcp2's local search, move by move: for each shift (largest first) and each pair of boundaries
     (i < j) between the same two ranks, shift boundary i by +-shift and boundary j so that the tokens go
     back; keep the first move that lowers ``step_time(shards)`` while the imbalance stays within ``target``
     and the largest exact-need receive does not grow; repeat while a pass improves, within ``budget``
-    evaluations. Boundaries: touching shards of one document on different ranks, in (doc, start) order."""
+    evaluations. Boundaries: touching shards of one document on different ranks, in (doc, start) order.
+    With a token ``window`` > 0, each shift first tries every single boundary moved by +-shift that keeps
+    both ranks within ``window`` tokens of their quotas (same acceptance)."""
     shards = [list(s) for s in shards]
     order = sorted(range(len(shards)), key=lambda i: (shards[i][0], shards[i][1]))
     bounds = [(a, b) for a, b in zip(order, order[1:])
@@ -664,11 +667,31 @@ def naive_local_search(shards: list[tuple[int, int, int, int]], cp: int, step_ti
     def received():
         return naive_metrics([tuple(s) for s in shards], cp)[2]
 
+    def tokens(rank):
+        return sum(n for _, _, n, r in shards if r == rank)
+
+    quotas = naive_quotas(sum(n for _, _, n, _ in shards), cp)
     best, recv, used = step_time(shards), received(), 0
     improved = True
     while improved and used < budget:
         improved = False
         for step in steps:
+            for al, ar in (bounds if window > 0 else []):
+                for sign in (1, -1):
+                    if (sign > 0 and shards[ar][2] <= step) or (sign < 0 and shards[al][2] <= step):
+                        continue
+                    gain, lose = (shards[al][3], shards[ar][3]) if sign > 0 else (shards[ar][3], shards[al][3])
+                    if tokens(gain) + step > quotas[gain] + window or tokens(lose) - step < quotas[lose] - window:
+                        continue
+                    if used >= budget:
+                        return [tuple(s) for s in shards]  # type: ignore[misc]
+                    shift((al, ar), sign * step)
+                    used += 1
+                    imbalance = naive_metrics([tuple(s) for s in shards], cp)[0]
+                    if imbalance <= target and step_time(shards) < best and received() <= recv:
+                        best, recv, improved = step_time(shards), received(), True
+                        break
+                    shift((al, ar), -sign * step)
             for i, (al, ar) in enumerate(bounds):
                 for bl, br in bounds[i + 1:]:
                     x, y = shards[ar][3], shards[al][3]
@@ -717,7 +740,7 @@ def naive_step_time(cp: int):
 
 
 def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float = 1.01,
-                   effort: int = 1) -> list[tuple[int, int, int, int]]:
+                   effort: int = 1, token_slack: float = 0.0) -> list[tuple[int, int, int, int]]:
     """flashcp2 from the references: flashcp+ first, then the portfolio in the kernel's order; a candidate
     wins when it is strictly faster under ``step_time`` (default ``naive_step_time``) and within
     max(target, flashcp+'s imbalance); then the local search with 48 evaluations per unit of effort."""
@@ -738,5 +761,6 @@ def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float =
         if t < best_time and naive_metrics(plan, cp)[0] <= limit:
             best, best_time = plan, t
     if effort:
-        best = naive_finish(naive_local_search(best, cp, step_time, limit, 16 * effort))
+        window = math.floor(token_slack * sum(doc_lens) / cp)
+        best = naive_finish(naive_local_search(best, cp, step_time, limit, 16 * effort, window=window))
     return best

@@ -233,7 +233,7 @@ def test_local_search_equals_reference_and_moves():
         start_plan = plan_sequence("flashcp+", lens, cp)
         arrays = [a.copy() for a in (start_plan.shard_doc, start_plan.shard_start, start_plan.shard_len,
                                      start_plan.shard_rank)]
-        _search.local_search(*arrays, cp, MODEL, 1.05, 48)
+        _search.local_search(*arrays, cp, MODEL, 1.05, 48, 0)
         got = list(zip(*(a.tolist() for a in arrays)))
         expected = naive_local_search(as_tuples(start_plan), cp, naive_step_time(cp), 1.05, 48)
         assert got == expected
@@ -245,3 +245,71 @@ def test_local_search_equals_reference_and_moves():
 def test_needs_compile_is_false_once_compiled():
     plan_sequence("magi", [5, 6, 7], 2)
     assert not _search.needs_compile()
+
+
+# --- token slack
+
+
+def test_token_slack_kernel_equals_reference():
+    from flashcp.planner._search import slack_tokens
+    from tests.naive import naive_flashcp2
+
+    model = cached_model(None, 32, 32, 128, 1, True)
+
+    def step_time(shards, cp):
+        return plan_step_seconds(SequencePlan.from_arrays(*zip(*shards), cp=cp), model)
+
+    from flashcp.data.synth import load_distribution, pack_lengths
+
+    offsets, flat, _, _, _ = pack_lengths(load_distribution("wlb"), np.random.default_rng(2), 3, 131072)
+    off_quota = 0
+    for i in (1, 2):  # two sequences whose plans use the slack at cp 8
+        lens, cp = flat[offsets[i]:offsets[i + 1]].tolist(), 8
+        got = plan_sequence("flashcp2", lens, cp, token_slack=0.05)
+        assert as_tuples(got) == naive_flashcp2(lens, cp, lambda s, cp=cp: step_time(s, cp), token_slack=0.05)
+        window = slack_tokens(0.05, sum(lens), cp)
+        got.validate(lens, token_slack=window)
+        tokens = np.bincount(got.shard_rank, weights=got.shard_len, minlength=cp)
+        off_quota += int((tokens != np.array([sum(lens) // cp + (r < sum(lens) % cp) for r in range(cp)])).any())
+    assert off_quota > 0, "no plan used its token slack"
+
+
+def test_token_slack_plans_are_recorded_and_verified(tmp_path):
+    from click.testing import CliRunner
+
+    from flashcp.cli import cli
+    from flashcp.errors import PlanError
+
+    def run(*args):
+        return CliRunner().invoke(cli, [str(a) for a in args])
+
+    root = tmp_path / "d"
+    assert run("synth", root, "--dist", "prolong", "--num-seqs", 6, "--context-len", 16384, "--no-tokens"
+               ).exit_code == 0
+    result = run("plan", root, "--cp", 4, "--token-slack", 0.05, "--name", "slack")
+    assert result.exit_code == 0, result.output
+    meta = json.loads((root / "plans" / "slack" / "plan.json").read_text())
+    assert meta["params"]["token_slack"] == 0.05
+    assert run("verify", root).exit_code == 0
+    plan = plan_sequence("flashcp2", [9000, 7384], 2)
+    moved = SequencePlan.from_arrays(plan.shard_doc, plan.shard_start, plan.shard_len,
+                                     np.where(plan.shard_len == plan.shard_len.min(), 1 - plan.shard_rank,
+                                              plan.shard_rank), cp=2)
+    with pytest.raises(PlanError, match="token slack"):
+        moved.validate([9000, 7384], token_slack=1)
+
+
+@pytest.mark.parametrize("comm", ["full", "allgather", "a2a", "ring"])
+def test_runtime_runs_plans_with_unequal_tokens(comm):
+    torch = pytest.importorskip("torch")
+    from flashcp.runtime.emulate import emulate_cp_attention
+    from tests.naive import naive_document_attention
+
+    lens = [40, 25, 31, 8]  # 104 tokens over 3 ranks: 38 / 33 / 33 instead of 35 / 35 / 34
+    plan = SequencePlan.from_arrays([0, 0, 1, 3, 2, 3], [0, 38, 0, 0, 0, 6], [38, 2, 25, 6, 31, 2],
+                                    [0, 1, 1, 1, 2, 2], cp=3)
+    plan.validate(lens, token_slack=3)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(104, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    got = emulate_cp_attention(q, k, v, plan, lens, comm=comm)
+    assert torch.allclose(got, naive_document_attention(q, k, v, lens), atol=1e-10)

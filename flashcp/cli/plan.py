@@ -45,6 +45,9 @@ def summary_table(title: str, rows: dict[str, dict]) -> Table:
               help="flashcp2: local-search budget per sequence, 16 objective evaluations per unit "
                    "[default: 1; 0 = a smaller portfolio, no search]; 'ilp' or 'ilp:SECONDS' then polishes "
                    "every sequence with CP-SAT (10 s each by default).")
+@click.option("--token-slack", type=click.FloatRange(min=0, max=1, max_open=True), default=None,
+              help="flashcp2: a rank may hold up to F x C/N tokens more or fewer than its quota, the objective "
+                   "pricing the per-token layers too [default: 0, exact quotas].")
 @click.option("--chunk-size", type=click.IntRange(min=1), default=None,
               help="magi, ptrr: chunk tokens [default: 512 for magi, 128 for ptrr].")
 @click.option("--workers", type=int, default=1, show_default=True, help="Worker processes.")
@@ -52,15 +55,16 @@ def summary_table(title: str, rows: dict[str, dict]) -> Table:
 @click.option("--force", is_flag=True, help="Replace an existing plan of the same name.")
 @click.option("--json", "as_json", is_flag=True, help="Print plan.json and the time on stdout (text on stderr).")
 def command(data: str, cp: int, strategy: str, target_imbalance: float | None, objective: str | None,
-            profile: str | None, effort: str | None, chunk_size: int | None, workers: int, name: str | None,
-            force: bool, as_json: bool = False) -> None:
+            profile: str | None, effort: str | None, token_slack: float | None, chunk_size: int | None,
+            workers: int, name: str | None, force: bool, as_json: bool = False) -> None:
     """Plan every sequence of DATA for CP size N; every plan is validated before it is written."""
     set_json_output(as_json)
     started = time.perf_counter()
     dataset = Dataset(data)
     with progress(f"planning cp{cp} {strategy}", dataset.num_sequences) as advance:
         overrides = {"objective": objective, "profile": str(Path(profile).resolve()) if profile else None,
-                     "effort": int(effort) if effort and effort.isdigit() else effort, "chunk_size": chunk_size}
+                     "effort": int(effort) if effort and effort.isdigit() else effort, "chunk_size": chunk_size,
+                     "token_slack": token_slack}
         meta = plan_dataset(data, cp, strategy, target_imbalance=target_imbalance, workers=workers,
                             force=force, name=name, progress=advance, on_note=info,
                             overrides={k: v for k, v in overrides.items() if v is not None})

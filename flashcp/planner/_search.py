@@ -9,13 +9,15 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, typeof, types
 
+from flashcp.planner._batch import BAD_QUOTA, _check_row
 from flashcp.planner._kernels import _finish, _quotas, flashcp_kernel, llama3_kernel
 from flashcp.planner._peers import magi_kernel, ptrr_kernel
 from flashcp.planner._plus import flashcp_plus_kernel
-from flashcp.planner.cost import _exact_need_received, _rank_workloads, workload
+from flashcp.planner.cost import _allgather_contributions, _exact_need_received, _rank_workloads, workload
 from flashcp.planner.objective import step_seconds
 
-__all__ = ["FLASHCP2", "MAGI", "PTRR", "flashcp2_kernel", "local_search", "needs_compile", "plan_batch", "plan_one"]
+__all__ = ["FLASHCP2", "MAGI", "PTRR", "check_batch_slack", "flashcp2_kernel", "local_search", "needs_compile",
+           "plan_batch", "plan_one", "slack_tokens"]
 
 MAGI, PTRR, FLASHCP2 = 5, 6, 7
 """Strategy codes this module plans (registry ``Strategy.code``)."""
@@ -67,11 +69,19 @@ def _shift(left, right, delta, start, length):
 
 
 @njit(cache=True)
-def local_search(doc, start, length, rank, cp, model, target, budget):
+def slack_tokens(share, context_len, cp):
+    """Tokens a rank may be off its quota under token slack ``share``: ``floor(share * C / N)``."""
+    return np.int64(np.floor(share * context_len / cp))
+
+
+@njit(cache=True)
+def local_search(doc, start, length, rank, cp, model, target, budget, window):
     """Improve a plan in place by paired boundary moves; returns (step seconds, evaluations used).
 
     A move shifts two document boundaries at once by the same ``delta`` so that tokens go from rank x to
-    rank y at the first and back at the second (every rank keeps its tokens). Moves are tried for every pair
+    rank y at the first and back at the second (every rank keeps its tokens). With a token ``window`` > 0
+    (token slack), each pass first tries single boundary moves that keep both ranks within ``window`` tokens
+    of their quotas. Moves are tried for every pair
     of boundaries between the same two ranks, shifts from ``STEPS`` (largest first), and kept when the step
     time drops, the imbalance stays within ``target`` and the largest receive does not grow; a pass over all
     moves repeats while it improves,
@@ -82,10 +92,42 @@ def local_search(doc, start, length, rank, cp, model, target, budget):
     used = 0
     left, right = _boundaries(doc, start, length)
     nb = left.shape[0]
+    tokens = np.zeros(cp, np.int64)
+    for i in range(doc.shape[0]):
+        tokens[rank[i]] += length[i]
+    quotas = _quotas(tokens.sum(), cp)
     improved = True
     while improved and used < budget:
         improved = False
         for step in STEPS:
+            # with a token window: single boundary moves that keep both ranks within it
+            for i in range(nb if window > 0 else 0):
+                a_l, a_r = left[i], right[i]
+                for sign_i in (1, -1):
+                    d_i = sign_i * step
+                    if d_i > 0 and length[a_r] <= d_i or d_i < 0 and length[a_l] <= -d_i:
+                        continue
+                    gain, lose = rank[a_l], rank[a_r]  # +d: the earlier piece's rank gains d tokens
+                    if d_i < 0:
+                        gain, lose = lose, gain
+                    if tokens[gain] + step > quotas[gain] + window or tokens[lose] - step < quotas[lose] - window:
+                        continue
+                    if used >= budget:
+                        return best, used
+                    _shift(a_l, a_r, d_i, start, length)
+                    used += 1
+                    if _imbalance(start, length, rank, cp) <= target:
+                        got = step_seconds(doc, start, length, rank, cp, model)
+                        if got < best:
+                            now = _exact_need_received(doc, start, length, rank, cp).max()
+                            if now <= received:
+                                best = got
+                                received = now
+                                improved = True
+                                tokens[gain] += step
+                                tokens[lose] -= step
+                                break
+                    _shift(a_l, a_r, -d_i, start, length)
             for i in range(nb):
                 a_l, a_r = left[i], right[i]
                 for j in range(i + 1, nb):
@@ -211,7 +253,7 @@ def affinity_kernel(lens, cp, chunk, tolerance):
 
 
 @njit(cache=True)
-def flashcp2_kernel(lens, cp, target, effort, model):
+def flashcp2_kernel(lens, cp, target, effort, model, slack):
     """Portfolio of candidate plans, the best under the step time, then local search (see strategies.py)."""
     best_doc, best_start, best_len, best_rank = flashcp_plus_kernel(lens, cp, target)
     best_time = step_seconds(best_doc, best_start, best_len, best_rank, cp, model)
@@ -237,23 +279,24 @@ def flashcp2_kernel(lens, cp, target, effort, model):
     if effort > 0:
         start = best_start.copy()
         length = best_len.copy()
-        local_search(best_doc, start, length, best_rank, cp, model, limit, effort * EVALS_PER_EFFORT)
+        local_search(best_doc, start, length, best_rank, cp, model, limit, effort * EVALS_PER_EFFORT,
+                     slack_tokens(slack, lens.sum(), cp))
         return _finish(best_doc, start, length, best_rank, best_doc.shape[0], lens)
     return best_doc, best_start, best_len, best_rank
 
 
 @njit(cache=True)
-def plan_one(lens, cp, code, target, chunk, effort, model):
+def plan_one(lens, cp, code, target, chunk, effort, model, slack):
     """One sequence with strategy ``code`` (MAGI, PTRR or FLASHCP2)."""
     if code == MAGI:
         return magi_kernel(lens, cp, chunk)
     if code == PTRR:
         return ptrr_kernel(lens, cp, chunk)
-    return flashcp2_kernel(lens, cp, target, effort, model)
+    return flashcp2_kernel(lens, cp, target, effort, model, slack)
 
 
 @njit(cache=True)
-def plan_batch(row_offsets, doc_lens, cp, code, target, chunk, effort, model):
+def plan_batch(row_offsets, doc_lens, cp, code, target, chunk, effort, model, slack):
     """Plan every row; returns (shard_offsets, doc, start, len, rank) like ``_batch.plan_batch``."""
     rows = row_offsets.shape[0] - 1
     shard_offsets = np.zeros(rows + 1, np.int64)
@@ -262,7 +305,7 @@ def plan_batch(row_offsets, doc_lens, cp, code, target, chunk, effort, model):
     size = 0
     for row in range(rows):
         lens = np.ascontiguousarray(doc_lens[row_offsets[row]:row_offsets[row + 1]])
-        doc, start, length, rank = plan_one(lens, cp, code, target, chunk, effort, model)
+        doc, start, length, rank = plan_one(lens, cp, code, target, chunk, effort, model, slack)
         m = doc.shape[0]
         if size + m > out.shape[1]:
             grown = np.empty((4, max(2 * out.shape[1], size + m, (size + m) * rows // (row + 1) + 16)),
@@ -287,10 +330,47 @@ def needs_compile() -> bool:
     """
     vector = typeof(np.zeros(1, np.int64))
     signature = (vector, vector, types.int64, types.int64, types.float64, types.int64, types.int64,
-                 typeof(np.zeros(1, np.float64)))
+                 typeof(np.zeros(1, np.float64)), types.float64)
     try:
         cache = plan_batch._cache
         key = cache._index_key(signature, plan_batch.targetctx.codegen())
         return signature not in plan_batch.overloads and key not in cache._cache_file._load_index()
     except Exception:  # numba internals moved: say nothing rather than something wrong
         return False
+
+
+@njit(cache=True)
+def check_batch_slack(row_offsets, doc_lens, shard_offsets, doc, start, length, rank, cp, slack):
+    """``_batch.check_batch`` with token slack: a rank may hold ``slack_tokens(slack, C, N)`` tokens more or
+    fewer than its quota. Returns (error code per row, imbalance, all-gather path, exact-need path)."""
+    rows = row_offsets.shape[0] - 1
+    errors = np.zeros(rows, np.int64)
+    imbalance = np.zeros(rows, np.float64)
+    ag = np.zeros(rows, np.int64)
+    a2a = np.zeros(rows, np.int64)
+    for row in range(rows):
+        lens = doc_lens[row_offsets[row]:row_offsets[row + 1]]
+        lo = shard_offsets[row]
+        hi = shard_offsets[row + 1]
+        d = doc[lo:hi]
+        s = start[lo:hi]
+        n = length[lo:hi]
+        r = rank[lo:hi]
+        errors[row] = _check_row(lens, d, s, n, r, cp)
+        if errors[row] == BAD_QUOTA:  # every other check passed; the quotas get the window
+            context_len = lens.sum()
+            quotas = _quotas(context_len, cp)
+            window = slack_tokens(slack, context_len, cp)
+            tokens = np.zeros(cp, np.int64)
+            for i in range(d.shape[0]):
+                tokens[r[i]] += n[i]
+            errors[row] = 0
+            for q in range(cp):
+                if abs(tokens[q] - quotas[q]) > window:
+                    errors[row] = BAD_QUOTA
+        if errors[row] != 0:
+            continue
+        imbalance[row] = _imbalance(s, n, r, cp)
+        ag[row] = _allgather_contributions(d, s, r, n, cp).max()
+        a2a[row] = _exact_need_received(d, s, n, r, cp).max()
+    return errors, imbalance, ag, a2a

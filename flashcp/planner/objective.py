@@ -19,7 +19,9 @@ Per rank, one layer, forward and backward (DESIGN.md cost model, ``flashcp.bench
 
 Step time: the slowest rank's forward plus the slowest rank's backward, times ``layers``. With token slack
 (ranks holding unequal tokens), every rank also pays its tokens' per-token layers: ``token_flops`` FLOPs per
-token and layer (projections and MLP, forward + backward) at ``token_tflops``.
+token and layer (projections and MLP, forward + backward: one third forward, two thirds backward) at the
+profile's dense peak, ASSUMPTION (optimistic: real matmuls reach less, which makes tokens dearer and slack
+worth less).
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def model_vector(profile, shape: ObjectiveShape, *, with_tokens: bool = False) -
         profile.collective_latency_us
     vec[_PEAK] = profile.peak_tflops
     vec[_TOKEN_FLOPS] = shape.token_flops() if with_tokens else 0.0
-    vec[_TOKEN_TFLOPS] = profile.attention_tflops(np.array([profile.lengths[-1]]))[0]
+    vec[_TOKEN_TFLOPS] = profile.peak_tflops
     vec[_K] = k
     vec[_HEADER:_HEADER + k] = np.log(np.asarray(profile.lengths, np.float64))
     vec[_HEADER + k:_HEADER + 2 * k] = np.log(np.asarray(profile.forward_tflops, np.float64))
@@ -265,12 +267,12 @@ def step_seconds(doc, start, length, rank, cp, model):
 
 @functools.lru_cache(maxsize=16)
 def cached_model(profile: str | None, num_heads: int, num_kv_heads: int, head_dim: int,
-                 layers: int) -> np.ndarray:
+                 layers: int, with_tokens: bool = False) -> np.ndarray:
     """``model_vector`` of a profile file (None: the default profile) and a model shape; do not modify."""
     from flashcp.bench.profile import load_profile
 
     shape = ObjectiveShape(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, layers=layers)
-    return model_vector(load_profile(profile), shape)
+    return model_vector(load_profile(profile), shape, with_tokens=with_tokens)
 
 
 def plan_step_seconds(plan, model: np.ndarray) -> float:

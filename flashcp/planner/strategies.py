@@ -102,6 +102,12 @@ identical plans.
     shift (1024, 256, 64, 16 tokens) so every rank keeps its quota, kept when the step time drops, the
     imbalance stays within ``limit`` and the largest receive does not grow; passes repeat while one
     improves, for at most ``16 * effort`` evaluations.
+
+    Token slack (``token_slack`` F, default 0, beyond the paper): a rank may hold up to ``floor(F C / N)``
+    tokens more or fewer than its quota. The objective then also prices every rank's per-token layers
+    (projections and MLP, ``objective.ObjectiveShape.token_flops``), and each search pass first tries single
+    boundary moves that keep both ranks within that window. Plans record ``token_slack`` in plan.json; the
+    portfolio's candidates keep exact quotas.
 """
 
 from __future__ import annotations
@@ -176,7 +182,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              description="PyTorch's PTRR load balancer: blocks by process time, dealt in snake order"),
     Strategy(name="flashcp2", code=_search.FLASHCP2,
              defaults={"target_imbalance": 1.01, "effort": 1, "objective": "time", "profile": None,
-                       "num_heads": 32, "num_kv_heads": 32, "head_dim": 128, "layers": 1},
+                       "num_heads": 32, "num_kv_heads": 32, "head_dim": 128, "layers": 1, "token_slack": 0.0},
              kernel=_search.flashcp2_kernel,
              description="portfolio + local search under the projected step time, never slower than flashcp+"),
 )}
@@ -214,6 +220,11 @@ def resolve_params(strategy: Strategy, target_imbalance: float | None = None, **
         from flashcp.planner.polish import parse_effort
 
         parse_effort(params["effort"])
+    if "token_slack" in params:
+        slack = params["token_slack"]
+        if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 <= slack < 1:
+            raise ValueError(f"token slack must be a number in [0, 1), got {slack}")
+        params["token_slack"] = float(slack)
     if "objective" in params and params["objective"] not in OBJECTIVES:
         raise ValueError(f"unknown objective '{params['objective']}': choose one of {', '.join(OBJECTIVES)}")
     return params
@@ -225,16 +236,16 @@ def objective_model(params: dict) -> np.ndarray:
 
     return cached_model(params.get("profile"), int(params.get("num_heads", 32)),
                         int(params.get("num_kv_heads", 32)), int(params.get("head_dim", 128)),
-                        int(params.get("layers", 1)))
+                        int(params.get("layers", 1)), float(params.get("token_slack", 0.0)) > 0)
 
 
 def kernel_args(strategy: Strategy, params: dict) -> tuple:
-    """``(target, chunk, effort, model)`` for ``_search.plan_batch`` (codes MAGI, PTRR, FLASHCP2)."""
+    """``(target, chunk, effort, model, token slack)`` for ``_search.plan_batch`` (MAGI, PTRR, FLASHCP2)."""
     model = objective_model(params) if strategy.code == _search.FLASHCP2 else np.zeros(1, np.float64)
     from flashcp.planner.polish import parse_effort
 
     return (float(params.get("target_imbalance", 1.0)), int(params.get("chunk_size", 1)),
-            parse_effort(params.get("effort", 0))[0], model)
+            parse_effort(params.get("effort", 0))[0], model, float(params.get("token_slack", 0.0)))
 
 
 def check_shape(context_len: int, cp: int) -> None:
