@@ -6,6 +6,8 @@ Rules in flashcp/planner/strategies.py; ``tests/naive.py`` holds the plain-Pytho
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numba import njit, typeof, types
 
@@ -331,10 +333,11 @@ def needs_compile() -> bool:
     vector = typeof(np.zeros(1, np.int64))
     signature = (vector, vector, types.int64, types.int64, types.float64, types.int64, types.int64,
                  typeof(np.zeros(1, np.float64)), types.float64)
+    dispatcher: Any = plan_batch  # numba internals, untyped
     try:
-        cache = plan_batch._cache
-        key = cache._index_key(signature, plan_batch.targetctx.codegen())
-        return signature not in plan_batch.overloads and key not in cache._cache_file._load_index()
+        cache = dispatcher._cache
+        key = cache._index_key(signature, dispatcher.targetctx.codegen())
+        return signature not in dispatcher.overloads and key not in cache._cache_file._load_index()
     except Exception:  # numba internals moved: say nothing rather than something wrong
         return False
 
