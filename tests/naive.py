@@ -743,7 +743,9 @@ def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float =
                    effort: int = 1, token_slack: float = 0.0) -> list[tuple[int, int, int, int]]:
     """flashcp2 from the references: flashcp+ first, then the portfolio in the kernel's order; a candidate
     wins when it is strictly faster under ``step_time`` (default ``naive_step_time``) and within
-    max(target, flashcp+'s imbalance); then the local search with 48 evaluations per unit of effort."""
+    max(target, flashcp+'s imbalance); then the local search with 16 evaluations per unit of effort (the kernel
+    also skips candidates whose
+    busiest rank's attention alone is slower than the best so far: that must not change the plan)."""
     step_time = step_time or naive_step_time(cp)
     best = naive_flashcp_plus(doc_lens, cp, target)
     best_time = step_time(best)
@@ -753,8 +755,9 @@ def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float =
     candidates = [lambda c=c, t=t: naive_affinity(doc_lens, cp, c, t) for c, t in affinity[:8 if effort else 3]]
     candidates.append(lambda: naive_flashcp(doc_lens, cp, 1.05))
     if effort:
-        candidates += [lambda: naive_magi(doc_lens, cp, 1024), lambda: naive_llama3(doc_lens, cp),
-                       lambda: naive_magi(doc_lens, cp, 512), lambda: naive_magi(doc_lens, cp, 2048)]
+        candidates += [lambda: naive_magi(doc_lens, cp, 1024), lambda: naive_llama3(doc_lens, cp)]
+    if effort > 1:
+        candidates += [lambda: naive_magi(doc_lens, cp, 512), lambda: naive_magi(doc_lens, cp, 2048)]
     for make in candidates:
         plan = make()
         t = step_time(plan)

@@ -16,7 +16,7 @@ from flashcp.planner._kernels import _finish, _quotas, flashcp_kernel, llama3_ke
 from flashcp.planner._peers import magi_kernel, ptrr_kernel
 from flashcp.planner._plus import flashcp_plus_kernel
 from flashcp.planner.cost import _allgather_contributions, _exact_need_received, _rank_workloads, workload
-from flashcp.planner.objective import step_seconds
+from flashcp.planner.objective import one_shard_seconds, rank_floor, shard_seconds, step_seconds, step_seconds_of
 
 __all__ = ["FLASHCP2", "MAGI", "PTRR", "check_batch_slack", "flashcp2_kernel", "local_search", "needs_compile",
            "plan_batch", "plan_one", "slack_tokens"]
@@ -37,7 +37,11 @@ STEPS = (1024, 256, 64, 16)
 
 @njit(cache=True)
 def _imbalance(start, length, rank, cp):
-    work = _rank_workloads(start, length, rank, cp)
+    return _imbalance_of(_rank_workloads(start, length, rank, cp), cp)
+
+
+@njit(cache=True)
+def _imbalance_of(work, cp):
     total = work.sum()
     if total == 0:
         return 1.0
@@ -71,6 +75,43 @@ def _shift(left, right, delta, start, length):
 
 
 @njit(cache=True)
+def _add_work(a, b, c, d, start, length, rank, work, sign):
+    """Add (``sign`` 1) or take away (-1) the workloads of the distinct shards among ``a, b, c, d`` (-1: none)
+    to ``work`` (per rank), so a move updates the ranks' workloads without summing every shard."""
+    touched = (a, b, c, d)
+    for k in range(4):
+        i = touched[k]
+        if i < 0 or (k > 0 and i == a) or (k > 1 and i == b) or (k > 2 and i == c):
+            continue
+        work[rank[i]] += sign * workload(start[i], length[i])
+
+
+@njit(cache=True)
+def _reprice(a, b, c, d, start, length, model, sec_f, sec_b):
+    """Re-price shards ``a, b, c, d`` (-1: none) after a move; returns their old seconds to ``_restore``."""
+    saved = np.empty((2, 4), np.float64)
+    touched = (a, b, c, d)
+    for k in range(4):
+        i = touched[k]
+        if i >= 0:
+            saved[0, k] = sec_f[i]
+            saved[1, k] = sec_b[i]
+            sec_f[i], sec_b[i] = one_shard_seconds(start[i], length[i], model)
+    return saved
+
+
+@njit(cache=True)
+def _restore(a, b, c, d, saved, sec_f, sec_b):
+    """Undo ``_reprice`` (in reverse order, so a shard touched twice gets its first saved value back)."""
+    touched = (a, b, c, d)
+    for k in range(3, -1, -1):
+        i = touched[k]
+        if i >= 0:
+            sec_f[i] = saved[0, k]
+            sec_b[i] = saved[1, k]
+
+
+@njit(cache=True)
 def slack_tokens(share, context_len, cp):
     """Tokens a rank may be off its quota under token slack ``share``: ``floor(share * C / N)``."""
     return np.int64(np.floor(share * context_len / cp))
@@ -89,7 +130,10 @@ def local_search(doc, start, length, rank, cp, model, target, budget, window):
     moves repeats while it improves,
     until ``budget`` objective evaluations are spent.
     """
-    best = step_seconds(doc, start, length, rank, cp, model)
+    # every shard's kernel seconds, re-priced only for the shards a move touches
+    sec_f, sec_b = shard_seconds(start, length, model)
+    work = _rank_workloads(start, length, rank, cp)
+    best = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, -1)
     received = _exact_need_received(doc, start, length, rank, cp).max()
     used = 0
     left, right = _boundaries(doc, start, length)
@@ -116,10 +160,13 @@ def local_search(doc, start, length, rank, cp, model, target, budget, window):
                         continue
                     if used >= budget:
                         return best, used
+                    _add_work(a_l, a_r, -1, -1, start, length, rank, work, -1)
                     _shift(a_l, a_r, d_i, start, length)
+                    _add_work(a_l, a_r, -1, -1, start, length, rank, work, 1)
                     used += 1
-                    if _imbalance(start, length, rank, cp) <= target:
-                        got = step_seconds(doc, start, length, rank, cp, model)
+                    if _imbalance_of(work, cp) <= target:
+                        saved = _reprice(a_l, a_r, -1, -1, start, length, model, sec_f, sec_b)
+                        got = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, -1)
                         if got < best:
                             now = _exact_need_received(doc, start, length, rank, cp).max()
                             if now <= received:
@@ -129,7 +176,10 @@ def local_search(doc, start, length, rank, cp, model, target, budget, window):
                                 tokens[gain] += step
                                 tokens[lose] -= step
                                 break
+                        _restore(a_l, a_r, -1, -1, saved, sec_f, sec_b)
+                    _add_work(a_l, a_r, -1, -1, start, length, rank, work, -1)
                     _shift(a_l, a_r, -d_i, start, length)
+                    _add_work(a_l, a_r, -1, -1, start, length, rank, work, 1)
             for i in range(nb):
                 a_l, a_r = left[i], right[i]
                 for j in range(i + 1, nb):
@@ -151,11 +201,14 @@ def local_search(doc, start, length, rank, cp, model, target, budget, window):
                             continue
                         if used >= budget:
                             return best, used
+                        _add_work(a_l, a_r, b_l, b_r, start, length, rank, work, -1)
                         _shift(a_l, a_r, d_i, start, length)
                         _shift(b_l, b_r, d_j, start, length)
+                        _add_work(a_l, a_r, b_l, b_r, start, length, rank, work, 1)
                         used += 1
-                        if _imbalance(start, length, rank, cp) <= target:
-                            got = step_seconds(doc, start, length, rank, cp, model)
+                        if _imbalance_of(work, cp) <= target:
+                            saved = _reprice(a_l, a_r, b_l, b_r, start, length, model, sec_f, sec_b)
+                            got = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, -1)
                             if got < best:
                                 now = _exact_need_received(doc, start, length, rank, cp).max()
                                 if now <= received:
@@ -163,8 +216,11 @@ def local_search(doc, start, length, rank, cp, model, target, budget, window):
                                     received = now
                                     improved = True
                                     break
+                            _restore(a_l, a_r, b_l, b_r, saved, sec_f, sec_b)
+                        _add_work(a_l, a_r, b_l, b_r, start, length, rank, work, -1)
                         _shift(b_l, b_r, -d_j, start, length)
                         _shift(a_l, a_r, -d_i, start, length)
+                        _add_work(a_l, a_r, b_l, b_r, start, length, rank, work, 1)
     return best, used
 
 
@@ -179,8 +235,14 @@ def affinity_kernel(lens, cp, chunk, tolerance):
     one contiguous piece and receives only the prefix before it. Quotas: when no rank has room for a chunk,
     the least-loaded rank with room takes its head and the rest goes on (as in ``magi``).
     """
+    return _affinity_assign(lens, cp, _affinity_chunks(lens, chunk), tolerance)
+
+
+@njit(cache=True)
+def _affinity_chunks(lens, chunk):
+    """``affinity_kernel``'s chunks (document, start, length, workload), total workload and placing order:
+    the same for every tolerance, so the portfolio cuts them once per chunk size."""
     num_docs = lens.shape[0]
-    quotas = _quotas(lens.sum(), cp)
     num_chunks = 0
     for d in range(num_docs):
         num_chunks += (lens[d] + chunk - 1) // chunk
@@ -201,8 +263,15 @@ def affinity_kernel(lens, cp, chunk, tolerance):
             total += cwork[k]
             end -= take
             k += 1
+    return cdoc, cstart, clen, cwork, total, np.argsort(-cwork, kind="mergesort")
+
+
+@njit(cache=True)
+def _affinity_assign(lens, cp, chunks, tolerance):
+    cdoc, cstart, clen, cwork, total, order = chunks
+    num_chunks = cdoc.shape[0]
+    quotas = _quotas(lens.sum(), cp)
     mean = total / cp
-    order = np.argsort(-cwork, kind="mergesort")
     owner = np.full(num_chunks, -1, np.int64)  # rank of each chunk, -1 until placed (or when split)
     capacity = 2 * num_chunks + 4 * cp + 4
     pdoc = np.empty(capacity, np.int64)
@@ -255,6 +324,24 @@ def affinity_kernel(lens, cp, chunk, tolerance):
 
 
 @njit(cache=True)
+def _candidate(lens, cp, c, num, cut):
+    """Portfolio candidate ``c``: ``num`` chunked assignments of ``AFFINITY``, then ``flashcp``, ``magi`` at
+    1024, ``llama3``, then ``magi`` at each of ``PORTFOLIO_CHUNKS``. ``cut``: ``_affinity_chunks`` at 2048,
+    1024 and 512 tokens (the chunk sizes of ``AFFINITY``)."""
+    if c < num:
+        chunk = AFFINITY[c][0]
+        return _affinity_assign(lens, cp, cut[0] if chunk == 2048 else cut[1] if chunk == 1024 else cut[2],
+                                AFFINITY[c][1])
+    if c == num:
+        return flashcp_kernel(lens, cp, 1.05)
+    if c == num + 1:
+        return magi_kernel(lens, cp, 1024)
+    if c == num + 2:
+        return llama3_kernel(lens, cp)
+    return magi_kernel(lens, cp, PORTFOLIO_CHUNKS[c - num - 3])
+
+
+@njit(cache=True)
 def flashcp2_kernel(lens, cp, target, effort, model, slack):
     """Portfolio of candidate plans, the best under the step time, then local search (see strategies.py)."""
     best_doc, best_start, best_len, best_rank = flashcp_plus_kernel(lens, cp, target)
@@ -262,18 +349,20 @@ def flashcp2_kernel(lens, cp, target, effort, model, slack):
     # the imbalance every candidate must meet: the target, or flashcp+'s own when it misses the target
     limit = max(target, _imbalance(best_start, best_len, best_rank, cp))
     num = len(AFFINITY) if effort > 0 else FAST
-    for c in range(num + (3 + len(PORTFOLIO_CHUNKS) if effort > 0 else 1)):
-        if c < num:
-            doc, start, length, rank = affinity_kernel(lens, cp, AFFINITY[c][0], AFFINITY[c][1])
-        elif c == num:
-            doc, start, length, rank = flashcp_kernel(lens, cp, 1.05)
-        elif c == num + 1:
-            doc, start, length, rank = magi_kernel(lens, cp, 1024)
-        elif c == num + 2:
-            doc, start, length, rank = llama3_kernel(lens, cp)
-        else:
-            doc, start, length, rank = magi_kernel(lens, cp, PORTFOLIO_CHUNKS[c - num - 3])
-        if _imbalance(start, length, rank, cp) > limit:  # cheap test first
+    cut = (_affinity_chunks(lens, 2048), _affinity_chunks(lens, 1024),
+           _affinity_chunks(lens, 512 if effort > 0 else 1 << 40))  # FAST uses no 512 (1 << 40: one chunk a doc)
+    count = num + 1
+    if effort > 0:
+        count += 2
+    if effort > 1:
+        count += len(PORTFOLIO_CHUNKS)
+    for c in range(count):
+        doc, start, length, rank = _candidate(lens, cp, c, num, cut)
+        work = _rank_workloads(start, length, rank, cp)
+        if _imbalance_of(work, cp) > limit:  # cheap test first
+            continue
+        # the busiest rank's own time bounds the step time from below: skip what cannot win
+        if rank_floor(doc, start, length, rank, cp, model, np.argmax(work)) >= best_time:
             continue
         t = step_seconds(doc, start, length, rank, cp, model)
         if t < best_time:

@@ -33,15 +33,11 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from flashcp.planner.cost import (
-    _allgather_contributions,
-    _exact_need_received,
-    _exact_need_sent,
-    workload,
-)
+from flashcp.planner.cost import workload
 
 __all__ = ["BWD_FLOPS", "ObjectiveShape", "batch_step_seconds", "cached_model", "curve_tflops", "model_vector",
-           "pair_seconds", "plan_step_seconds", "step_seconds"]
+           "one_shard_seconds", "pair_seconds", "plan_step_seconds", "rank_floor", "shard_seconds", "step_seconds",
+           "step_seconds_of"]
 
 BWD_FLOPS = 2.5
 """Backward FLOPs per forward FLOP (the flash-attention benchmark convention the profile's curve uses)."""
@@ -114,12 +110,43 @@ def model_vector(profile, shape: ObjectiveShape, *, with_tokens: bool = False) -
 
 
 @njit(cache=True)
+def _segment(x, knots):
+    """Which piece of the curve ``x`` falls on.
+
+    -1 before the first knot, k - 1 at or after the last, else j with ``knots[j] <= x < knots[j + 1]``.
+    """
+    k = knots.shape[0]
+    if x < knots[0]:
+        return -1
+    if x >= knots[k - 1]:
+        return k - 1
+    j = 0
+    while knots[j + 1] <= x:
+        j += 1
+    return j
+
+
+@njit(cache=True)
+def _curve_on(x, j, knots, values, peak):
+    """The curve at ``x`` on piece ``j`` (``_segment``)."""
+    k = knots.shape[0]
+    if j < 0:
+        if k > 1:
+            y = values[0] + (values[1] - values[0]) / (knots[1] - knots[0]) * (x - knots[0])
+        else:
+            y = values[0]
+    elif j == k - 1:
+        y = values[k - 1]
+    else:
+        # np.interp's own formula (slope times offset plus left value), without its set-up per call
+        y = (values[j + 1] - values[j]) / (knots[j + 1] - knots[j]) * (x - knots[j]) + values[j]
+    return min(math.exp(y), peak)
+
+
+@njit(cache=True)
 def _curve_at(x, knots, values, peak):
     """The curve at ``x = log(max(length, 1))``."""
-    y = np.interp(x, knots, values)
-    if knots.shape[0] > 1 and x < knots[0]:
-        y = values[0] + (values[1] - values[0]) / (knots[1] - knots[0]) * (x - knots[0])
-    return min(math.exp(y), peak)
+    return _curve_on(x, _segment(x, knots), knots, values, peak)
 
 
 @njit(cache=True)
@@ -175,10 +202,33 @@ def _shard_seconds_both(start, length, model, knots, fwd_curve, bwd_curve):
     if pairs <= 0:
         return model[_SEQ] * 1e-6, model[_SEQ] * 1e-6
     x = math.log(max(eq_len, 1.0))
+    j = _segment(x, knots)
     flops = 4.0 * pairs * model[_H] * model[_D]
-    out_f = flops / (_curve_at(x, knots, fwd_curve, model[_PEAK]) * 1e12) + model[_SEQ] * 1e-6
-    out_b = flops * BWD_FLOPS / (_curve_at(x, knots, bwd_curve, model[_PEAK]) * 1e12) + model[_SEQ] * 1e-6
+    out_f = flops / (_curve_on(x, j, knots, fwd_curve, model[_PEAK]) * 1e12) + model[_SEQ] * 1e-6
+    out_b = flops * BWD_FLOPS / (_curve_on(x, j, knots, bwd_curve, model[_PEAK]) * 1e12) + model[_SEQ] * 1e-6
     return out_f, out_b
+
+
+@njit(cache=True)
+def shard_seconds(start, length, model):
+    """Forward and backward kernel seconds of every shard (``_shard_seconds_both``), two float64 arrays."""
+    k = np.int64(model[_K])
+    knots = model[_HEADER:_HEADER + k]
+    fwd_curve = model[_HEADER + k:_HEADER + 2 * k]
+    bwd_curve = model[_HEADER + 2 * k:_HEADER + 3 * k]
+    sec_f = np.empty(start.shape[0], np.float64)
+    sec_b = np.empty(start.shape[0], np.float64)
+    for i in range(start.shape[0]):
+        sec_f[i], sec_b[i] = _shard_seconds_both(start[i], length[i], model, knots, fwd_curve, bwd_curve)
+    return sec_f, sec_b
+
+
+@njit(cache=True)
+def one_shard_seconds(start, length, model):
+    """Forward and backward kernel seconds of one shard (as :func:`shard_seconds`)."""
+    k = np.int64(model[_K])
+    return _shard_seconds_both(start, length, model, model[_HEADER:_HEADER + k], model[_HEADER + k:_HEADER + 2 * k],
+                               model[_HEADER + 2 * k:_HEADER + 3 * k])
 
 
 @njit(cache=True)
@@ -187,20 +237,88 @@ def step_seconds(doc, start, length, rank, cp, model):
 
     ``doc, start, length, rank``: the plan's shard arrays (int64, any order); ``model``: ``model_vector``.
     """
-    k = np.int64(model[_K])
-    knots = model[_HEADER:_HEADER + k]
-    fwd_curve = model[_HEADER + k:_HEADER + 2 * k]
-    bwd_curve = model[_HEADER + 2 * k:_HEADER + 3 * k]
+    sec_f, sec_b = shard_seconds(start, length, model)
+    return step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, -1)
+
+
+@njit(cache=True)
+def rank_floor(doc, start, length, rank, cp, model, of_rank):
+    """A lower bound on :func:`step_seconds` that prices only rank ``of_rank``'s shards.
+
+    It is that rank's own forward plus backward time: the step takes the slowest rank's of each, so never
+    less; in floating point too, as both sum the same terms in the same order.
+    """
+    sec_f = np.zeros(start.shape[0], np.float64)
+    sec_b = np.zeros(start.shape[0], np.float64)
+    for i in range(start.shape[0]):
+        if rank[i] == of_rank:
+            sec_f[i], sec_b[i] = one_shard_seconds(start[i], length[i], model)
+    return step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, of_rank)
+
+
+@njit(cache=True)
+def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
+    """:func:`step_seconds` given every shard's kernel seconds (``shard_seconds``).
+
+    A search that moves a few shards then prices only those. ``only`` >= 0: that rank's forward plus
+    backward time alone (``rank_floor``; only its shards' seconds are read). The exchange volumes are the
+    cost model's (``cost.py``: all-gather contributions, exact-need sent and received), computed here in
+    one pass over dense (document, rank) tables.
+    """
     kv_row = 2.0 * model[_HKV] * model[_D] * model[_BYTES]
     q_row = model[_H] * model[_D] * model[_BYTES]
     hbm = model[_HBM] * 1e9
     num_shards = doc.shape[0]
-    tokens = np.zeros(cp, np.int64)
+    num_docs = 0
     for i in range(num_shards):
-        tokens[rank[i]] += length[i]
-    slot = _allgather_contributions(doc, start, rank, length, cp).max()
-    sent = _exact_need_sent(doc, start, length, rank, cp)
-    received = _exact_need_received(doc, start, length, rank, cp)
+        num_docs = max(num_docs, doc[i] + 1)
+    big = np.iinfo(np.int64).max
+    # one allocation for every integer table (this runs once per move of the search)
+    table = np.zeros(4 * cp + num_docs * (2 * cp + 4), np.int64)
+    tokens = table[:cp]
+    received = table[cp:2 * cp]
+    sent = table[2 * cp:3 * cp]
+    contributed = table[3 * cp:4 * cp]
+    at = 4 * cp
+    max_end = table[at:at + num_docs * cp].reshape((num_docs, cp))
+    held = table[at + num_docs * cp:at + 2 * num_docs * cp].reshape((num_docs, cp))
+    at += 2 * num_docs * cp
+    first_start = table[at:at + num_docs]
+    first_rank = table[at + num_docs:at + 2 * num_docs]
+    last_start = table[at + 2 * num_docs:at + 3 * num_docs]
+    switch = table[at + 3 * num_docs:at + 4 * num_docs]
+    first_start[:] = big
+    first_rank[:] = -1
+    last_start[:] = -1
+    switch[:] = big
+    for i in range(num_shards):
+        d, r = doc[i], rank[i]
+        tokens[r] += length[i]
+        max_end[d, r] = max(max_end[d, r], start[i] + length[i])
+        held[d, r] += length[i]
+        last_start[d] = max(last_start[d], start[i])
+        if start[i] < first_start[d]:
+            first_start[d] = start[i]
+            first_rank[d] = r
+    on_many = np.zeros(num_docs, np.bool_)
+    for d in range(num_docs):
+        ranks = 0
+        for r in range(cp):
+            if held[d, r] > 0:
+                ranks += 1
+                received[r] += max_end[d, r] - held[d, r]
+        on_many[d] = ranks > 1
+    for i in range(num_shards):
+        d, b = doc[i], rank[i]
+        if on_many[d]:
+            if start[i] != last_start[d]:
+                contributed[b] += length[i]
+            for r in range(cp):
+                if r != b:
+                    sent[b] += min(length[i], max(0, max_end[d, r] - start[i]))
+        if b != first_rank[d]:
+            switch[d] = min(switch[d], start[i])
+    slot = contributed.max()
     busiest = max(sent.max(), received.max())
     use_a2a = busiest < (cp - 1) * slot
     if use_a2a:
@@ -211,32 +329,21 @@ def step_seconds(doc, start, length, rank, cp, model):
     if moved > 0:
         comm = moved * kv_row / (model[_LINK] * 1e9) + model[_COLL] * 1e-6
 
-    # local shards: the whole key prefix on the shard's own rank
-    num_docs = 0
+    # per rank and part (0 local: the whole key prefix on the shard's own rank, 1 remote): forward,
+    # backward kernel seconds, query rows, key rows, busy
+    sums = np.zeros((5, 2, cp), np.float64)
+    kern_f = sums[0]
+    kern_b = sums[1]
+    rows = sums[2]
+    keys = sums[3]
+    busy = sums[4]
     for i in range(num_shards):
-        num_docs = max(num_docs, doc[i] + 1)
-    first_start = np.full(num_docs, np.iinfo(np.int64).max, np.int64)
-    first_rank = np.full(num_docs, -1, np.int64)
-    for i in range(num_shards):
-        if start[i] < first_start[doc[i]]:
-            first_start[doc[i]] = start[i]
-            first_rank[doc[i]] = rank[i]
-    switch = np.full(num_docs, np.iinfo(np.int64).max, np.int64)
-    for i in range(num_shards):
-        if rank[i] != first_rank[doc[i]]:
-            switch[doc[i]] = min(switch[doc[i]], start[i])
-    # per rank and part (0 local, 1 remote): forward, backward kernel seconds, query rows, key rows, busy
-    kern_f = np.zeros((2, cp), np.float64)
-    kern_b = np.zeros((2, cp), np.float64)
-    rows = np.zeros((2, cp), np.float64)
-    keys = np.zeros((2, cp), np.float64)
-    busy = np.zeros((2, cp), np.float64)
-    for i in range(num_shards):
-        part = 0 if rank[i] == first_rank[doc[i]] and start[i] + length[i] <= switch[doc[i]] else 1
         r = rank[i]
-        fwd, bwd = _shard_seconds_both(start[i], length[i], model, knots, fwd_curve, bwd_curve)
-        kern_f[part, r] += fwd
-        kern_b[part, r] += bwd
+        if only >= 0 and r != only:
+            continue
+        part = 0 if r == first_rank[doc[i]] and start[i] + length[i] <= switch[doc[i]] else 1
+        kern_f[part, r] += sec_f[i]
+        kern_b[part, r] += sec_b[i]
         rows[part, r] += length[i]
         keys[part, r] += start[i] + length[i]
         busy[part, r] = 1.0
@@ -244,6 +351,8 @@ def step_seconds(doc, start, length, rank, cp, model):
     worst_f = 0.0
     worst_b = 0.0
     for r in range(cp):
+        if only >= 0 and r != only:
+            continue
         send = float(sent[r]) if use_a2a else float(slot)
         recv = float(received[r]) if use_a2a else float(cp * slot)
         local_f = kern_f[0, r] + overhead * busy[0, r]
