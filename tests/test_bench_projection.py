@@ -207,3 +207,36 @@ def test_dense_kernels_pay_for_the_whole_rectangle(profile):
     for start in (0, 3000):
         times = shard_seconds(np.full(lengths.size, start), lengths, SHAPE, dense, backward=True)
         assert (np.diff(times) > 0).all()
+
+
+def test_backward_reduce_scatter_carries_float32(profile):
+    """dK/dV go back in float32 over the all-gather's reduce-scatter (twice bf16's bytes), in bf16 over a2a;
+    ``auto`` compares the two by bytes, forward plus backward, like the runtime. An a2a rank never moves more
+    than ``(cp - 1) * slot`` tokens (it receives only contributed shards and sends each to at most cp - 1
+    ranks), so with bf16 ``auto`` now takes a2a whenever anything moves."""
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        doc_lens = rng.integers(1, 4000, size=int(rng.integers(2, 10)))
+        cp = int(rng.integers(2, 6))
+        plan = random_plan(doc_lens, cp, rng, max_pieces=4, cut_prob=0.001)
+        volumes = comm_volumes(plan)
+        link, latency = profile.link_gbps * 1e9, profile.collective_latency_us * 1e-6
+        for comm in ("allgather", "full", "a2a"):
+            vol = volumes[comm]
+            tokens = int(vol["wire"].max()) if comm != "a2a" else int(np.maximum(vol["send"], vol["recv"]).max())
+            wire = int(vol["wire"].max()) if comm != "a2a" else int(vol["send"].max())
+            step = project_step(plan, SHAPE, profile, comm, overlap=False)
+            grad_row = SHAPE.kv_row_bytes * (2 if comm != "a2a" else 1)
+            expected = 0.0 if tokens == 0 else tokens * (SHAPE.kv_row_bytes + grad_row) / link + 2 * latency
+            assert step.comm_seconds == pytest.approx(expected, rel=1e-12), comm
+            assert step.comm_bytes == wire * (SHAPE.kv_row_bytes + grad_row), comm
+        busiest = int(np.maximum(volumes["a2a"]["send"], volumes["a2a"]["recv"]).max())
+        slot = int(volumes["allgather"]["send"].max())
+        expected_mode = "a2a" if busiest * (2 + 2) < (cp - 1) * slot * (2 + 4) else "allgather"
+        assert resolve_comm("auto", volumes) == expected_mode
+        assert build_rank_metas(plan, doc_lens)[0].auto_comm == expected_mode
+        assert expected_mode == ("a2a" if slot > 0 else "allgather")
+        # float32 K/V: the reduce-scatter moves no more than the forward
+        wide = ModelShape(num_heads=32, num_kv_heads=32, head_dim=128, dtype_bytes=4)
+        step = project_step(plan, wide, profile, "allgather", overlap=False)
+        assert step.comm_bytes == 2 * int(volumes["allgather"]["wire"].max()) * wide.kv_row_bytes

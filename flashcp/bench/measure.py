@@ -100,7 +100,7 @@ def measured_work(plan: SequencePlan, doc_lens, shape: ModelShape, profile: Hard
     The gathers run inside the timed parts; the send buffer and the output merge stay projected
     (``profile.hbm_gbps``).
     """
-    mode = resolve_comm(comm, comm_volumes(plan))
+    mode = resolve_comm(comm, comm_volumes(plan), shape.dtype_bytes)
     metas = build_rank_metas(plan, doc_lens)
     parts = [time_rank_parts(m, mode, shape, device, dtype, backend, reps) for m in metas]
     column = {name: np.array([p[name] for p in parts]) for name in parts[0]}

@@ -17,8 +17,9 @@ The model (every number from a ``HardwareProfile``; every formula for work and v
 - Communication: K/V bytes per token from ``cost.kv_bytes_per_token``. A collective takes
   ``busiest rank's tokens * bytes / link_gbps + collective_latency_us``: ``(N-1) * max quota`` tokens for
   ``full``, ``(N-1) * max contribution`` for ``allgather``, ``max(sent, received)`` of the busiest rank for
-  ``a2a``; the backward (reduce-scatter, reversed all-to-all) moves as much again. ``auto`` resolves with
-  the runtime's own rule (``CPAttnMeta.auto_comm``).
+  ``a2a``; the backward moves as many rows: the reversed all-to-all in the K/V dtype, the reduce-scatter
+  (``allgather``, ``full``) in float32 (``cost.grad_bytes_per_token``: it sums inside the collective).
+  ``auto`` resolves with the runtime's own rule (``cost.auto_comm_a2a``, ``CPAttnMeta.auto_comm``).
 - Other: the runtime's copies (query and key/value gathers, the send buffer, the concatenation with the
   receive buffer, the output merge), each read and written once at ``hbm_gbps``; the backward's scatters
   are taken to cost the same as the forward's gathers.
@@ -206,30 +207,42 @@ def comm_volumes(plan: SequencePlan) -> dict[str, dict[str, np.ndarray]]:
                     "recv": cost.exact_need_received(*_arrays(plan), cp)}}
 
 
-def resolve_comm(comm: str, volumes: dict) -> str:
-    """``auto`` -> ``a2a`` if its busiest rank moves fewer tokens than an all-gather rank, else ``allgather``.
+def resolve_comm(comm: str, volumes: dict, dtype_bytes: int = 2) -> str:
+    """``auto`` -> ``a2a`` if its busiest rank moves fewer bytes than an all-gather rank, else ``allgather``.
 
-    The runtime's rule (``CPAttnMeta.auto_comm``), applied to ``comm_volumes``.
+    Bytes are forward K/V plus backward dK/dV, float32 in the reduce-scatter (``cost.auto_comm_a2a``): the
+    runtime's rule (``CPAttnMeta.auto_comm``), applied to ``comm_volumes``.
     """
     if comm != "auto":
         return comm
     a2a = volumes["a2a"]
     busiest = int(np.maximum(a2a["send"], a2a["recv"]).max())
-    return "a2a" if busiest < int(volumes["allgather"]["wire"].max()) else "allgather"
+    cp = len(a2a["send"])
+    slot = int(volumes["allgather"]["send"].max())
+    return "a2a" if cost.auto_comm_a2a(busiest, slot, cp, dtype_bytes) else "allgather"
 
 
-def _collective_seconds(mode: str, volumes: dict, shape: ModelShape, profile: HardwareProfile) -> float:
+def _row_bytes(mode: str, shape: ModelShape, backward: bool) -> int:
+    """Bytes of one row on the wire: K/V forward; dK/dV backward, in float32 for a reduce-scatter."""
+    if backward and mode != "a2a":
+        return cost.grad_bytes_per_token(shape.num_kv_heads, shape.head_dim, shape.dtype_bytes)
+    return shape.kv_row_bytes
+
+
+def _collective_seconds(mode: str, volumes: dict, shape: ModelShape, profile: HardwareProfile,
+                        backward: bool = False) -> float:
     vol = volumes[mode]
     tokens = int(vol["wire"].max()) if mode != "a2a" else int(np.maximum(vol["send"], vol["recv"]).max())
     if tokens == 0:  # every rank skips an exchange that moves nothing
         return 0.0
-    return tokens * shape.kv_row_bytes / (profile.link_gbps * 1e9) + profile.collective_latency_us * 1e-6
+    return (tokens * _row_bytes(mode, shape, backward) / (profile.link_gbps * 1e9)
+            + profile.collective_latency_us * 1e-6)
 
 
 def _wire_bytes(mode: str, volumes: dict, shape: ModelShape) -> int:
     vol = volumes[mode]
     tokens = int(vol["wire"].max()) if mode != "a2a" else int(vol["send"].max())
-    return 2 * tokens * shape.kv_row_bytes  # forward K/V + backward dK/dV
+    return tokens * (_row_bytes(mode, shape, False) + _row_bytes(mode, shape, True))  # K/V + dK/dV
 
 
 def rank_work(plan: SequencePlan, shape: ModelShape, profile: HardwareProfile, mode: str,
@@ -289,18 +302,19 @@ def project_step(plan: SequencePlan, shape: ModelShape, profile: HardwareProfile
     if comm == "ring":
         return _project_ring(plan, shape, profile)
     volumes = comm_volumes(plan)
-    mode = resolve_comm(comm, volumes)
+    mode = resolve_comm(comm, volumes, shape.dtype_bytes)
     work = rank_work(plan, shape, profile, mode, volumes) if work is None else work
     seconds = _collective_seconds(mode, volumes, shape, profile)
+    seconds_bwd = _collective_seconds(mode, volumes, shape, profile, backward=True)
     fwd, fwd_attn, fwd_copy, fwd_comm = _pass(seconds, work.local_fwd, work.local_copy, work.remote_fwd,
                                               work.remote_copy, work.other_copy, overlap, local_first=True)
-    bwd, bwd_attn, bwd_copy, bwd_comm = _pass(seconds, work.remote_bwd, work.remote_copy, work.local_bwd,
+    bwd, bwd_attn, bwd_copy, bwd_comm = _pass(seconds_bwd, work.remote_bwd, work.remote_copy, work.local_bwd,
                                               work.local_copy, work.other_copy, overlap, local_first=False)
     f, b = int(np.argmax(fwd)), int(np.argmax(bwd))
     return StepLatency(total=float(fwd[f] + bwd[b]), attn_fwd=float(fwd_attn[f]), attn_bwd=float(bwd_attn[b]),
                        comm=float(fwd_comm[f] + bwd_comm[b]), other=float(fwd_copy[f] + bwd_copy[b]),
                        comm_mode=mode,
-                       comm_seconds=2 * seconds, comm_bytes=_wire_bytes(mode, volumes, shape),
+                       comm_seconds=seconds + seconds_bwd, comm_bytes=_wire_bytes(mode, volumes, shape),
                        kernels=int(work.kernels.max()), measured=work.measured)
 
 

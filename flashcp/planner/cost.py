@@ -22,8 +22,12 @@ Definitions (DESIGN.md section 2, paper section 3):
 - comm saving: ``1 - critical path / (C / N)``, against the full-KV all-gather of Llama3 / Per-Doc CP.
 - exact-need saving: ``1 - max received / ((N - 1) * C / N)``, against the tokens every rank receives in
   that full-KV all-gather (the all-gather saving above is the same ratio, as a rank receives N - 1 buffers).
-- K/V bytes per token for one layer and one pass: ``2 * H_kv * D * dtype_bytes``; backward moves as much
-  again (dK/dV).
+- K/V bytes per token for one layer and one pass: ``2 * H_kv * D * dtype_bytes``; backward moves dK/dV:
+  as much again over ``a2a`` (partials on the wire in the K/V dtype, summed in float32 at the owner), but
+  ``max(dtype_bytes, 4)`` bytes per element over the all-gather's reduce-scatter (``allgather``, ``full``),
+  which sums inside the collective in float32 (``grad_bytes_per_token``; ``runtime/comm.py``).
+- ``auto`` comm: ``a2a`` when its busiest rank moves fewer bytes, forward plus backward, than an
+  all-gather rank does (``auto_comm``).
 - ring comm (Ring-Attn baseline): every rank's whole K/V block travels around the ring in ``N - 1`` steps,
   so rank r receives ``C - T_r`` tokens and sends ``C - T_{r+1}`` per pass, whatever the plan. Its attention
   runs as one kernel call per step over the visiting block (``ring_step_work``).
@@ -41,10 +45,12 @@ __all__ = [
     "RingStepWork",
     "allgather_contributions",
     "allgather_shard_mask",
+    "auto_comm_a2a",
     "comm_saving",
     "exact_need_received",
     "exact_need_saving",
     "exact_need_sent",
+    "grad_bytes_per_token",
     "imbalance_ratio",
     "kv_bytes_per_token",
     "plan_metrics",
@@ -244,6 +250,28 @@ def exact_need_saving(received_tokens: float, context_len: int, cp: int) -> floa
 def kv_bytes_per_token(num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
     """Bytes of K and V for one token, one layer, one pass: ``2 * H_kv * D * dtype_bytes``."""
     return 2 * num_kv_heads * head_dim * dtype_bytes
+
+
+def grad_bytes_per_token(num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of dK and dV for one token in the all-gather's backward reduce-scatter.
+
+    It sums inside the collective in float32 (or the K/V dtype when wider): ``2 * H_kv * D * max(dtype_bytes,
+    4)``.
+    """
+    return 2 * num_kv_heads * head_dim * max(dtype_bytes, 4)
+
+
+@njit(cache=True)
+def auto_comm_a2a(a2a_busiest, ag_slot, cp, dtype_bytes):
+    """Whether ``comm="auto"`` takes ``a2a``.
+
+    It does when its busiest rank (max of sent and received tokens) moves fewer bytes per step than an
+    all-gather rank, whose ``(cp - 1) * ag_slot`` rows go forward in the K/V dtype and back in float32
+    (``grad_bytes_per_token``); ``a2a`` moves its rows in the K/V dtype both ways.
+    """
+    a2a_bytes = 2 * a2a_busiest * dtype_bytes
+    ag_bytes = (cp - 1) * ag_slot * (dtype_bytes + max(dtype_bytes, 4))
+    return a2a_bytes < ag_bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -12,9 +12,11 @@ Per rank, one layer, forward and backward (DESIGN.md cost model, ``flashcp.bench
   ``4 W H D``, backward 2.5x, at the profile's throughput for the equivalent length ``sqrt(2 W)``; one call
   over the rank's local shards (whole key prefix on the rank) and one over its remote shards, each with
   ``kernel_overhead_us``, each shard with ``sequence_overhead_us``;
-- exchange: ``auto`` (exact-need all-to-all when its busiest rank moves fewer tokens than an all-gather rank,
-  else the compacted all-gather), ``tokens * kv bytes / link_gbps + collective_latency_us``; the local call
-  runs while it is in flight, so only what the local part does not hide is paid;
+- exchange: ``auto`` (exact-need all-to-all when its busiest rank moves fewer bytes than an all-gather rank,
+  else the compacted all-gather: ``cost.auto_comm_a2a``), ``tokens * bytes per token / link_gbps +
+  collective_latency_us``; the backward moves dK/dV in the K/V dtype over all-to-all, in float32 over the
+  all-gather's reduce-scatter; the local call runs while it is in flight, so only what the local part does
+  not hide is paid;
 - copies: the runtime's gathers, send buffer and merge at ``hbm_gbps``.
 
 Step time: the slowest rank's forward plus the slowest rank's backward, times ``layers``. With token slack
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from flashcp.planner.cost import workload
+from flashcp.planner.cost import auto_comm_a2a, workload
 
 __all__ = ["BWD_FLOPS", "ObjectiveShape", "batch_step_seconds", "cached_model", "curve_tflops", "model_vector",
            "one_shard_seconds", "pair_seconds", "plan_step_seconds", "rank_floor", "shard_seconds", "step_seconds",
@@ -320,14 +322,18 @@ def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
             switch[d] = min(switch[d], start[i])
     slot = contributed.max()
     busiest = max(sent.max(), received.max())
-    use_a2a = busiest < (cp - 1) * slot
+    use_a2a = auto_comm_a2a(busiest, slot, cp, np.int64(model[_BYTES]))
     if use_a2a:
         moved = busiest
+        grad_row = kv_row
     else:
         moved = (cp - 1) * slot
+        grad_row = 2.0 * model[_HKV] * model[_D] * max(model[_BYTES], 4.0)  # reduce-scatter sums in float32
     comm = 0.0
+    comm_b = 0.0
     if moved > 0:
         comm = moved * kv_row / (model[_LINK] * 1e9) + model[_COLL] * 1e-6
+        comm_b = moved * grad_row / (model[_LINK] * 1e9) + model[_COLL] * 1e-6
 
     # per rank and part (0 local: the whole key prefix on the shard's own rank, 1 remote): forward,
     # backward kernel seconds, query rows, key rows, busy
@@ -368,7 +374,7 @@ def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
         fwd = (local_f + remote_f) + (local_copy + remote_copy + other) \
             + max(comm - (local_f + local_copy), 0.0)
         bwd = (remote_b + local_b) + (remote_copy + local_copy + other) \
-            + max(comm - (local_b + local_copy), 0.0)
+            + max(comm_b - (local_b + local_copy), 0.0)
         worst_f = max(worst_f, fwd + token_time / 3.0)
         worst_b = max(worst_b, bwd + 2.0 * token_time / 3.0)
     return (worst_f + worst_b) * model[_LAYERS]

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 import torch
 
-from flashcp.planner.cost import allgather_contributions, allgather_shard_mask, exact_need_received
+from flashcp.planner.cost import allgather_contributions, allgather_shard_mask, auto_comm_a2a, exact_need_received
 from flashcp.planner.plan import SequencePlan
 
 __all__ = ["COLLECTIVE_MODES", "COMM_MODES", "CPAttnMeta", "Exchange", "QueryPart", "RingSchedule",
@@ -173,8 +173,9 @@ class CPAttnMeta:
     ring: RingSchedule
     """The ``ring`` comm mode's schedule."""
     auto_comm: str
-    """The mode ``comm="auto"`` uses: ``a2a`` when its busiest rank moves fewer tokens than an all-gather rank
-    does (``(cp-1) * P``), else ``allgather``. Decided from the whole plan, so every rank picks the same.
+    """The mode ``comm="auto"`` uses: ``a2a`` when its busiest rank moves fewer bytes than an all-gather rank
+    does, forward plus backward (``cost.auto_comm_a2a`` for 16-bit K/V: the all-gather's reduce-scatter
+    carries float32 dK/dV), else ``allgather``. Decided from the whole plan, so every rank picks the same.
     Never ``ring`` or ``full``: those are baselines, chosen only by name."""
     _moved: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -321,7 +322,8 @@ class _SequenceLayout:
         # ring: each rank's tokens by packed-sequence position (= document order inside a document)
         by_owner = np.argsort(self.owner, kind="stable")
         self.owned_globals = np.split(by_owner, np.cumsum(self.rank_tokens)[:-1])
-        self.auto_comm = "a2a" if a2a_busiest < (cp - 1) * self.ag_slot else "allgather"
+        # the rule for 16-bit K/V (what training exchanges), as flashcp bench and the planner price it
+        self.auto_comm = "a2a" if auto_comm_a2a(a2a_busiest, self.ag_slot, cp, 2) else "allgather"
 
     def _exact_need(self, rank: int) -> np.ndarray:
         plan = self.plan
