@@ -750,14 +750,18 @@ def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float =
     best = naive_flashcp_plus(doc_lens, cp, target)
     best_time = step_time(best)
     limit = max(target, naive_metrics(best, cp)[0])
-    affinity = [(2048, 0.03), (1024, 0.1), (1024, 0.01), (512, 0.01), (1024, 0.03), (2048, 0.01), (512, 0.03),
-                (512, 0.1)]
-    candidates = [lambda c=c, t=t: naive_affinity(doc_lens, cp, c, t) for c, t in affinity[:8 if effort else 3]]
+    quota = sum(doc_lens) // cp
+
+    def chunk(split):
+        return max(1, quota // split)
+
+    affinity = [(4, 0.03), (8, 0.1), (8, 0.01), (16, 0.01), (8, 0.03), (4, 0.01), (16, 0.03), (16, 0.1)]
+    candidates = [lambda s=s, t=t: naive_affinity(doc_lens, cp, chunk(s), t) for s, t in affinity[:8 if effort else 3]]
     candidates.append(lambda: naive_flashcp(doc_lens, cp, 1.05))
     if effort:
-        candidates += [lambda: naive_magi(doc_lens, cp, 1024), lambda: naive_llama3(doc_lens, cp)]
+        candidates += [lambda: naive_magi(doc_lens, cp, chunk(8)), lambda: naive_llama3(doc_lens, cp)]
     if effort > 1:
-        candidates += [lambda: naive_magi(doc_lens, cp, 512), lambda: naive_magi(doc_lens, cp, 2048)]
+        candidates += [lambda: naive_magi(doc_lens, cp, chunk(16)), lambda: naive_magi(doc_lens, cp, chunk(4))]
     for make in candidates:
         plan = make()
         t = step_time(plan)

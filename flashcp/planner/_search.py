@@ -23,10 +23,14 @@ __all__ = ["FLASHCP2", "MAGI", "PTRR", "check_batch_slack", "flashcp2_kernel", "
 
 MAGI, PTRR, FLASHCP2 = 5, 6, 7
 """Strategy codes this module plans (registry ``Strategy.code``)."""
-PORTFOLIO_CHUNKS = (512, 2048)
-"""Chunk sizes of the chunked-assignment (``magi``) candidates besides 1024 (which effort 0 tries too)."""
-AFFINITY = ((2048, 0.03), (1024, 0.1), (1024, 0.01), (512, 0.01), (1024, 0.03), (2048, 0.01), (512, 0.03), (512, 0.1))
-"""The constructive candidates ``(chunk, tolerance)`` of ``affinity_kernel``, the most often best first."""
+SPLITS = (4, 8, 16)
+"""Chunk sizes of the portfolio's chunked candidates, as fractions of a rank's quota: ``(C // N) // s``
+(2048, 1024 and 512 tokens at C = 131072, N = 16)."""
+PORTFOLIO_SPLITS = (16, 4)
+"""``magi`` candidates at effort 2 and more, besides ``magi`` at ``(C // N) // 8`` (effort 1)."""
+AFFINITY = ((4, 0.03), (8, 0.1), (8, 0.01), (16, 0.01), (8, 0.03), (4, 0.01), (16, 0.03), (16, 0.1))
+"""The constructive candidates ``(split, tolerance)`` of ``affinity_kernel``, chunk ``(C // N) // split``,
+the most often best first."""
 FAST = 3
 """Affinity candidates at effort 0."""
 EVALS_PER_EFFORT = 16
@@ -324,21 +328,27 @@ def _affinity_assign(lens, cp, chunks, tolerance):
 
 
 @njit(cache=True)
+def _chunk_of(lens, cp, split):
+    """The chunk size ``(C // N) // split`` (at least 1 token)."""
+    return max(np.int64(1), lens.sum() // cp // split)
+
+
+@njit(cache=True)
 def _candidate(lens, cp, c, num, cut):
     """Portfolio candidate ``c``: ``num`` chunked assignments of ``AFFINITY``, then ``flashcp``, ``magi`` at
-    1024, ``llama3``, then ``magi`` at each of ``PORTFOLIO_CHUNKS``. ``cut``: ``_affinity_chunks`` at 2048,
-    1024 and 512 tokens (the chunk sizes of ``AFFINITY``)."""
+    ``(C // N) // 8``, ``llama3``, then ``magi`` at each of ``PORTFOLIO_SPLITS``. ``cut``:
+    ``_affinity_chunks`` at each of ``SPLITS``."""
     if c < num:
-        chunk = AFFINITY[c][0]
-        return _affinity_assign(lens, cp, cut[0] if chunk == 2048 else cut[1] if chunk == 1024 else cut[2],
+        split = AFFINITY[c][0]
+        return _affinity_assign(lens, cp, cut[0] if split == 4 else cut[1] if split == 8 else cut[2],
                                 AFFINITY[c][1])
     if c == num:
         return flashcp_kernel(lens, cp, 1.05)
     if c == num + 1:
-        return magi_kernel(lens, cp, 1024)
+        return magi_kernel(lens, cp, _chunk_of(lens, cp, 8))
     if c == num + 2:
         return llama3_kernel(lens, cp)
-    return magi_kernel(lens, cp, PORTFOLIO_CHUNKS[c - num - 3])
+    return magi_kernel(lens, cp, _chunk_of(lens, cp, PORTFOLIO_SPLITS[c - num - 3]))
 
 
 @njit(cache=True)
@@ -349,13 +359,14 @@ def flashcp2_kernel(lens, cp, target, effort, model, slack):
     # the imbalance every candidate must meet: the target, or flashcp+'s own when it misses the target
     limit = max(target, _imbalance(best_start, best_len, best_rank, cp))
     num = len(AFFINITY) if effort > 0 else FAST
-    cut = (_affinity_chunks(lens, 2048), _affinity_chunks(lens, 1024),
-           _affinity_chunks(lens, 512 if effort > 0 else 1 << 40))  # FAST uses no 512 (1 << 40: one chunk a doc)
+    # FAST uses no split 16 (1 << 40 tokens: one chunk a document, cut for nothing)
+    cut = (_affinity_chunks(lens, _chunk_of(lens, cp, 4)), _affinity_chunks(lens, _chunk_of(lens, cp, 8)),
+           _affinity_chunks(lens, _chunk_of(lens, cp, 16) if effort > 0 else 1 << 40))
     count = num + 1
     if effort > 0:
         count += 2
     if effort > 1:
-        count += len(PORTFOLIO_CHUNKS)
+        count += len(PORTFOLIO_SPLITS)
     for c in range(count):
         doc, start, length, rank = _candidate(lens, cp, c, num, cut)
         work = _rank_workloads(start, length, rank, cp)

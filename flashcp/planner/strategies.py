@@ -92,12 +92,14 @@ identical plans.
     documents contiguous (``_search.affinity_kernel``: every document cut into chunks from its end, chunks by
     decreasing workload to the least-loaded rank with room, except that the rank holding the next chunk of
     the same document takes it while it stays within the mean workload and within ``tolerance * mean`` of
-    the least-loaded rank; (chunk, tolerance) = (2048, 0.03), (1024, 0.1), (1024, 0.01), (512, 0.01),
-    (1024, 0.03), (2048, 0.01), (512, 0.03), (512, 0.1)), ``flashcp`` (R = 1.05), ``magi`` at 1024 tokens,
-    ``llama3`` and ``magi`` at 512 and 2048 tokens; effort 0 tries only the first three chunked assignments
-    and ``flashcp``. A
-    candidate replaces the best one when it is strictly faster and its imbalance is within ``limit = max(
-    target, imbalance of flashcp+)``, so the result is never slower than ``flashcp+``. Then, with ``effort``
+    the least-loaded rank; chunks are fractions of a rank's quota ``q = C // N``: (chunk, tolerance) =
+    (q/4, 0.03), (q/8, 0.1), (q/8, 0.01), (q/16, 0.01), (q/8, 0.03), (q/4, 0.01), (q/16, 0.03), (q/16, 0.1),
+    i.e. 2048, 1024 and 512 tokens at C = 131072, N = 16), ``flashcp`` (R = 1.05), ``magi`` at q/8 tokens,
+    ``llama3``; effort 2 and more add ``magi`` at q/16 and q/4; effort 0 tries only the first three chunked
+    assignments and ``flashcp``. A candidate replaces the best one when it is strictly faster and its
+    imbalance is within ``limit = max(target, imbalance of flashcp+)``, so the result is never slower than
+    ``flashcp+``; a candidate whose busiest rank alone (``objective.rank_floor``) is not faster than the
+    best is skipped unpriced, which changes nothing. Then, with ``effort``
     > 0, local search: paired moves of two document boundaries between the same two ranks by the same
     shift (1024, 256, 64, 16 tokens) so every rank keeps its quota, kept when the step time drops, the
     imbalance stays within ``limit`` and the largest receive does not grow; passes repeat while one
