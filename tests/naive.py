@@ -740,12 +740,13 @@ def naive_step_time(cp: int):
 
 
 def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float = 1.01,
-                   effort: int = 1, token_slack: float = 0.0) -> list[tuple[int, int, int, int]]:
+                   effort: int = 1, token_slack: float = 0.0, tie: float = 0.002) -> list[tuple[int, int, int, int]]:
     """flashcp2 from the references: flashcp+ first, then the portfolio in the kernel's order; a candidate
-    wins when it is strictly faster under ``step_time`` (default ``naive_step_time``) and within
-    max(target, flashcp+'s imbalance); then the local search with 16 evaluations per unit of effort (the kernel
-    also skips candidates whose
-    busiest rank's attention alone is slower than the best so far: that must not change the plan)."""
+    within max(target, flashcp+'s imbalance) and not slower than flashcp+ under ``step_time`` (default
+    ``naive_step_time``) wins when it is faster by more than ``tie`` (a share of the best time), or within
+    ``tie`` with a lower largest receive (equal receive: faster); then the local search with 16 evaluations
+    per unit of effort. (The kernel also skips candidates whose busiest rank alone is too slow to win: that
+    must not change the plan.)"""
     step_time = step_time or naive_step_time(cp)
     best = naive_flashcp_plus(doc_lens, cp, target)
     best_time = step_time(best)
@@ -762,11 +763,17 @@ def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float =
         candidates += [lambda: naive_magi(doc_lens, cp, chunk(8)), lambda: naive_llama3(doc_lens, cp)]
     if effort > 1:
         candidates += [lambda: naive_magi(doc_lens, cp, chunk(16)), lambda: naive_magi(doc_lens, cp, chunk(4))]
+    plus_time, best_received = best_time, naive_metrics(best, cp)[2]
     for make in candidates:
         plan = make()
         t = step_time(plan)
-        if t < best_time and naive_metrics(plan, cp)[0] <= limit:
-            best, best_time = plan, t
+        imbalance, _, received = naive_metrics(plan, cp)
+        if imbalance > limit or t > plus_time or t >= best_time * (1 + tie):
+            continue
+        # within ``tie`` of the best time: the lower receive wins, then the faster
+        if t >= best_time * (1 - tie) and (received, t) >= (best_received, best_time):
+            continue
+        best, best_time, best_received = plan, t, received
     if effort:
         window = math.floor(token_slack * sum(doc_lens) / cp)
         best = naive_finish(naive_local_search(best, cp, step_time, limit, 16 * effort, window=window))

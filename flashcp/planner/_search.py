@@ -35,6 +35,10 @@ FAST = 3
 """Affinity candidates at effort 0."""
 EVALS_PER_EFFORT = 16
 """Objective evaluations of the local search per unit of ``effort``."""
+RECEIVE_TIE = 0.02
+"""Portfolio candidates within this share of the best step time count as equally fast: the one with the
+lower largest receive wins (never one slower than ``flashcp+``). 2% closes the receive gap to ``flashcp+``
+at cp 4 for about 0.5% of step time there (bench/RESULTS.md)."""
 STEPS = (1024, 256, 64, 16)
 """Boundary shifts the local search tries, largest first."""
 
@@ -358,6 +362,8 @@ def flashcp2_kernel(lens, cp, target, effort, model, slack):
     best_time = step_seconds(best_doc, best_start, best_len, best_rank, cp, model)
     # the imbalance every candidate must meet: the target, or flashcp+'s own when it misses the target
     limit = max(target, _imbalance(best_start, best_len, best_rank, cp))
+    plus_time = best_time
+    best_received = _exact_need_received(best_doc, best_start, best_len, best_rank, cp).max()
     num = len(AFFINITY) if effort > 0 else FAST
     # FAST uses no split 16 (1 << 40 tokens: one chunk a document, cut for nothing)
     cut = (_affinity_chunks(lens, _chunk_of(lens, cp, 4)), _affinity_chunks(lens, _chunk_of(lens, cp, 8)),
@@ -373,11 +379,19 @@ def flashcp2_kernel(lens, cp, target, effort, model, slack):
         if _imbalance_of(work, cp) > limit:  # cheap test first
             continue
         # the busiest rank's own time bounds the step time from below: skip what cannot win
-        if rank_floor(doc, start, length, rank, cp, model, np.argmax(work)) >= best_time:
+        floor = rank_floor(doc, start, length, rank, cp, model, np.argmax(work))
+        if floor > plus_time or floor >= best_time * (1.0 + RECEIVE_TIE):
             continue
         t = step_seconds(doc, start, length, rank, cp, model)
-        if t < best_time:
-            best_doc, best_start, best_len, best_rank, best_time = doc, start, length, rank, t
+        if t > plus_time or t >= best_time * (1.0 + RECEIVE_TIE):
+            continue
+        received = _exact_need_received(doc, start, length, rank, cp).max()
+        # as fast within RECEIVE_TIE: the lower receive wins, then the faster
+        if t >= best_time * (1.0 - RECEIVE_TIE) and (received > best_received or
+                                                     received == best_received and t >= best_time):
+            continue
+        best_doc, best_start, best_len, best_rank, best_time = doc, start, length, rank, t
+        best_received = received
     if effort > 0:
         start = best_start.copy()
         length = best_len.copy()

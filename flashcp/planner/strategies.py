@@ -96,10 +96,11 @@ identical plans.
     (q/4, 0.03), (q/8, 0.1), (q/8, 0.01), (q/16, 0.01), (q/8, 0.03), (q/4, 0.01), (q/16, 0.03), (q/16, 0.1),
     i.e. 2048, 1024 and 512 tokens at C = 131072, N = 16), ``flashcp`` (R = 1.05), ``magi`` at q/8 tokens,
     ``llama3``; effort 2 and more add ``magi`` at q/16 and q/4; effort 0 tries only the first three chunked
-    assignments and ``flashcp``. A candidate replaces the best one when it is strictly faster and its
-    imbalance is within ``limit = max(target, imbalance of flashcp+)``, so the result is never slower than
-    ``flashcp+``; a candidate whose busiest rank alone (``objective.rank_floor``) is not faster than the
-    best is skipped unpriced, which changes nothing. Then, with ``effort``
+    assignments and ``flashcp``. A candidate within ``limit = max(target, imbalance of flashcp+)`` and not
+    slower than ``flashcp+`` replaces the best one when it is faster by more than ``RECEIVE_TIE`` (2%) of the
+    best time, or within that share and has a lower largest exact-need receive (equal: faster); so the result
+    is never slower than ``flashcp+``. A candidate whose busiest rank alone (``objective.rank_floor``) is too
+    slow to win is skipped unpriced, which changes nothing. Then, with ``effort``
     > 0, local search: paired moves of two document boundaries between the same two ranks by the same
     shift (1024, 256, 64, 16 tokens) so every rank keeps its quota, kept when the step time drops, the
     imbalance stays within ``limit`` and the largest receive does not grow; passes repeat while one
