@@ -740,7 +740,7 @@ def naive_step_time(cp: int):
 
 
 def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float = 1.01,
-                   effort: int = 1, token_slack: float = 0.0, tie: float = 0.002) -> list[tuple[int, int, int, int]]:
+                   effort: int = 1, token_slack: float = 0.0, tie: float = 0.02) -> list[tuple[int, int, int, int]]:
     """flashcp2 from the references: flashcp+ first, then the portfolio in the kernel's order; a candidate
     within max(target, flashcp+'s imbalance) and not slower than flashcp+ under ``step_time`` (default
     ``naive_step_time``) wins when it is faster by more than ``tie`` (a share of the best time), or within
