@@ -119,6 +119,30 @@ def test_objective_equals_bench_projection():
             assert plan_step_seconds(plan, MODEL) == pytest.approx(expected, rel=1e-12)
 
 
+def test_rank_floor_bounds_and_cached_shard_seconds_agree():
+    """``rank_floor`` (the portfolio's pruning bound) never exceeds the step time, and the step time from
+    per-shard seconds (what the local search re-prices move by move) is the step time, bit for bit."""
+    from flashcp.planner.objective import rank_floor, shard_seconds, step_seconds, step_seconds_of
+
+    rng = np.random.default_rng(9)
+    wide = cached_model(None, 32, 8, 128, 3, True)  # GQA, 3 layers, per-token layers priced
+    tight = 0
+    for _ in range(30):
+        lens = rng.integers(1, 20000, rng.integers(1, 30))
+        cp = int(rng.integers(1, 17))
+        for name in ("flashcp", "flashcp+", "llama3", "magi", "flashcp2"):
+            plan = plan_sequence(name, lens, cp)
+            arrays = (plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
+            for model in (MODEL, wide):
+                total = step_seconds(*arrays, model)
+                assert step_seconds_of(*arrays, model, *shard_seconds(plan.shard_start, plan.shard_len, model),
+                                       -1) == total
+                floors = [rank_floor(*arrays, model, r) for r in range(cp)]
+                assert max(floors) <= total, (name, cp, max(floors), total)
+                tight += max(floors) >= 0.9 * total
+    assert tight > 0, "the floor never came close to the step time"
+
+
 # --- flashcp2
 
 
