@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 __all__ = ["paper_comparison", "print_report"]
@@ -43,14 +44,22 @@ def _pct(x: float) -> str:
 
 def _quality(console: Console, quality: dict) -> None:
     rows = quality["rows"]
-    table = _table(f"Plan quality ({rows[0]['num_seqs']} sequences per source)", "source", "C", "cp",
-                   "strategy", "imbal mean", "p50", "max", "all-gather saving", "exact-need saving",
-                   "shards/seq", "mean shard len")
+    priced = "per-token layers priced" if quality.get("price_tokens") else "attention and exchange"
+    table = _table(f"Plan quality ({rows[0]['num_seqs']} sequences per source; exact-need received: the busiest "
+                   "rank's receive as a share of a full K/V all-gather's; step ms: projected, one layer, "
+                   f"H100 H=32 D=128, {priced})", "source", "C", "cp", "strategy", "imbal mean", "p50", "max",
+                   "all-gather saving", "exact-need received", "shards/rank", "mean shard len", "step ms",
+                   "plan s")
+    table.columns[3].min_width = max(len(r["strategy"]) for r in rows)  # specs in full, never cut
+    last = None
     for r in rows:
+        if last is not None and (r["source"], r["cp"]) != last:
+            table.add_section()
+        last = (r["source"], r["cp"])
         table.add_row(r["source"], str(r["context_len"]), str(r["cp"]), r["strategy"],
-                      f"{r['imbalance_mean']:.3f}", f"{r['imbalance_p50']:.3f}", f"{r['imbalance_max']:.3f}",
-                      _pct(r["ag_saving_mean"]), _pct(r["a2a_saving_mean"]),
-                      f"{r['shards_mean']:.1f}", f"{r['shard_len_mean']:.0f}")
+                      f"{r['imbalance_mean']:.4f}", f"{r['imbalance_p50']:.4f}", f"{r['imbalance_max']:.4f}",
+                      _pct(r["ag_saving_mean"]), f"{r['received_pct']:.1f}%", f"{r['shards_per_rank']:.1f}",
+                      f"{r['shard_len_mean']:.0f}", f"{r['step_ms']:.3f}", f"{r['seconds']:.2f}")
     _show(console, table)
 
 
@@ -183,6 +192,10 @@ def print_report(results: dict, console: Console) -> None:
             detail = f"; misses: {', '.join(t['misses'])}" if t["misses"] else ""
             console.print(f"target: {t['target']}: {status} (min {t['min_speedup']:.3f}x, mean "
                           f"{t['mean_speedup']:.3f}x){detail}", markup=True)
+    quality = results.get("quality")
+    for t in quality.get("targets", []) if quality else []:
+        console.print(f"target: {escape(t['target'])}: {'[green]met[/]' if t['met'] else '[red]not met[/]'}",
+                      markup=True)
     runtime = results.get("runtime")
     if runtime:
         for key, what in RANKINGS:

@@ -17,7 +17,7 @@ from flashcp import __version__
 from flashcp.bench.latency import latency_scenario
 from flashcp.bench.profile import HardwareProfile
 from flashcp.bench.projection import ModelShape
-from flashcp.bench.quality import plan_quality
+from flashcp.bench.quality import parse_strategy, plan_quality
 from flashcp.bench.runtime_cpu import cpu_cases, runtime_cpu
 from flashcp.bench.sequences import SequenceSource, open_source
 from flashcp.bench.speed import planner_speed
@@ -40,6 +40,10 @@ class BenchConfig:
     """Which of SCENARIOS to run."""
     cps: tuple[int, ...] = (4, 8)
     """CP sizes for plan quality and latency."""
+    strategies: tuple[str, ...] | None = None
+    """Strategy specs for plan quality (``flashcp+@1.05``, ``flashcp2:effort=4``); None: every strategy."""
+    price_tokens: bool = False
+    """Plan quality's projected step time also prices the per-token layers (plans made with token slack)."""
     heads: tuple[int, ...] = (16, 32)
     """Attention heads for the latency projection (head dim 128, bf16)."""
     context_len: int = 131072
@@ -87,6 +91,8 @@ class BenchConfig:
             raise ValueError("no sources: give DATA or --dist")
         if min(self.cps) < 1 or min(self.heads) < 1 or self.num_seqs < 1 or self.runtime_cp < 1:
             raise ValueError("cp sizes, head counts and sequence counts must be positive")
+        for spec in self.strategies or ():
+            parse_strategy(spec)  # a bad spec fails here, before any scenario runs
 
 
 def bench_config(*, quick: bool, data: str | None = None, dists: tuple[str, ...] | None = None,
@@ -129,8 +135,9 @@ def run_bench(config: BenchConfig, profile: HardwareProfile, log=print) -> dict:
         results["seconds"][name] = time.perf_counter() - t0
 
     if "quality" in config.scenarios:
-        timed("quality", lambda: plan_quality(book, sources, strategies, list(config.cps), config.context_len,
-                                              config.num_seqs))
+        specs = list(config.strategies or strategies)
+        timed("quality", lambda: plan_quality(book, sources, specs, list(config.cps), config.context_len,
+                                              config.num_seqs, config.price_tokens))
     if "speed" in config.scenarios:
         timed("speed", lambda: planner_speed(book, sources[0], strategies, max(config.cps),
                                              config.context_len, config.speed_seqs, config.python_budget_s))

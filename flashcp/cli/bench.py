@@ -38,6 +38,11 @@ def _names(value: str | None) -> tuple[str, ...] | None:
               help="Length distributions: wlb, prolong, pile or JSON files (default: all three, or only DATA "
                    "when DATA is given).")
 @click.option("--cp", "cps", metavar="LIST", help="CP sizes (default 4,8).")
+@click.option("--strategies", metavar="LIST",
+              help="Strategies for plan quality, each NAME[@TARGET][:KEY=VALUE;...], e.g. "
+                   "'flashcp+@1.05,flashcp2:effort=4' (default: every strategy).")
+@click.option("--price-tokens", is_flag=True,
+              help="Plan quality's step ms also prices the per-token layers (to compare token-slack plans).")
 @click.option("--heads", metavar="LIST", help="Attention heads for the latency projection (default 16,32).")
 @click.option("--context-len", type=click.IntRange(min=16), help="Context length of distributions "
               "(default 131072; DATA keeps its own).")
@@ -61,9 +66,9 @@ def _names(value: str | None) -> tuple[str, ...] | None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every number to this file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Write the figure-style charts to this PNG.")
-def command(data, quick, scenarios, dists, cps, heads, context_len, seqs, runtime_context_len, runtime_cp,
-            seed, profile_path, calibrate, profile_out, measured, measure_budget, device, json_path,
-            plot_path):
+def command(data, quick, scenarios, dists, cps, strategies, price_tokens, heads, context_len, seqs,
+            runtime_context_len, runtime_cp, seed, profile_path, calibrate, profile_out, measured, measure_budget,
+            device, json_path, plot_path):
     """Compare CP strategies: plan quality, planner speed, CPU runtime and projected step latency.
 
     DATA is a dataset folder (its sequences are benched instead of the default distributions). Latency
@@ -87,7 +92,9 @@ def command(data, quick, scenarios, dists, cps, heads, context_len, seqs, runtim
         raise click.BadParameter("--plot needs the latency scenario", param_hint="--plot")
     try:
         config = bench_config(quick=quick, data=data, dists=_names(dists), scenarios=chosen,
-                              cps=_ints(cps, "--cp"), heads=_ints(heads, "--heads"), context_len=context_len,
+                              cps=_ints(cps, "--cp"), strategies=_names(strategies),
+                              price_tokens=price_tokens or None, heads=_ints(heads, "--heads"),
+                              context_len=context_len,
                               num_seqs=seqs, runtime_context_len=runtime_context_len, runtime_cp=runtime_cp,
                               seed=seed, measured=measured, measure_budget_s=measure_budget, device=device)
     except ValueError as e:
