@@ -63,6 +63,24 @@ def _quality(console: Console, quality: dict) -> None:
     _show(console, table)
 
 
+def _ring_cost(console: Console, ring_cost: dict) -> None:
+    rows = ring_cost["rows"]
+    table = _table(f"Ring baselines by the cost model ({rows[0]['num_seqs']} sequences per source; largest over "
+                   "ranks, mean over sequences; merged/T: query rows merged by log-sum-exp per local token; "
+                   "keys/T: keys read per local token; K/V in/C: K/V tokens received per forward pass over C)",
+                   "source", "C", "cp", "system", "layout+comm", "imbalance", "calls", "seqs", "merged/T",
+                   "keys/T", "K/V in/C")
+    last = None
+    for r in rows:
+        if last is not None and (r["source"], r["cp"]) != last:
+            table.add_section()
+        last = (r["source"], r["cp"])
+        table.add_row(r["source"], str(r["context_len"]), str(r["cp"]), r["system"], f"{r['layout']}+{r['comm']}",
+                      f"{r['imbalance']:.3f}", f"{r['calls']:.1f}", f"{r['sequences']:.1f}", f"{r['merged']:.2f}",
+                      f"{r['gathered']:.2f}", f"{r['recv_over_c']:.3f}")
+    _show(console, table)
+
+
 def _speed(console: Console, speed: dict) -> None:
     rows = speed["rows"]
     table = _table(f"Planner speed ({rows[0]['source']}, C={rows[0]['context_len']}, cp {rows[0]['cp']}, "
@@ -99,6 +117,13 @@ def _runtime(console: Console, runtime: dict) -> None:
         console.print(f"  {what}, fastest first, projected (CPU-calibrated model): "
                       f"{' < '.join(ranking['projected_order'])}")
         console.print(f"  {what}: {verdict}; rank correlation {ranking['spearman']:.2f}")
+    ring = runtime.get("ring", {})
+    if ring.get("ring_over_full"):
+        console.print("  step time, ring / full comm on the same layout: " + ", ".join(
+            f"{layout} {ratio:.2f}x" for layout, ratio in ring["ring_over_full"].items()))
+    for system, over in ring.get("system_over", {}).items():
+        if over:
+            console.print(f"  {system} step time over: " + ", ".join(f"{k} {v:.2f}x" for k, v in over.items()))
     console.print(f"  rank correlation over all cases {runtime['spearman_all_cases']:.2f}")
     console.print(f"  the CPU-calibrated model accounts for {100 * runtime['projected_share']:.0f}% of the "
                   "measured step time of the collective cases; the remainder is not modelled")
@@ -179,7 +204,7 @@ def print_report(results: dict, console: Console) -> None:
     """Print every scenario present in ``results``, then the paper comparison, the targets and the notes."""
     console.print(f"[bold]flashcp bench[/] {results['flashcp_version']} (torch {results['torch']}); "
                   f"profile: {results['profile']['name']}", markup=True)
-    sections = {"quality": _quality, "speed": _speed, "runtime": _runtime, "latency": _latency}
+    sections = {"quality": _quality, "ring-cost": _ring_cost, "speed": _speed, "runtime": _runtime, "latency": _latency}
     for name, show in sections.items():
         if results.get(name):
             show(console, results[name])

@@ -18,15 +18,19 @@ from flashcp.bench.latency import latency_scenario
 from flashcp.bench.profile import HardwareProfile
 from flashcp.bench.projection import ModelShape
 from flashcp.bench.quality import parse_strategy, plan_quality
+from flashcp.bench.ring_cost import ring_cost
 from flashcp.bench.runtime_cpu import cpu_cases, runtime_cpu
 from flashcp.bench.sequences import SequenceSource, open_source
 from flashcp.bench.speed import planner_speed
-from flashcp.bench.systems import PlanBook, available_strategies, default_systems, improved_strategy
+from flashcp.bench.systems import PlanBook, System, available_strategies, default_systems, improved_strategy
+from flashcp.runtime.meta import COMM_MODES
 
-__all__ = ["SCENARIOS", "BenchConfig", "bench_config", "run_bench"]
+__all__ = ["EXTRA_SCENARIOS", "SCENARIOS", "BenchConfig", "bench_config", "run_bench"]
 
 SCENARIOS = ("quality", "speed", "runtime", "latency")
-"""Scenario names in run order: plan quality, planner speed, CPU runtime, projected latency."""
+"""The scenarios a plain run runs, in order: plan quality, planner speed, CPU runtime, projected latency."""
+EXTRA_SCENARIOS = ("ring-cost",)
+"""Scenarios run only when ``--scenario`` names them: the ring baselines by the cost model."""
 DEFAULT_DISTS = ("wlb", "prolong", "pile")
 
 
@@ -66,8 +70,13 @@ class BenchConfig:
     """Timed steps per case (after one warm-up)."""
     runtime_systems_only: bool = False
     """Time only the bench's systems on CPU, not every strategy with every comm mode."""
+    runtime_cases: tuple[str, ...] | None = None
+    """``strategy/comm`` cases of the CPU runtime scenario (``ring/ring``, ``perdoc/full``...); None: the
+    bench's systems with ``--quick``, else every strategy with every comm mode."""
     runtime_heads: int = 4
-    """Heads (query and key/value) of the CPU runtime scenario."""
+    """Query heads of the CPU runtime scenario."""
+    runtime_kv_heads: int | None = None
+    """Key/value heads of the CPU runtime scenario (None: as many as query heads)."""
     runtime_head_dim: int = 32
     """Head dim of the CPU runtime scenario."""
     seed: int = 0
@@ -84,13 +93,25 @@ class BenchConfig:
     """Notes gathered while configuring (shown with the results)."""
 
     def __post_init__(self):
-        unknown = set(self.scenarios) - set(SCENARIOS)
+        unknown = set(self.scenarios) - set(SCENARIOS + EXTRA_SCENARIOS)
         if unknown:
-            raise ValueError(f"unknown scenario {sorted(unknown)[0]!r}: choose from {', '.join(SCENARIOS)}")
+            raise ValueError(f"unknown scenario {sorted(unknown)[0]!r}: choose from "
+                             f"{', '.join(SCENARIOS + EXTRA_SCENARIOS)}")
         if not self.sources:
             raise ValueError("no sources: give DATA or --dist")
         if min(self.cps) < 1 or min(self.heads) < 1 or self.num_seqs < 1 or self.runtime_cp < 1:
             raise ValueError("cp sizes, head counts and sequence counts must be positive")
+        for case in self.runtime_cases or ():
+            strategy, sep, comm = case.partition("/")
+            if not sep or comm not in (*COMM_MODES, "auto"):
+                raise ValueError(f"runtime case '{case}': expected STRATEGY/COMM with COMM one of "
+                                 f"{', '.join(COMM_MODES)}, auto")
+            if strategy not in available_strategies():
+                raise ValueError(f"runtime case '{case}': unknown strategy '{strategy}'")
+        kv_heads = self.runtime_kv_heads or self.runtime_heads
+        if self.runtime_heads % kv_heads:
+            raise ValueError(f"runtime heads ({self.runtime_heads}) must be a multiple of runtime key/value "
+                             f"heads ({kv_heads})")
         for spec in self.strategies or ():
             parse_strategy(spec)  # a bad spec fails here, before any scenario runs
 
@@ -138,14 +159,24 @@ def run_bench(config: BenchConfig, profile: HardwareProfile, log=print) -> dict:
         specs = list(config.strategies or strategies)
         timed("quality", lambda: plan_quality(book, sources, specs, list(config.cps), config.context_len,
                                               config.num_seqs, config.price_tokens))
+    if "ring-cost" in config.scenarios:
+        timed("ring-cost", lambda: ring_cost(book, sources, strategies, list(config.cps), config.context_len,
+                                             config.num_seqs, config.seed))
     if "speed" in config.scenarios:
         timed("speed", lambda: planner_speed(book, sources[0], strategies, max(config.cps),
                                              config.context_len, config.speed_seqs, config.python_budget_s))
     if "runtime" in config.scenarios:
         ring = any(s.comm == "ring" for s in systems)
         # --quick times the bench's systems only; the full run every strategy with every comm mode
-        cases = systems if config.runtime_systems_only else cpu_cases(strategies, ring, improved_strategy())
-        shape = ModelShape(num_heads=config.runtime_heads, num_kv_heads=config.runtime_heads,
+        if config.runtime_cases:
+            cases = [System(label=key, strategy=key.partition("/")[0], comm=key.partition("/")[2], overlap=True)
+                     for key in config.runtime_cases]
+        elif config.runtime_systems_only:
+            cases = systems
+        else:
+            cases = cpu_cases(strategies, ring, improved_strategy())
+        shape = ModelShape(num_heads=config.runtime_heads,
+                           num_kv_heads=config.runtime_kv_heads or config.runtime_heads,
                            head_dim=config.runtime_head_dim, dtype_bytes=4)
         timed("runtime", lambda: runtime_cpu(book, _runtime_source(sources), cases, config.runtime_cp,
                                              config.runtime_context_len, shape, config.runtime_seqs,

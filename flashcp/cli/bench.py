@@ -32,8 +32,8 @@ def _names(value: str | None) -> tuple[str, ...] | None:
 @click.argument("data", required=False, type=click.Path(file_okay=False))
 @click.option("--quick", is_flag=True, help="Small CI-sized run (well under 2 minutes on 2 CPU cores).")
 @click.option("--scenario", "scenarios", metavar="LIST",
-              help="Comma-separated subset of quality,speed,runtime,latency (default: all; none with "
-                   "--calibrate alone).")
+              help="Comma-separated subset of quality,speed,runtime,latency (default: these four; none with "
+                   "--calibrate alone), or ring-cost (the ring baselines by the cost model; only when named).")
 @click.option("--dist", "dists", metavar="LIST",
               help="Length distributions: wlb, prolong, pile or JSON files (default: all three, or only DATA "
                    "when DATA is given).")
@@ -51,6 +51,19 @@ def _names(value: str | None) -> tuple[str, ...] | None:
               help="Context length of the CPU runtime scenario (default 8192, quick 4096).")
 @click.option("--runtime-cp", type=click.IntRange(min=1),
               help="Gloo ranks of the CPU runtime scenario (default: one per core, 2 to 4).")
+@click.option("--runtime-cases", metavar="LIST",
+              help="STRATEGY/COMM cases of the CPU runtime scenario, e.g. 'llama3/full,ring/ring,perdoc/ring' "
+                   "(default: the bench's systems with --quick, else every strategy with every comm mode).")
+@click.option("--runtime-seqs", type=click.IntRange(min=1), help="Sequences of the CPU runtime scenario "
+              "(default 2, quick 1).")
+@click.option("--runtime-reps", type=click.IntRange(min=1), help="Timed steps per case of the CPU runtime "
+              "scenario, after one warm-up (default 3, quick 1).")
+@click.option("--runtime-heads", type=click.IntRange(min=1), help="Query heads of the CPU runtime scenario "
+              "(default 4).")
+@click.option("--runtime-kv-heads", type=click.IntRange(min=1), help="Key/value heads of the CPU runtime "
+              "scenario (default: as many as query heads).")
+@click.option("--runtime-head-dim", type=click.IntRange(min=1), help="Head dim of the CPU runtime scenario "
+              "(default 32).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the packed sequences.")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
               help="Hardware profile JSON (default: H100 SXM NVLink from public specs).")
@@ -67,7 +80,8 @@ def _names(value: str | None) -> tuple[str, ...] | None:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Write the figure-style charts to this PNG.")
 def command(data, quick, scenarios, dists, cps, strategies, price_tokens, heads, context_len, seqs,
-            runtime_context_len, runtime_cp, seed, profile_path, calibrate, profile_out, measured, measure_budget,
+            runtime_context_len, runtime_cp, runtime_cases, runtime_seqs, runtime_reps, runtime_heads,
+            runtime_kv_heads, runtime_head_dim, seed, profile_path, calibrate, profile_out, measured, measure_budget,
             device, json_path, plot_path):
     """Compare CP strategies: plan quality, planner speed, CPU runtime and projected step latency.
 
@@ -96,6 +110,9 @@ def command(data, quick, scenarios, dists, cps, strategies, price_tokens, heads,
                               price_tokens=price_tokens or None, heads=_ints(heads, "--heads"),
                               context_len=context_len,
                               num_seqs=seqs, runtime_context_len=runtime_context_len, runtime_cp=runtime_cp,
+                              runtime_cases=_names(runtime_cases), runtime_seqs=runtime_seqs,
+                              runtime_reps=runtime_reps, runtime_heads=runtime_heads,
+                              runtime_kv_heads=runtime_kv_heads, runtime_head_dim=runtime_head_dim,
                               seed=seed, measured=measured, measure_budget_s=measure_budget, device=device)
     except ValueError as e:
         raise FlashcpError(str(e)) from None
