@@ -84,16 +84,30 @@ def _ring_cost(console: Console, ring_cost: dict) -> None:
 def _speed(console: Console, speed: dict) -> None:
     rows = speed["rows"]
     table = _table(f"Planner speed ({rows[0]['source']}, C={rows[0]['context_len']}, cp {rows[0]['cp']}, "
-                   "one core)", "strategy", "Numba seq/s (per sequence)", "Numba seq/s (batch, validated)",
-                   "Python seq/s", "speedup", "same plans")
+                   f"{rows[0]['num_seqs']} sequences, one core of {speed.get('cpus', '?')} visible; batch and Python: "
+                   "per CPU-second, wall clock in brackets)", "strategy", "Numba seq/s (per sequence)",
+                   "batch kernel seq/s", "batch + check seq/s", "Python seq/s", "speedup (per sequence / batch)",
+                   "same plans")
     for r in rows:
-        python, batch = r["python_seqs_per_s"], r["batch_seqs_per_s"]
-        table.add_row(r["strategy"], f"{r['numba_seqs_per_s']:.0f}",
-                      "n/a" if batch is None else f"{batch:.0f}",
-                      "n/a" if python is None else f"{python:.2f} ({r['python_seqs']} seqs)",
-                      "n/a" if python is None else f"{r['speedup']:.0f}x",
+        python = r["python_seqs_per_s"]
+        table.add_row(r["strategy"], f"{r['numba_seqs_per_s']:,.0f}",
+                      f"{r['kernel_seqs_per_cpu_s']:,.0f} ({r['kernel_seqs_per_s']:,.0f})",
+                      f"{r['batch_seqs_per_cpu_s']:,.0f} ({r['batch_seqs_per_s']:,.0f})",
+                      "n/a" if python is None else f"{r['python_seqs_per_cpu_s']:,.2f} ({python:,.2f}; "
+                      f"{r['python_seqs']} seqs)",
+                      "n/a" if python is None else f"{r['speedup']:,.0f}x / {r['kernel_speedup']:,.0f}x",
                       "n/a" if r["python_matches"] is None else ("yes" if r["python_matches"] else "NO"))
     _show(console, table)
+
+
+def _end_to_end(console: Console, e2e: dict) -> None:
+    console.print(f"Planner speed end to end: synth --no-tokens {e2e['num_seqs']:,} x {e2e['context_len']:,} "
+                  f"{escape(e2e['source'])}: {e2e['synth_s']:.1f} s, {e2e['bytes'] / 2 ** 20:.1f} MiB")
+    for p in e2e["plans"]:
+        console.print(f"  plan --cp {e2e['cp']} --strategy {p['strategy']} --workers {p['workers']}: "
+                      f"{p['seconds']:.1f} s ({p['seqs_per_s']:,.0f} seq/s end to end; read, plan, validate, "
+                      f"baselines on every {p['baselines_every']}th, write)")
+    console.print(f"  verify ({e2e['verified_plans']} plans): {e2e['verify_s']:.1f} s")
 
 
 def _runtime(console: Console, runtime: dict) -> None:
@@ -204,7 +218,8 @@ def print_report(results: dict, console: Console) -> None:
     """Print every scenario present in ``results``, then the paper comparison, the targets and the notes."""
     console.print(f"[bold]flashcp bench[/] {results['flashcp_version']} (torch {results['torch']}); "
                   f"profile: {results['profile']['name']}", markup=True)
-    sections = {"quality": _quality, "ring-cost": _ring_cost, "speed": _speed, "runtime": _runtime, "latency": _latency}
+    sections = {"quality": _quality, "ring-cost": _ring_cost, "speed": _speed, "end_to_end": _end_to_end,
+                "runtime": _runtime, "latency": _latency}
     for name, show in sections.items():
         if results.get(name):
             show(console, results[name])

@@ -10,6 +10,7 @@ import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -21,8 +22,9 @@ from flashcp.bench.quality import parse_strategy, plan_quality
 from flashcp.bench.ring_cost import ring_cost
 from flashcp.bench.runtime_cpu import cpu_cases, runtime_cpu
 from flashcp.bench.sequences import SequenceSource, open_source
-from flashcp.bench.speed import planner_speed
+from flashcp.bench.speed import end_to_end, planner_speed
 from flashcp.bench.systems import PlanBook, System, available_strategies, default_systems, improved_strategy
+from flashcp.planner.strategies import get_strategy
 from flashcp.runtime.meta import COMM_MODES
 
 __all__ = ["EXTRA_SCENARIOS", "SCENARIOS", "BenchConfig", "bench_config", "run_bench"]
@@ -60,6 +62,14 @@ class BenchConfig:
     """Sequences timed per strategy for planner speed."""
     python_budget_s: float = 10.0
     """Seconds the Python reference planners may take per strategy."""
+    reference_seqs: int | None = None
+    """Sequences the Python reference plans per strategy (instead of ``python_budget_s``)."""
+    e2e_seqs: int = 0
+    """Planner speed end to end: sequences of a lengths-only dataset to synthesise, plan and verify (0: none)."""
+    e2e_strategies: tuple[str, ...] = ("flashcp", "flashcp+")
+    """Strategies planned end to end."""
+    workers: tuple[int, ...] = (1, 2)
+    """Worker counts of the end-to-end ``plan``."""
     runtime_context_len: int = 8192
     """Context length of the CPU runtime scenario."""
     runtime_cp: int = field(default_factory=lambda: max(2, min(4, os.cpu_count() or 2)))
@@ -112,6 +122,10 @@ class BenchConfig:
         if self.runtime_heads % kv_heads:
             raise ValueError(f"runtime heads ({self.runtime_heads}) must be a multiple of runtime key/value "
                              f"heads ({kv_heads})")
+        if self.e2e_seqs and Path(self.sources[0]).is_dir():
+            raise ValueError("the end-to-end planner speed synthesises a distribution: give --dist, not DATA")
+        for name in self.e2e_strategies if self.e2e_seqs else ():
+            get_strategy(name)
         for spec in self.strategies or ():
             parse_strategy(spec)  # a bad spec fails here, before any scenario runs
 
@@ -163,8 +177,13 @@ def run_bench(config: BenchConfig, profile: HardwareProfile, log=print) -> dict:
         timed("ring-cost", lambda: ring_cost(book, sources, strategies, list(config.cps), config.context_len,
                                              config.num_seqs, config.seed))
     if "speed" in config.scenarios:
-        timed("speed", lambda: planner_speed(book, sources[0], strategies, max(config.cps),
-                                             config.context_len, config.speed_seqs, config.python_budget_s))
+        timed("speed", lambda: planner_speed(book, sources[0], list(config.strategies or strategies),
+                                             max(config.cps), config.context_len, config.speed_seqs,
+                                             config.python_budget_s, config.reference_seqs))
+        if config.e2e_seqs:
+            timed("end_to_end", lambda: end_to_end(sources[0].spec, max(config.cps), config.context_len,
+                                                   config.e2e_seqs, list(config.e2e_strategies),
+                                                   list(config.workers), config.seed))
     if "runtime" in config.scenarios:
         ring = any(s.comm == "ring" for s in systems)
         # --quick times the bench's systems only; the full run every strategy with every comm mode

@@ -47,6 +47,14 @@ def _names(value: str | None) -> tuple[str, ...] | None:
 @click.option("--context-len", type=click.IntRange(min=16), help="Context length of distributions "
               "(default 131072; DATA keeps its own).")
 @click.option("--seqs", type=click.IntRange(min=1), help="Sequences per source (default 32, quick 4).")
+@click.option("--speed-seqs", type=click.IntRange(min=1), help="Sequences timed per strategy for planner "
+              "speed (default 64, quick 8).")
+@click.option("--reference-seqs", type=click.IntRange(min=1), help="Sequences the Python reference plans per "
+              "strategy (default: as many as fit in 10 s, quick 1 s).")
+@click.option("--e2e-seqs", type=click.IntRange(min=0), help="Planner speed end to end: synthesise, plan and "
+              "verify a lengths-only dataset of this many sequences (default 0: skip).")
+@click.option("--e2e-strategies", metavar="LIST", help="Strategies planned end to end (default flashcp,flashcp+).")
+@click.option("--workers", metavar="LIST", help="Worker counts of the end-to-end plan (default 1,2).")
 @click.option("--runtime-context-len", type=click.IntRange(min=16),
               help="Context length of the CPU runtime scenario (default 8192, quick 4096).")
 @click.option("--runtime-cp", type=click.IntRange(min=1),
@@ -79,7 +87,8 @@ def _names(value: str | None) -> tuple[str, ...] | None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every number to this file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Write the figure-style charts to this PNG.")
-def command(data, quick, scenarios, dists, cps, strategies, price_tokens, heads, context_len, seqs,
+def command(data, quick, scenarios, dists, cps, strategies, price_tokens, heads, context_len, seqs, speed_seqs,
+            reference_seqs, e2e_seqs, e2e_strategies, workers,
             runtime_context_len, runtime_cp, runtime_cases, runtime_seqs, runtime_reps, runtime_heads,
             runtime_kv_heads, runtime_head_dim, seed, profile_path, calibrate, profile_out, measured, measure_budget,
             device, json_path, plot_path):
@@ -109,7 +118,10 @@ def command(data, quick, scenarios, dists, cps, strategies, price_tokens, heads,
                               cps=_ints(cps, "--cp"), strategies=_names(strategies),
                               price_tokens=price_tokens or None, heads=_ints(heads, "--heads"),
                               context_len=context_len,
-                              num_seqs=seqs, runtime_context_len=runtime_context_len, runtime_cp=runtime_cp,
+                              num_seqs=seqs, speed_seqs=speed_seqs, reference_seqs=reference_seqs,
+                              e2e_seqs=e2e_seqs, e2e_strategies=_names(e2e_strategies),
+                              workers=_ints(workers, "--workers"), runtime_context_len=runtime_context_len,
+                              runtime_cp=runtime_cp,
                               runtime_cases=_names(runtime_cases), runtime_seqs=runtime_seqs,
                               runtime_reps=runtime_reps, runtime_heads=runtime_heads,
                               runtime_kv_heads=runtime_kv_heads, runtime_head_dim=runtime_head_dim,
