@@ -88,6 +88,7 @@ def _speed(console: Console, speed: dict) -> None:
                    "per CPU-second, wall clock in brackets)", "strategy", "Numba seq/s (per sequence)",
                    "batch kernel seq/s", "batch + check seq/s", "Python seq/s", "speedup (per sequence / batch)",
                    "same plans")
+    table.columns[0].min_width = max(len(r["strategy"]) for r in rows)  # specs in full, never cut
     for r in rows:
         python = r["python_seqs_per_s"]
         table.add_row(r["strategy"], f"{r['numba_seqs_per_s']:,.0f}",
