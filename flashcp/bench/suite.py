@@ -24,8 +24,6 @@ from flashcp.bench.runtime_cpu import cpu_cases, runtime_cpu
 from flashcp.bench.sequences import SequenceSource, open_source
 from flashcp.bench.speed import end_to_end, planner_speed
 from flashcp.bench.systems import PlanBook, System, available_strategies, default_systems, improved_strategy
-from flashcp.planner.strategies import get_strategy
-from flashcp.runtime.meta import COMM_MODES
 
 __all__ = ["EXTRA_SCENARIOS", "SCENARIOS", "BenchConfig", "bench_config", "run_bench"]
 
@@ -111,6 +109,9 @@ class BenchConfig:
             raise ValueError("no sources: give DATA or --dist")
         if min(self.cps) < 1 or min(self.heads) < 1 or self.num_seqs < 1 or self.runtime_cp < 1:
             raise ValueError("cp sizes, head counts and sequence counts must be positive")
+        from flashcp.planner.strategies import get_strategy
+        from flashcp.runtime.meta import COMM_MODES
+
         for case in self.runtime_cases or ():
             strategy, sep, comm = case.partition("/")
             if not sep or comm not in (*COMM_MODES, "auto"):

@@ -92,7 +92,7 @@ def command(data, quick, scenarios, dists, cps, strategies, price_tokens, heads,
             runtime_context_len, runtime_cp, runtime_cases, runtime_seqs, runtime_reps, runtime_heads,
             runtime_kv_heads, runtime_head_dim, seed, profile_path, calibrate, profile_out, measured, measure_budget,
             device, json_path, plot_path):
-    """Compare CP strategies: plan quality, planner speed, CPU runtime and projected step latency.
+    """Compare CP strategies: plan quality, planner speed, CPU runtime and projected step latency (and ring-cost).
 
     DATA is a dataset folder (its sequences are benched instead of the default distributions). Latency
     numbers are PROJECTED from a hardware profile unless --measured times attention on a GPU.
