@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from flashcp.cli.console import console, error, info, progress, warn
-from flashcp.data.pack import PackConfig, run_pack
+from flashcp.data.pack import PackConfig, PackResult, run_pack
 from flashcp.data.packing import OVERFLOWS
 from flashcp.data.tokenizer import BUILTINS, DEFAULT_TOKENIZER
 from flashcp.errors import FlashcpError
@@ -49,9 +49,15 @@ def _default_workers() -> int:
 @click.option("--rows-per-file", type=int, default=0, help="Sequences per data file [default: ~64M tokens].")
 @click.option("--row-group-rows", type=int, default=0,
               help="Sequences per Parquet row group [default: ~4M tokens].")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Run here, or on a Ray cluster (the same bytes; needs pip install 'flashcp[ray]').")
+@click.option("--ray-address", default=None, metavar="ADDRESS",
+              help="With --engine ray: join the cluster at ADDRESS ('auto': the running one) instead of "
+                   "starting Ray on this machine with --workers CPUs.")
 def command(inputs: tuple[str, ...], output: Path, context_len: int, tokenizer: str, text_field: str,
             overflow: str, workers: int | None, include: tuple[str, ...], exclude: tuple[str, ...], eos: bool,
-            strict: bool, force: bool, rows_per_file: int, row_group_rows: int) -> None:
+            strict: bool, force: bool, rows_per_file: int, row_group_rows: int, engine: str,
+            ray_address: str | None) -> None:
     """Pack INPUT files (JSONL, JSONL.gz, Parquet, plain text; folders and globs of them) into a dataset.
 
     Documents are tokenized, EOS is appended, and they fill sequences of exactly --context-len tokens in
@@ -65,9 +71,14 @@ def command(inputs: tuple[str, ...], output: Path, context_len: int, tokenizer: 
                             rows_per_file=rows_per_file, row_group_rows=row_group_rows, force=force)
     except ValueError as e:
         raise FlashcpError(str(e)) from None
+    if ray_address is not None and engine != "ray":
+        raise FlashcpError("--ray-address needs --engine ray")
     try:
-        with progress("packing sequences", None) as advance:
-            result = run_pack(config, on_rows=advance)
+        if engine == "ray":
+            result = _run_on_ray(config, ray_address, workers)
+        else:
+            with progress("packing sequences", None) as advance:
+                result = run_pack(config, on_rows=advance)
     except KeyboardInterrupt:
         error(f"interrupted; run the same command again to resume the pack in {output}")
         raise SystemExit(130) from None
@@ -89,3 +100,14 @@ def command(inputs: tuple[str, ...], output: Path, context_len: int, tokenizer: 
          f"{counts['documents_truncated']:,} truncated, {counts['documents_dropped_empty']:,} empty; "
          f"{counts['tokens_dropped_tail']:,} tokens ({counts['documents_dropped_tail']:,} documents) in the "
          "last, partial sequence dropped")
+
+
+def _run_on_ray(config: PackConfig, address: str | None, workers: int | None) -> PackResult:
+    """``run_pack`` with the Ray engine, on the cluster at ``address`` or on one started here."""
+    from flashcp.engines.ray_cluster import ray_session, require_ray
+
+    require_ray()
+    from flashcp.engines.ray_pack import RayPackEngine
+
+    with ray_session(address, workers) as _, progress("packing sequences", None) as advance:
+        return run_pack(config, on_rows=advance, engine=RayPackEngine(workers))

@@ -247,12 +247,15 @@ def _concat(parts: list[PlannedRows]) -> PlannedRows:
 
 def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
                  target_imbalance: float | None = None, workers: int = 1, force: bool = False,
-                 name: str | None = None, progress: Callable[[int], None] | None = None) -> dict:
+                 name: str | None = None, progress: Callable[[int], None] | None = None,
+                 run_jobs: Callable | None = None) -> dict:
     """Plan every sequence of the dataset at ``root`` and write ``plans/<name>/``; returns its plan.json.
 
     ``name`` defaults to ``cp{N}-{strategy}``. An existing plan of that name is refused unless ``force``; it
     is then replaced only once the new one is complete. ``progress(rows)`` is called as rows finish. The
-    returned dict carries the baselines' summaries under ``summary["baselines"]``.
+    returned dict carries the baselines' summaries under ``summary["baselines"]``. ``run_jobs(jobs, workers,
+    progress)`` runs the per-file jobs elsewhere (``flashcp.engines.ray_plan``) and returns their results in
+    order; by default they run here or in local worker processes.
     """
     dataset = Dataset(root)
     try:
@@ -289,7 +292,7 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
                                  strategy=chosen.name, params=params, context_len=dataset.context_len,
                                  baseline_step=step, staging=str(staging)))
             first_row += data_file.rows
-        results = _run_jobs(jobs, workers, progress)
+        results = (run_jobs or _run_jobs)(jobs, workers, progress)
         summary = _summary(results, dataset.context_len, cp, step)
         old = None
         if final.exists():
