@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 
 import click
 from rich.table import Table
 
 from flashcp.cli.console import console, info, progress
 from flashcp.data.dataset import Dataset
+from flashcp.errors import FlashcpError
 from flashcp.planner.pipeline import plan_dataset
 from flashcp.planner.strategies import STRATEGIES
 
@@ -39,14 +41,28 @@ def summary_table(title: str, rows: dict[str, dict]) -> Table:
 @click.option("--workers", type=int, default=1, show_default=True, help="Worker processes.")
 @click.option("--name", default=None, help="Plan folder name [default: cp{N}-{strategy}].")
 @click.option("--force", is_flag=True, help="Replace an existing plan of the same name.")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Plan here, or one Ray task per data file (the same bytes; needs pip install 'flashcp[ray]').")
+@click.option("--ray-address", default=None, metavar="ADDRESS",
+              help="With --engine ray: join the cluster at ADDRESS ('auto': the running one) instead of "
+                   "starting Ray on this machine with --workers CPUs.")
 def command(data: str, cp: int, strategy: str, target_imbalance: float | None, workers: int, name: str | None,
-            force: bool) -> None:
+            force: bool, engine: str, ray_address: str | None) -> None:
     """Plan every sequence of DATA for CP size N; every plan is validated before it is written."""
     started = time.perf_counter()
     dataset = Dataset(data)
-    with progress(f"planning cp{cp} {strategy}", dataset.num_sequences) as advance:
+    if ray_address is not None and engine != "ray":
+        raise FlashcpError("--ray-address needs --engine ray")
+    with ExitStack() as stack:
+        run_jobs = None
+        if engine == "ray":
+            from flashcp.engines.ray_cluster import ray_session
+            from flashcp.engines.ray_plan import run_jobs
+
+            stack.enter_context(ray_session(ray_address, workers))
+        advance = stack.enter_context(progress(f"planning cp{cp} {strategy}", dataset.num_sequences))
         meta = plan_dataset(data, cp, strategy, target_imbalance=target_imbalance, workers=workers,
-                            force=force, name=name, progress=advance)
+                            force=force, name=name, progress=advance, run_jobs=run_jobs)
     elapsed = time.perf_counter() - started
     summary = meta["summary"]
     params = ", ".join(f"{k}={v}" for k, v in meta["params"].items())

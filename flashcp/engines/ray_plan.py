@@ -1,0 +1,39 @@
+"""``flashcp plan --engine ray``: one Ray task per data file, running the local planner's own per-file job.
+
+``flashcp.planner.pipeline`` builds the jobs, stages and publishes the plan; only where the jobs run changes.
+Every job reads its data file, plans and validates every row, and writes its plan file into the staging folder
+(which must be on a filesystem every Ray node shares), so the plan's bytes are the local ones by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from flashcp.engines.ray_cluster import require_ray
+from flashcp.engines.ray_pack import get
+
+__all__ = ["run_jobs"]
+
+
+def run_jobs(jobs: list, workers: int, progress: Callable[[int], None] | None) -> list:
+    """Run ``pipeline._plan_file`` on every job as a Ray task; the results in job order.
+
+    ``workers`` is not used: the cluster's CPUs set how many jobs run at once.
+    """
+    from flashcp.planner.pipeline import _plan_file
+
+    ray = require_ray()
+    plan_file = ray.remote(num_cpus=1)(_plan_file)
+    refs = [plan_file.remote(job) for job in jobs]
+    results = []
+    try:
+        for ref in refs:
+            results.append(get(ray, ref))
+            if progress:
+                progress(int(results[-1].metrics[0].size))
+    except BaseException:
+        for ref in refs:
+            ray.cancel(ref)
+        ray.wait(refs, num_returns=len(refs), timeout=60)
+        raise
+    return results
