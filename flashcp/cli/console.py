@@ -6,6 +6,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 __all__ = ["console", "err_console", "error", "info", "progress", "set_verbosity", "warn"]
@@ -29,12 +30,12 @@ def info(message: str, *, level: int = 1) -> None:
 
 def warn(message: str) -> None:
     """Print a warning (shown even with --quiet)."""
-    err_console.print(f"[yellow]warning:[/] {message}")
+    err_console.print(f"[yellow]warning:[/] {escape(message)}")
 
 
 def error(message: str) -> None:
     """Print an expected error as one plain sentence."""
-    err_console.print(f"[red]error:[/] {message}", markup=True)
+    err_console.print(f"[red]error:[/] {escape(message)}", markup=True)
 
 
 @contextmanager
