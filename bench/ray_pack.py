@@ -1,0 +1,173 @@
+"""``flashcp pack --engine ray`` against the local engine, on the same input in one run.
+
+    python bench/ray_pack.py throughput            # stdlib JSONL, deepseek-v3: local 1/2 workers, ray 1/2 CPUs
+    python bench/ray_pack.py memory --gb 1         # generated JSONL, byte tokenizer, ray with 2 CPUs
+
+Every pack runs in a fresh process (so each Ray run pays its own start-up, which is timed apart) and writes
+into a temporary folder deleted afterwards. Reported per run:
+
+- seconds and tokens/s of ``run_pack`` alone, and for Ray the start-up (``ray.init`` until a first task has
+  returned) on top;
+- the driver's own CPU time per token (``time.process_time`` of the driver around ``run_pack``: the layout
+  loop plus Ray's client threads; the tokenize and write tasks run in other processes);
+- peak RSS of the driver and of the largest worker process (sampled from /proc every 0.2 s: Ray worker
+  processes are the driver's descendants whose command line starts with ``ray::``), and for the local engine
+  the peak of its tokenizer processes;
+- every Ray run's output is checked byte for byte against the local one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _corpus import stdlib_texts, write_jsonl, write_synthetic_jsonl  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MEASURE = r"""
+import json, os, sys, threading, time
+from pathlib import Path
+from flashcp.data.pack import PackConfig, run_pack
+
+src, out, tokenizer, engine, workers, context_len = sys.argv[1:7]
+workers, peaks, stop = int(workers), {"driver": 0, "worker": 0}, threading.Event()
+
+def rss_kb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+def descendants():
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    found, todo = [], [os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+def sample():
+    while not stop.wait(0.2):
+        try:
+            peaks["driver"] = max(peaks["driver"], rss_kb(os.getpid()))
+        except OSError:
+            pass
+        for pid in descendants():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+                if cmd.startswith(b"ray::") or b"multiprocessing" in cmd:
+                    peaks["worker"] = max(peaks["worker"], rss_kb(pid))
+            except (OSError, StopIteration):
+                pass
+
+threading.Thread(target=sample, daemon=True).start()
+config = PackConfig(inputs=(src,), output=Path(out), context_len=int(context_len), tokenizer=tokenizer,
+                    workers=workers)
+startup = 0.0
+if engine == "ray":
+    import logging
+    import ray
+    started = time.perf_counter()
+    ray.init(num_cpus=workers, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+    ray.get(ray.remote(lambda: 0).remote())
+    startup = time.perf_counter() - started
+    from flashcp.engines.ray_pack import RayPackEngine
+    cpu, started = time.process_time(), time.perf_counter()
+    result = run_pack(config, engine=RayPackEngine(workers))
+else:
+    cpu, started = time.process_time(), time.perf_counter()
+    result = run_pack(config)
+seconds, driver_cpu = time.perf_counter() - started, time.process_time() - cpu
+stop.set()
+peaks["driver"] = max(peaks["driver"], rss_kb(os.getpid()))
+manifest = result.manifest
+print(json.dumps({"seconds": seconds, "startup": startup, "driver_cpu": driver_cpu,
+                  "tokens": manifest["counts"]["tokens_read"], "documents": manifest["counts"]["documents_read"],
+                  "driver_peak_mb": peaks["driver"] / 1024, "worker_peak_mb": peaks["worker"] / 1024}))
+"""
+
+
+def digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            h.update(path.relative_to(folder).as_posix().encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def measure(src: Path, work: Path, tokenizer: str, engine: str, workers: int, context_len: int) -> dict:
+    out = work / f"out-{engine}-{workers}"
+    shutil.rmtree(out, ignore_errors=True)
+    proc = subprocess.run([sys.executable, "-c", MEASURE, str(src), str(out), tokenizer, engine, str(workers),
+                           str(context_len)], capture_output=True, text=True, cwd=ROOT,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["digest"] = digest(out)
+    shutil.rmtree(out)
+    return result
+
+
+def report(name: str, r: dict, base: dict | None) -> None:
+    rate = r["tokens"] / r["seconds"]
+    ratio = f"{base['seconds'] / r['seconds']:.2f}x" if base else "1.00x"
+    same = "" if base is None else (" same bytes" if r["digest"] == base["digest"] else " DIFFERENT BYTES")
+    print(f"| {name} | {r['seconds']:.1f} s | {rate / 1e6:.3f} M tok/s | {ratio} | {r['startup']:.1f} s | "
+          f"{1e9 * r['driver_cpu'] / r['tokens']:.0f} ns | {r['driver_peak_mb']:.0f} MB | "
+          f"{r['worker_peak_mb']:.0f} MB |{same}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["throughput", "memory"])
+    parser.add_argument("--mb", type=float, default=None, help="throughput: first MB of the stdlib corpus")
+    parser.add_argument("--gb", type=float, default=1.0, help="memory: generated input size (1e9 bytes)")
+    parser.add_argument("--tokenizer", default=None, help="[throughput: deepseek-v3, memory: byte]")
+    parser.add_argument("--context-len", type=int, default=16384)
+    parser.add_argument("--tmp", default=None)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="flashcp-ray-bench-", dir=args.tmp))
+    try:
+        src = work / "in.jsonl"
+        if args.what == "throughput":
+            tokenizer = args.tokenizer or "deepseek-v3"
+            size = write_jsonl(src, stdlib_texts(None if args.mb is None else int(args.mb * 1e6)))
+            runs = [("local", 1), ("local", 2), ("ray", 1), ("ray", 2)]
+        else:
+            tokenizer = args.tokenizer or "byte"
+            size, _ = write_synthetic_jsonl(src, int(args.gb * 1e9))
+            runs = [("local", 2), ("ray", 2)]
+        print(f"input {size / 1e6:.1f} MB, tokenizer {tokenizer}, C = {args.context_len}")
+        print("| run | pack | tokens/s | vs local 1 worker | Ray start-up | driver CPU per token | driver peak RSS "
+              "| largest worker peak RSS |")
+        print("|---|---|---|---|---|---|---|---|")
+        base = None
+        for engine, workers in runs:
+            r = measure(src, work, tokenizer, engine, workers, args.context_len)
+            report(f"{engine}, {workers} {'worker' if engine == 'local' else 'CPU'}{'s' if workers > 1 else ''}",
+                   r, base)
+            base = base or r
+        print(f"tokens {r['tokens']:,}, documents {r['documents']:,}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
