@@ -121,6 +121,7 @@ def measure(src: Path, work: Path, tokenizer: str, engine: str, workers: int, co
         raise SystemExit(proc.stderr)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result["digest"] = digest(out)
+    result["data_bytes"] = sum(p.stat().st_size for p in (out / "data").iterdir())
     shutil.rmtree(out)
     return result
 
@@ -164,7 +165,8 @@ def main() -> None:
             report(f"{engine}, {workers} {'worker' if engine == 'local' else 'CPU'}{'s' if workers > 1 else ''}",
                    r, base)
             base = base or r
-        print(f"tokens {r['tokens']:,}, documents {r['documents']:,}")
+        print(f"tokens {r['tokens']:,}, documents {r['documents']:,}, data files {r['data_bytes']:,} bytes "
+              f"({r['data_bytes'] / r['tokens']:.2f} B/token)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

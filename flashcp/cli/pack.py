@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import click
@@ -109,5 +110,10 @@ def _run_on_ray(config: PackConfig, address: str | None, workers: int | None) ->
     require_ray()
     from flashcp.engines.ray_pack import RayPackEngine
 
-    with ray_session(address, workers) as _, progress("packing sequences", None) as advance:
-        return run_pack(config, on_rows=advance, engine=RayPackEngine(workers))
+    started = time.perf_counter()
+    with ray_session(address, workers) as ray:
+        engine = RayPackEngine(workers)
+        info(f"Ray: {engine.cpus} CPUs of {len(ray.nodes())} node(s) in use, ready in "
+             f"{time.perf_counter() - started:.1f} s", level=2)
+        with progress("packing sequences", None) as advance:
+            return run_pack(config, on_rows=advance, engine=engine)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 
 import click
@@ -54,10 +55,12 @@ def command(data: str, cp: int, strategy: str, target_imbalance: float | None, w
     if ray_address is not None and engine != "ray":
         raise FlashcpError("--ray-address needs --engine ray")
     with ExitStack() as stack:
-        run_jobs = None
+        run_jobs: Callable | None = None
         if engine == "ray":
             from flashcp.engines.ray_cluster import ray_session
-            from flashcp.engines.ray_plan import run_jobs
+            from flashcp.engines.ray_plan import run_jobs as ray_run_jobs
+
+            run_jobs = ray_run_jobs
 
             stack.enter_context(ray_session(ray_address, workers))
         advance = stack.enter_context(progress(f"planning cp{cp} {strategy}", dataset.num_sequences))

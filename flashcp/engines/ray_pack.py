@@ -306,12 +306,12 @@ class RayPackEngine:
 
 
 def get(ray, ref):
-    """``ray.get``, with a task's FlashcpError raised as itself."""
+    """``ray.get``, with a task's FlashcpError or OSError raised as itself (one sentence, as locally)."""
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, FlashcpError):
-            raise FlashcpError(str(e.cause)) from None
+        if isinstance(e.cause, FlashcpError | OSError):
+            raise e.cause from None
         raise
 
 
@@ -339,8 +339,8 @@ class _RayPackRun(_PackRun):
                  out: OutputFolder, identity: dict, identity_sha256: str, on_rows: Callable[[int], None]):
         super().__init__(config, encoder, None, inputs, out, identity, identity_sha256, on_rows)
         self.engine, self.ray = engine, engine.ray
-        self.packer = LengthPacker(config.context_len, config.overflow,  # type: ignore[assignment]
-                                   PackCounts(**self.snapshot["packer"]))
+        self.lengths = LengthPacker(config.context_len, config.overflow, PackCounts(**self.snapshot["packer"]))
+        self.packer = self.lengths  # type: ignore[assignment]  # final_counts reads its counts and tail
         self.tokenizer_name = config.tokenizer
         if os.path.exists(self.tokenizer_name):
             self.tokenizer_name = str(Path(self.tokenizer_name).resolve())
@@ -399,7 +399,7 @@ class _RayPackRun(_PackRun):
                         continue
                     counts["tokens_read"] += n
                 part.add(shard_id, tokens_ref, offset, n, doc_index, start)
-                for resume_offset, window_counts in self.packer.add(n, start):
+                for resume_offset, window_counts in self.lengths.add(n, start):
                     rows_in_part += 1
                     if rows_in_part < self.rows_per_file:
                         continue
