@@ -21,6 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from flashcp.cli import cli
+from flashcp.data.pack_output import OutputFolder
 from flashcp.data.packing import OVERFLOWS, PackCounts, Packer
 from tests.test_pack_cli import file_hashes
 
@@ -127,13 +128,22 @@ def test_length_packer_closes_the_same_sequences_as_the_packer(overflow):
 # ---- byte for byte ----
 
 @pytest.mark.parametrize("extra", [(), ("--overflow", "truncate", "--no-eos")])
-def test_ray_pack_equals_local_pack(tmp_path, local_ray, small_shards, extra):
+def test_ray_pack_equals_local_pack(tmp_path, local_ray, small_shards, monkeypatch, extra):
+    states: dict[str, list] = {"local": [], "ray": []}
+    original = OutputFolder.write_state
+
+    def write_state(self, *args):  # every resume point and counter snapshot each engine records
+        states[self.root.name].append([part.to_json() for part in self.parts])
+        original(self, *args)
+
+    monkeypatch.setattr(OutputFolder, "write_state", write_state)
     inputs = make_corpus(tmp_path / "in")
     args = pack_args(inputs, 1024, "--tokenizer", "byte", *extra)
     local = run("pack", *args, "-o", tmp_path / "local", "--workers", "1")
     assert local.exit_code == 0, local.output
     result = run("pack", *args, "-o", tmp_path / "ray", "--engine", "ray")
     assert result.exit_code == 0, result.output
+    assert len(states["local"]) > 10 and states["ray"] == states["local"]
     assert _untimed(result.output, tmp_path / "ray") == _untimed(local.output, tmp_path / "local")
     hashes = file_hashes(tmp_path / "ray")
     assert len(hashes) > 10 and hashes == file_hashes(tmp_path / "local")
@@ -277,3 +287,22 @@ def test_without_ray_one_sentence_says_what_to_install(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
     result = run("pack", src, "-o", tmp_path / "out", "--context-len", "8", "--ray-address", "auto")
     assert result.exit_code == 1 and "--ray-address needs --engine ray" in result.output
+
+
+@pytest.mark.parametrize("overflow", OVERFLOWS)
+def test_layout_kernel_equals_the_length_packer(overflow):
+    from flashcp.engines._layout import lay_out
+
+    rng = np.random.default_rng(1)
+    for context_len in (1, 5, 64):
+        reference = ray_pack.LengthPacker(context_len, overflow, PackCounts(documents_truncated=2))
+        state = np.array([0, 0, 0, 2, 0], np.int64)
+        for _ in range(20):  # shard after shard, the state carried over
+            lens = rng.choice([1, 2, context_len, context_len + 1, 4 * context_len, 70], rng.integers(0, 30))
+            starts = np.where(rng.random(lens.size) < 0.1, rng.integers(0, lens), 0).astype(np.int64)
+            windows = lay_out(lens.astype(np.int64), starts, context_len, overflow == "truncate", state)
+            expected = [(i, *closed) for i, (n, start) in enumerate(zip(lens.tolist(), starts.tolist()))
+                        for closed in reference.add(n, start)]
+            assert [(int(w[0]), int(w[1]), {"documents_split": int(w[2]), "documents_truncated": int(w[3]),
+                                            "tokens_truncated": int(w[4])}) for w in windows] == expected
+            assert (int(state[0]), int(state[1])) == reference.tail()

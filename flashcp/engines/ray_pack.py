@@ -30,12 +30,12 @@ import os
 import socket
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from flashcp.data.dataset import DataFile, DataFileWriter, data_table
+from flashcp.data.dataset import DATA_DIR, DataFile, DataFileWriter, data_table
 from flashcp.data.pack import BATCH_CHARS, PackConfig, _PackRun
 from flashcp.data.pack_output import OutputFolder, PartRecord
 from flashcp.data.packing import PackCounts, Packer
@@ -48,6 +48,7 @@ from flashcp.data.readers import (
     parse_jsonl_line,
 )
 from flashcp.data.tokenizer import Encoder, resolve_tokenizer
+from flashcp.engines._layout import lay_out
 from flashcp.engines.ray_cluster import cluster_cpus, require_ray
 from flashcp.errors import FlashcpError
 from flashcp.fileio import sha256_file
@@ -320,16 +321,20 @@ class _Part:
     """A data file being laid out: its documents and the token arrays they are in."""
 
     counts: dict
-    docs: list[tuple[int, int, int, int, int]]
-    refs: list
-    slots: dict[int, int]
+    chunks: list[np.ndarray] = field(default_factory=list)
+    refs: list = field(default_factory=list)
+    slots: dict[int, int] = field(default_factory=dict)
 
-    def add(self, shard_id: int, ref, offset: int, length: int, doc_index: int, start: int) -> None:
+    def add(self, shard_id: int, ref, docs: np.ndarray) -> None:
+        """Append documents of one shard (rows ``(_, offset, length, doc_index, start)``)."""
+        if not docs.size:
+            return
         slot = self.slots.get(shard_id)
         if slot is None:
             slot = self.slots[shard_id] = len(self.refs)
             self.refs.append(ref)
-        self.docs.append((slot, offset, length, doc_index, start))
+        docs[:, 0] = slot
+        self.chunks.append(docs)
 
 
 class _RayPackRun(_PackRun):
@@ -356,14 +361,16 @@ class _RayPackRun(_PackRun):
             raise
 
     def _run(self) -> None:
-        config, ray = self.config, self.ray
-        counts, skipped, input_documents = self.snapshot, self.snapshot["records_skipped"], self.input_documents
+        config, ray, counts = self.config, self.ray, self.snapshot
         eos = 1 if self.encoder.eos_id is not None else 0
         doc_index, first_offset = self.resume["next_doc"], self.resume["offset"]
         first_input, first_record = self.resume["input"], self.resume["record"]
         shards = iter([s for s in enumerate(self.engine.shards) if s[1].input > first_input
                        or (s[1].input == first_input and not (s[1].kind == "rows" and s[1].stop <= first_record))])
-        part = _Part(counts=dict(self.snapshot["packer"]), docs=[], refs=[], slots={})
+        packer = self.snapshot["packer"]
+        state = np.array([0, 0, packer["documents_split"], packer["documents_truncated"],
+                          packer["tokens_truncated"]], np.int64)
+        part = _Part(counts=dict(packer))
         rows_in_part, line_base, base_input = 0, 0, -1
         self._submit(shards, first_input, first_record)
         while self.tokenize_queue:
@@ -374,44 +381,67 @@ class _RayPackRun(_PackRun):
                 base_input, line_base = shard.input, 0
             records = meta["records"] + (line_base if shard.kind == "bytes" else 0)
             line_base += meta["lines"]
-            input_file = self.inputs[shard.input]
-            token_at, lens = 0, meta["lens"].tolist()
-            next_len = 0
-            for kind, record_index in zip(meta["kinds"].tolist(), records.tolist()):
-                n = lens[next_len] if kind == DOC else 0
-                if kind == DOC:
-                    next_len += 1
-                    offset, token_at = token_at, token_at + n
-                if shard.input == first_input and record_index < first_record:
-                    continue  # read before the resume point
-                if kind != DOC:
-                    if config.strict:
-                        raise bad_record_error(kind, input_file, record_index, config.text_field)
-                    skipped[SKIP_REASONS[kind - 1]] += 1
-                    continue
-                start, first_offset = first_offset, 0
-                if start == 0:
-                    counts["documents_read"] += 1
-                    input_documents[shard.input] += 1
-                    if n == eos:
-                        counts["documents_empty"] += 1
-                        doc_index += 1
-                        continue
-                    counts["tokens_read"] += n
-                part.add(shard_id, tokens_ref, offset, n, doc_index, start)
-                for resume_offset, window_counts in self.lengths.add(n, start):
-                    rows_in_part += 1
-                    if rows_in_part < self.rows_per_file:
-                        continue
-                    self._finish_part(part, self.rows_per_file, window_counts, shard.input, record_index,
-                                      doc_index, resume_offset)
-                    part = _Part(counts=window_counts, docs=[], refs=[], slots={})
-                    rows_in_part = 0
-                    if resume_offset:
-                        part.add(shard_id, tokens_ref, offset, n, doc_index, resume_offset)
-                doc_index += 1
+            kinds, lens = meta["kinds"], meta["lens"]
+            is_doc = kinds == DOC
+            keep = records >= first_record if shard.input == first_input else np.ones(kinds.size, bool)
+            bad = keep & ~is_doc
+            if config.strict and bad.any():
+                at = int(np.argmax(bad))
+                raise bad_record_error(int(kinds[at]), self.inputs[shard.input], int(records[at]), config.text_field)
+            # the shard's documents (records before the resume point left out), in order
+            token_offsets = np.zeros(lens.size, np.int64)
+            np.cumsum(lens[:-1], out=token_offsets[1:])
+            doc_keep = keep[is_doc]
+            doc_lens, doc_offsets = lens[doc_keep], token_offsets[doc_keep]
+            doc_records = np.flatnonzero(is_doc)[doc_keep]
+            doc_starts = np.zeros(doc_lens.size, np.int64)
+            if doc_lens.size and first_offset:
+                doc_starts[0], first_offset = first_offset, 0  # a resumed document was counted by its run
+            counted = doc_starts == 0
+            empty = counted & (doc_lens == eos)
+            read_cum, empty_cum = np.cumsum(counted), np.cumsum(empty)
+            tokens_cum = np.cumsum(np.where(counted & ~empty, doc_lens, 0))
+            packed = np.flatnonzero(~empty)
+            windows = lay_out(doc_lens[packed], doc_starts[packed], config.context_len,
+                              config.overflow == "truncate", state)
+            base = (counts["documents_read"], counts["documents_empty"], counts["tokens_read"],
+                    dict(counts["records_skipped"]), self.input_documents[shard.input])
+            skipped_cum = {reason: np.cumsum(bad & (kinds == k + 1)) for k, reason in enumerate(SKIP_REASONS)}
+
+            def advance(doc: int, record: int | None) -> None:
+                """Set the counters to where they stand at document ``doc`` of the shard (or its end)."""
+                counts["documents_read"] = base[0] + (int(read_cum[doc]) if doc >= 0 else 0)
+                counts["documents_empty"] = base[1] + (int(empty_cum[doc]) if doc >= 0 else 0)
+                counts["tokens_read"] = base[2] + (int(tokens_cum[doc]) if doc >= 0 else 0)
+                for reason, cum in skipped_cum.items():
+                    upto = cum.size if record is None else record
+                    counts["records_skipped"][reason] = base[3][reason] + (int(cum[upto - 1]) if upto else 0)
+                self.input_documents[shard.input] = base[4] + (int(read_cum[doc]) if doc >= 0 else 0)
+
+            first, first_start = 0, -1  # the next piece of the part: packed[first], from first_start if >= 0
+            for w in range(self.rows_per_file - rows_in_part - 1, len(windows), self.rows_per_file):
+                j, resume_offset = int(windows[w, 0]), int(windows[w, 1])
+                window_counts = {"documents_split": int(windows[w, 2]), "documents_truncated": int(windows[w, 3]),
+                                 "tokens_truncated": int(windows[w, 4])}
+                doc = int(packed[j])
+                advance(doc, int(doc_records[doc]))
+                part.add(shard_id, tokens_ref, self._docs(packed[first:j + 1], first_start, doc_offsets, doc_lens,
+                                                          doc_index, doc_starts))
+                self._finish_part(part, self.rows_per_file, window_counts, shard.input,
+                                  int(records[doc_records[doc]]), doc_index + doc, resume_offset)
+                part = _Part(counts=window_counts)
+                first, first_start = (j, resume_offset) if resume_offset else (j + 1, -1)
+            rows_in_part = (rows_in_part + len(windows)) % self.rows_per_file
+            if first < packed.size:
+                part.add(shard_id, tokens_ref, self._docs(packed[first:], first_start, doc_offsets, doc_lens,
+                                                          doc_index, doc_starts))
+            advance(doc_lens.size - 1, None)
+            doc_index += doc_lens.size
             if meta["error"] is not None:
                 raise FlashcpError(meta["error"])
+        self.lengths._fill, self.lengths._starts = int(state[0]), int(state[1])
+        self.lengths.counts = PackCounts(documents_split=int(state[2]), documents_truncated=int(state[3]),
+                                         tokens_truncated=int(state[4]))
         if rows_in_part:
             ref = self._submit_write(part, rows_in_part)
             self._collect(block=True)
@@ -419,6 +449,18 @@ class _RayPackRun(_PackRun):
             self._check_visible(self.last_file)
             self.on_rows(rows_in_part)
         self._collect(block=True)
+        for path in (self.out.root / DATA_DIR).glob(".part-*.tmp"):
+            path.unlink(missing_ok=True)  # left by a write task killed mid-file and run again
+
+    @staticmethod
+    def _docs(which: np.ndarray, first_start: int, offsets: np.ndarray, lens: np.ndarray, first_index: int,
+              starts: np.ndarray) -> np.ndarray:
+        """Rows ``(0, offset, length, doc_index, start)`` of the shard's documents ``which``."""
+        docs = np.stack([np.zeros(which.size, np.int64), offsets[which], lens[which], first_index + which,
+                         starts[which]], axis=1)
+        if first_start >= 0 and which.size:
+            docs[0, 4] = first_start
+        return docs
 
     def _submit(self, shards: Iterator[tuple[int, Shard]], first_input: int, first_record: int) -> None:
         """Keep ``TASKS_PER_CPU`` tokenize tasks per CPU queued."""
@@ -436,7 +478,7 @@ class _RayPackRun(_PackRun):
             self.tokenize_queue.append((shard_id, shard, meta_ref, tokens_ref))
 
     def _submit_write(self, part: _Part, rows: int):
-        docs = np.array(part.docs, np.int64).reshape(-1, 5)
+        docs = np.concatenate(part.chunks) if part.chunks else np.zeros((0, 5), np.int64)
         index = len(self.out.parts) + len(self.write_queue)
         return self.engine.write.remote(str(self.out.root), index, self.config.context_len, self.config.overflow,
                                         part.counts, rows, self.row_group_rows, docs, *part.refs)
