@@ -1,7 +1,7 @@
 """``flashcp pack --engine ray`` against the local engine, on the same input in one run.
 
     python bench/ray_pack.py throughput            # stdlib JSONL, deepseek-v3: local 1/2 workers, ray 1/2 CPUs
-    python bench/ray_pack.py memory --gb 1         # generated JSONL, byte tokenizer, ray with 2 CPUs
+    python bench/ray_pack.py memory --gb 0.1,1     # generated JSONL, byte tokenizer, ray with 2 CPUs
 
 Every pack runs in a fresh process (so each Ray run pays its own start-up, which is timed apart) and writes
 into a temporary folder deleted afterwards. Reported per run:
@@ -10,9 +10,10 @@ into a temporary folder deleted afterwards. Reported per run:
   returned) on top;
 - the driver's own CPU time per token (``time.process_time`` of the driver around ``run_pack``: the layout
   loop plus Ray's client threads; the tokenize and write tasks run in other processes);
-- peak RSS of the driver and of the largest worker process (sampled from /proc every 0.2 s: Ray worker
-  processes are the driver's descendants whose command line starts with ``ray::``), and for the local engine
-  the peak of its tokenizer processes;
+- peak RSS of the driver, and the largest private RSS (``RssAnon``) of a worker process, with the most
+  shared memory it had mapped (``RssShmem``: Ray's object store pages, shared by all workers), sampled from
+  /proc every 0.2 s (Ray worker processes are the driver's descendants whose command line starts with
+  ``ray::``; the local engine's are its multiprocessing children);
 - every Ray run's output is checked byte for byte against the local one.
 """
 
@@ -38,11 +39,11 @@ from pathlib import Path
 from flashcp.data.pack import PackConfig, run_pack
 
 src, out, tokenizer, engine, workers, context_len = sys.argv[1:7]
-workers, peaks, stop = int(workers), {"driver": 0, "worker": 0}, threading.Event()
+workers, peaks, stop = int(workers), {"driver": 0, "worker": 0, "shared": 0}, threading.Event()
 
-def rss_kb(pid):
+def rss_kb(pid, field="VmRSS:"):
     with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
 
 def descendants():
     children = {}
@@ -71,7 +72,8 @@ def sample():
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     cmd = f.read()
                 if cmd.startswith(b"ray::") or b"multiprocessing" in cmd:
-                    peaks["worker"] = max(peaks["worker"], rss_kb(pid))
+                    peaks["worker"] = max(peaks["worker"], rss_kb(pid, "RssAnon:"))
+                    peaks["shared"] = max(peaks["shared"], rss_kb(pid, "RssShmem:"))
             except (OSError, StopIteration):
                 pass
 
@@ -98,7 +100,8 @@ peaks["driver"] = max(peaks["driver"], rss_kb(os.getpid()))
 manifest = result.manifest
 print(json.dumps({"seconds": seconds, "startup": startup, "driver_cpu": driver_cpu,
                   "tokens": manifest["counts"]["tokens_read"], "documents": manifest["counts"]["documents_read"],
-                  "driver_peak_mb": peaks["driver"] / 1024, "worker_peak_mb": peaks["worker"] / 1024}))
+                  "driver_peak_mb": peaks["driver"] / 1024, "worker_peak_mb": peaks["worker"] / 1024,
+                  "worker_shared_mb": peaks["shared"] / 1024}))
 """
 
 
@@ -131,42 +134,57 @@ def report(name: str, r: dict, base: dict | None) -> None:
     ratio = f"{base['seconds'] / r['seconds']:.2f}x" if base else "1.00x"
     same = "" if base is None else (" same bytes" if r["digest"] == base["digest"] else " DIFFERENT BYTES")
     print(f"| {name} | {r['seconds']:.1f} s | {rate / 1e6:.3f} M tok/s | {ratio} | {r['startup']:.1f} s | "
-          f"{1e9 * r['driver_cpu'] / r['tokens']:.0f} ns | {r['driver_peak_mb']:.0f} MB | "
-          f"{r['worker_peak_mb']:.0f} MB |{same}", flush=True)
+          f"{r['driver_cpu']:.2f} s = {1e9 * r['driver_cpu'] / r['tokens']:.1f} ns/token = "
+          f"{1e6 * r['driver_cpu'] / r['documents']:.0f} us/doc | {r['driver_peak_mb']:.0f} MB | "
+          f"{r['worker_peak_mb']:.0f} MB (+{r['worker_shared_mb']:.0f} MB shared) |{same}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["throughput", "memory"])
     parser.add_argument("--mb", type=float, default=None, help="throughput: first MB of the stdlib corpus")
-    parser.add_argument("--gb", type=float, default=1.0, help="memory: generated input size (1e9 bytes)")
+    parser.add_argument("--gb", default="0.1,1", help="memory: generated input sizes (1e9 bytes); local runs on "
+                        "the largest, and the driver's CPU per document is the difference between the first and "
+                        "the last Ray run (start-up costs cancel)")
     parser.add_argument("--tokenizer", default=None, help="[throughput: deepseek-v3, memory: byte]")
     parser.add_argument("--context-len", type=int, default=16384)
     parser.add_argument("--tmp", default=None)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="flashcp-ray-bench-", dir=args.tmp))
     try:
-        src = work / "in.jsonl"
         if args.what == "throughput":
             tokenizer = args.tokenizer or "deepseek-v3"
+            src = work / "in.jsonl"
             size = write_jsonl(src, stdlib_texts(None if args.mb is None else int(args.mb * 1e6)))
-            runs = [("local", 1), ("local", 2), ("ray", 1), ("ray", 2)]
+            runs = [(src, size, "local", 1), (src, size, "local", 2), (src, size, "ray", 1), (src, size, "ray", 2)]
         else:
             tokenizer = args.tokenizer or "byte"
-            size, _ = write_synthetic_jsonl(src, int(args.gb * 1e9))
-            runs = [("local", 2), ("ray", 2)]
-        print(f"input {size / 1e6:.1f} MB, tokenizer {tokenizer}, C = {args.context_len}")
-        print("| run | pack | tokens/s | vs local 1 worker | Ray start-up | driver CPU per token | driver peak RSS "
-              "| largest worker peak RSS |")
-        print("|---|---|---|---|---|---|---|---|")
-        base = None
-        for engine, workers in runs:
+            runs = []
+            for i, gb in enumerate(sorted(float(x) for x in args.gb.split(","))):
+                src = work / f"in-{i}.jsonl"
+                size, _ = write_synthetic_jsonl(src, int(gb * 1e9))
+                runs.append((src, size, "ray", 2))
+            runs.insert(len(runs) - 1, (src, size, "local", 2))
+        print(f"tokenizer {tokenizer}, C = {args.context_len}")
+        print("| input | run | pack | tokens/s | vs first run | Ray start-up | driver CPU | driver peak RSS "
+              "| largest worker peak private RSS (+ object store pages mapped) |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        base, rays = None, []
+        for src, size, engine, workers in runs:
             r = measure(src, work, tokenizer, engine, workers, args.context_len)
-            report(f"{engine}, {workers} {'worker' if engine == 'local' else 'CPU'}{'s' if workers > 1 else ''}",
-                   r, base)
+            if base is not None and base["tokens"] != r["tokens"]:
+                base = None
+            report(f"{size / 1e6:,.0f} MB | {engine}, {workers} {'worker' if engine == 'local' else 'CPU'}"
+                   f"{'s' if workers > 1 else ''}", r, base)
             base = base or r
-        print(f"tokens {r['tokens']:,}, documents {r['documents']:,}, data files {r['data_bytes']:,} bytes "
-              f"({r['data_bytes'] / r['tokens']:.2f} B/token)")
+            rays += [r] if engine == "ray" else []
+            print(f"|   | tokens {r['tokens']:,}, documents {r['documents']:,}, data files {r['data_bytes']:,} bytes "
+                  f"({r['data_bytes'] / r['tokens']:.2f} B/token) |", flush=True)
+        if len(rays) > 1 and rays[-1]["documents"] > rays[0]["documents"]:
+            cpu = rays[-1]["driver_cpu"] - rays[0]["driver_cpu"]
+            docs, tokens = rays[-1]["documents"] - rays[0]["documents"], rays[-1]["tokens"] - rays[0]["tokens"]
+            print(f"driver CPU, last Ray run minus first: {cpu:.2f} s for {docs:,} documents and {tokens:,} tokens "
+                  f"= {1e6 * cpu / docs:.2f} us/document, {1e9 * cpu / tokens:.3f} ns/token")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

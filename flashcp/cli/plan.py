@@ -7,6 +7,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 
 import click
+from click.core import ParameterSource
 from rich.table import Table
 
 from flashcp.cli.console import console, info, progress
@@ -62,7 +63,8 @@ def command(data: str, cp: int, strategy: str, target_imbalance: float | None, w
 
             run_jobs = ray_run_jobs
 
-            stack.enter_context(ray_session(ray_address, workers))
+            explicit = click.get_current_context().get_parameter_source("workers") != ParameterSource.DEFAULT
+            stack.enter_context(ray_session(ray_address, workers if explicit else None))  # default: all cores
         advance = stack.enter_context(progress(f"planning cp{cp} {strategy}", dataset.num_sequences))
         meta = plan_dataset(data, cp, strategy, target_imbalance=target_imbalance, workers=workers,
                             force=force, name=name, progress=advance, run_jobs=run_jobs)
