@@ -306,3 +306,21 @@ def test_layout_kernel_equals_the_length_packer(overflow):
             assert [(int(w[0]), int(w[1]), {"documents_split": int(w[2]), "documents_truncated": int(w[3]),
                                             "tokens_truncated": int(w[4])}) for w in windows] == expected
             assert (int(state[0]), int(state[1])) == reference.tail()
+
+
+def test_a_local_pack_killed_midway_resumes_on_ray(tmp_path, local_ray, small_shards):
+    from tests.test_pack_cli import KILLER as LOCAL_KILLER
+
+    inputs = make_corpus(tmp_path / "in", seed=7)
+    args = pack_args(inputs, 1000, "--tokenizer", "byte", "--workers", "1")
+    assert run("pack", *args, "-o", tmp_path / "local").exit_code == 0
+    out = tmp_path / "out"
+    env = {**os.environ, "KILL_AT_GROUP": "9", "PYTHONPATH": str(ROOT)}
+    killed = subprocess.run([sys.executable, "-c", LOCAL_KILLER, "pack", *args, "-o", str(out)], env=env,
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    assert len(json.loads((out / "pack-state.json").read_text())["parts"]) == 4
+    result = run("-v", "pack", *args, "-o", out, "--engine", "ray")
+    assert result.exit_code == 0, result.output
+    assert "resumed an interrupted pack after 4 finished data file(s)" in result.output
+    assert file_hashes(out) == file_hashes(tmp_path / "local")
