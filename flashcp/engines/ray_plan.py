@@ -8,9 +8,11 @@ Every job reads its data file, plans and validates every row, and writes its pla
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from flashcp.engines.ray_cluster import require_ray
 from flashcp.engines.ray_pack import get
+from flashcp.errors import FlashcpError
 
 __all__ = ["run_jobs"]
 
@@ -27,8 +29,11 @@ def run_jobs(jobs: list, workers: int, progress: Callable[[int], None] | None) -
     refs = [plan_file.remote(job) for job in jobs]
     results = []
     try:
-        for ref in refs:
+        for job, ref in zip(jobs, refs):
             results.append(get(ray, ref))
+            if not (Path(job.staging) / results[-1].plan_file["path"]).is_file():
+                raise FlashcpError(f"a Ray worker wrote a plan file where the driver cannot see it; the dataset "
+                                   f"folder {job.root} must be on a filesystem every Ray node shares")
             if progress:
                 progress(int(results[-1].metrics[0].size))
     except BaseException:
