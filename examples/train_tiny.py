@@ -1,10 +1,13 @@
-"""Train a small decoder with flashcp context parallelism on a planned dataset.
+"""Train a small decoder with flashcp context parallelism (and data parallelism) on a planned dataset.
 
     torchrun --nproc-per-node 2 examples/train_tiny.py DATA --plan cp2-flashcp --steps 20 --ckpt c.pt
     torchrun --nproc-per-node 2 examples/train_tiny.py DATA --plan cp2-flashcp --steps 40 --ckpt c.pt --resume
+    torchrun --nproc-per-node 4 examples/train_tiny.py DATA --plan cp2-flashcp --dp 2 --sharding fsdp --ckpt ck
 
-The plan's ``cp`` must equal the number of ranks. gloo on CPU, NCCL when CUDA is available; without torchrun
-it runs as one process (a cp-1 plan). Logs loss, tokens/s and the K/V bytes moved per step, with a progress
+The plan's ``cp`` times ``--dp`` must equal the number of ranks: the ranks form a ``(dp, cp)`` DeviceMesh,
+consecutive ranks one CP group (``flashcp.train.parallel``). gloo on CPU, NCCL when CUDA is available;
+without torchrun it runs as one process (a cp-1 plan). With ``--sharding fsdp`` (FSDP2) ``--ckpt`` is a
+``torch.distributed.checkpoint`` folder. Logs loss, tokens/s and the K/V bytes moved per step, with a progress
 bar on an interactive terminal. Token ids are folded into the model's vocabulary (``id % --vocab``). Bad
 input (a plan for another number of ranks, a missing checkpoint) stops every rank; rank 0 prints one
 sentence and the script exits 1.
@@ -44,13 +47,18 @@ def parse_args(argv=None) -> TrainOptions:
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--resume", action="store_true", help="continue from --ckpt")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (ranks = dp x the plan's cp)")
+    parser.add_argument("--sharding", default="replicate", choices=("replicate", "fsdp"),
+                        help="replicated weights with an all-reduce, or FSDP2 over the dp x cp mesh")
+    parser.add_argument("--prefetch", type=int, default=2, help="batches built ahead on a thread (0: off)")
     args = parser.parse_args(argv)
     try:
         return TrainOptions(data=args.data, plan=args.plan, steps=args.steps, comm=args.comm,
                             backend=args.backend, lr=args.lr, dtype=args.dtype, model=args.model,
                             vocab_size=args.vocab, dim=args.dim, num_layers=args.layers, num_heads=args.heads,
                             num_kv_heads=args.kv_heads, ckpt=args.ckpt, resume=args.resume,
-                            save_every=args.save_every, seed=args.seed)
+                            save_every=args.save_every, seed=args.seed, dp=args.dp, sharding=args.sharding,
+                            prefetch=args.prefetch)
     except ValueError as e:
         parser.error(str(e))
 

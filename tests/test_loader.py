@@ -166,3 +166,95 @@ def test_reads_one_row_group_and_two_columns_at_a_time(planned, monkeypatch):
     batches = list(loader)
     assert [(b.file_index, b.row) for b in batches] == [(1, 2), (1, 3)]
     assert reads == [(1, ["tokens", "doc_lens"])], "resuming reads only the row group it resumes in"
+
+
+def stream(loader, num_steps):
+    """(file, row) of the next ``num_steps`` batches of ``loader``, across epochs."""
+    out = []
+    while len(out) < num_steps:
+        for b in loader:
+            out.append((b.file_index, b.row))
+            if len(out) == num_steps:
+                break
+    return out
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("dp", [1, 2, 3])
+def test_data_parallel_replicas_share_every_epoch_exactly_once(planned, dp, shuffle):
+    dataset = planned[0]
+    num = 9
+    single = stream(CPLoader(dataset.root, "cp3-test", 0, CP, seed=4, shuffle=shuffle), 3 * num)
+    for e in range(3):
+        assert sorted(single[e * num:(e + 1) * num]) == sorted(single[:num]), "an epoch is a permutation"
+    steps = -(-3 * num // dp)  # whole steps covering three epochs
+    replicas = []
+    for d in range(dp):
+        per_rank = [stream(CPLoader(dataset.root, "cp3-test", r, CP, dp_rank=d, dp_size=dp, seed=4,
+                                    shuffle=shuffle), steps) for r in range(CP)]
+        assert per_rank[0] == per_rank[1] == per_rank[2], "every rank of a CP group gets the same sequence"
+        replicas.append(per_rank[0])
+    interleaved = [replicas[d][s] for s in range(steps) for d in range(dp)]
+    # step s takes stream items [s*dp, (s+1)*dp): the leftover of an epoch shares a step with the next epoch
+    assert interleaved[:3 * num] == single, f"dp {dp}: the replicas' steps are not the global stream"
+
+
+def test_each_pass_ends_where_the_epochs_step_ends(planned):
+    # 9 sequences, dp 2: the first pass has 5 steps, the fifth taking the next epoch's first sequence
+    dataset = planned[0]
+    loaders = [CPLoader(dataset.root, "cp3-test", 0, CP, dp_rank=d, dp_size=2, seed=1) for d in (0, 1)]
+    passes = [[len(list(loader)) for _ in range(3)] for loader in loaders]
+    assert passes[0] == passes[1] == [5, 4, 5], "every replica runs the same number of steps"
+    assert loaders[0].state_dict() == loaders[1].state_dict()
+    assert (loaders[0].epoch, loaders[0].position) == (3, 1)  # epoch 3's first sequence is taken
+
+
+@pytest.mark.parametrize("dp_before, dp_after", [(2, 2), (2, 3), (3, 1), (1, 2)])
+def test_resume_mid_epoch_with_the_same_or_another_dp_size(planned, dp_before, dp_after):
+    dataset = planned[0]
+    num = 9
+    single = stream(CPLoader(dataset.root, "cp3-test", 1, CP, seed=6), 4 * num)
+    for steps_before in (1, 4, 5):
+        loaders = [CPLoader(dataset.root, "cp3-test", 1, CP, dp_rank=d, dp_size=dp_before, seed=6)
+                   for d in range(dp_before)]
+        before = [stream(loader, steps_before) for loader in loaders]
+        states = [json.loads(json.dumps(loader.state_dict())) for loader in loaders]
+        assert all(s == states[0] for s in states), "the loader state is the same on every replica"
+        resumed = [CPLoader(dataset.root, "cp3-test", 1, CP, dp_rank=d, dp_size=dp_after, seed=0)
+                   for d in range(dp_after)]
+        for loader in resumed:
+            loader.load_state_dict(states[0])
+        steps_after = 6
+        after = [stream(loader, steps_after) for loader in resumed]
+        got = ([before[d][s] for s in range(steps_before) for d in range(dp_before)]
+               + [after[d][s] for s in range(steps_after) for d in range(dp_after)])
+        assert got == single[:len(got)], f"dp {dp_before} -> {dp_after} after {steps_before} steps"
+
+
+class FakeMesh:
+    """The part of a DeviceMesh that CPLoader.from_mesh reads."""
+
+    def __init__(self, names, sizes, local):
+        self.mesh_dim_names, self.sizes, self.local = names, sizes, local
+
+    def size(self, dim):
+        return self.sizes[dim]
+
+    def get_local_rank(self, name):
+        return self.local[self.mesh_dim_names.index(name)]
+
+
+def test_from_mesh_and_data_parallel_refusals(planned):
+    dataset = planned[0]
+    loader = CPLoader.from_mesh(dataset.root, "cp3-test", FakeMesh(("dp", "cp"), (2, 3), (1, 2)))
+    assert (loader.dp_rank, loader.dp_size, loader.rank, loader.world_size) == (1, 2, 2, 3)
+    loader = CPLoader.from_mesh(dataset.root, "cp3-test", FakeMesh(("cp",), (3,), (1,)), dp_dim=None)
+    assert (loader.dp_rank, loader.dp_size, loader.rank) == (0, 1, 1)
+    with pytest.raises(FlashcpError, match=r"dimensions \['data', 'cp'\] but the loader needs 'dp'; build"):
+        CPLoader.from_mesh(dataset.root, "cp3-test", FakeMesh(("data", "cp"), (2, 3), (0, 0)))
+    with pytest.raises(FlashcpError, match="made for cp 3 but the device mesh's 'cp' dimension has 2 ranks"):
+        CPLoader.from_mesh(dataset.root, "cp3-test", FakeMesh(("dp", "cp"), (3, 2), (0, 0)))
+    with pytest.raises(FlashcpError, match=r"dp_rank 2 is outside \[0, 2\)"):
+        CPLoader(dataset.root, "cp3-test", 0, CP, dp_rank=2, dp_size=2)
+    with pytest.raises(FlashcpError, match="dp_size must be at least 1, got 0"):
+        CPLoader(dataset.root, "cp3-test", 0, CP, dp_size=0)

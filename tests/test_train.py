@@ -97,6 +97,10 @@ def test_option_and_setup_refusals(planned):
         options(root, dtype="float16")
     with pytest.raises(FlashcpError, match="plan 'cp2-llama3-like' was made for cp 2 but world_size is 1"):
         run_training(options(root, plan="cp2-llama3-like"))
+    with pytest.raises(FlashcpError, match="--dp 2 with --sharding replicate needs a process group; launch with"):
+        run_training(options(root, dp=2))
+    with pytest.raises(ValueError, match="unknown sharding 'zero3'"):
+        options(root, sharding="zero3")
     with pytest.raises(FlashcpError, match="boom"):
         agree_on_errors(FlashcpError("boom"))
     agree_on_errors(None)
@@ -115,3 +119,43 @@ def test_script_prints_one_sentence_and_exits_1(planned, capsys):
                         "--kv-heads", "1", "--vocab", "16"]) == 0
     err = capsys.readouterr().err
     assert "step 2/2  loss" in err and "tok/s" in err
+    assert script.main([str(root), "--plan", "cp1-llama3-like", "--dp", "2", "--sharding", "fsdp",
+                        "--prefetch", "0"]) == 1
+    assert capsys.readouterr().err.strip() == ("error: --dp 2 with --sharding fsdp needs a process group; "
+                                                "launch with torchrun")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_sharded_checkpoint_in_one_process(planned, tmp_path):
+    import os
+
+    from flashcp.train.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+
+    root, _ = planned
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    loader = CPLoader(root, "cp1-llama3-like", 0, 1)
+    next(iter(loader))
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    path = folder / "ck"
+    save_sharded_checkpoint(path, step=2, model=model, optimizer=optimizer, loader=loader, config={"dim": 3})
+    save_sharded_checkpoint(path, step=3, model=model, optimizer=optimizer, loader=loader, config={"dim": 3})
+    assert sorted(p.name for p in folder.iterdir()) == ["ck"], "no staging or old folder left behind"
+    os.replace(path, folder / ".ck.old")  # as if a save was killed between its two renames
+    fresh = torch.nn.Linear(3, 2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    fresh_loader = CPLoader(root, "cp1-llama3-like", 0, 1)
+    assert load_sharded_checkpoint(path, model=fresh, optimizer=fresh_opt, loader=fresh_loader,
+                                   config={"dim": 3}) == 3
+    assert torch.equal(fresh.weight, model.weight) and fresh_loader.state_dict() == loader.state_dict()
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    user_folder = folder / "mine"
+    user_folder.mkdir()
+    (user_folder / "notes.txt").write_text("keep")
+    with pytest.raises(FlashcpError, match="exists and is not a flashcp sharded checkpoint"):
+        save_sharded_checkpoint(user_folder, step=1, model=model, optimizer=optimizer, loader=loader, config={})
+    assert [p.name for p in user_folder.iterdir()] == ["notes.txt"]

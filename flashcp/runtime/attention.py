@@ -14,6 +14,12 @@ backward pass sends dK/dV of borrowed keys back to their owners (see ``flashcp.r
 With ``comm="ring"`` (the Ring-Attn baselines) there is no collective: K/V blocks rotate around the ranks
 point-to-point and every step's partial output is merged by log-sum-exp (``flashcp.runtime.ring``).
 
+Gradient sums run in float32 (``lse_dtype``) whatever the input dtype: K/V are viewed in that dtype before
+they are gathered, packed or concatenated and cast back to the input dtype only where a kernel reads them,
+so the dK/dV partials of every kernel call, local or from other ranks, are added in float32 and rounded to
+the input dtype once (``flashcp.runtime.comm`` for what that costs on the wire). The forward values are the
+same: a bf16 -> float32 -> bf16 round trip is exact. It costs float32 copies of the gathered keys.
+
 Steps 3-4 without the collective are ``attention_after_exchange``: given the receive buffer a rank would hold,
 it computes that rank's output, so single-process emulation and benchmarks run exactly the same code.
 
@@ -27,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from flashcp.runtime.comm import CommStats, start_exchange
-from flashcp.runtime.kernels import fold_softmax_scale, resolve_backend, varlen_attention
+from flashcp.runtime.kernels import fold_softmax_scale, lse_dtype, resolve_backend, varlen_attention
 from flashcp.runtime.meta import CPAttnMeta, Exchange, QueryPart
 from flashcp.runtime.ring import ring_attention
 
@@ -64,10 +70,13 @@ def cp_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, 
         # the ring's LSE kernels use 1/sqrt(D): fold the requested scale into q
         return ring_attention(fold_softmax_scale(q_THD, softmax_scale), k_TKD, v_TKD, meta.ring, group, backend, stats)
     exchange = meta.exchange(mode)
+    wire_dtype = k_TKD.dtype
+    k_TKD, v_TKD = _accumulating(k_TKD), _accumulating(v_TKD)
     pending = None
     if exchange.active:
         _check_group(meta, group)
-        pending = start_exchange(pack_send(k_TKD, v_TKD, exchange), exchange, group, meta.cp, stats)
+        pending = start_exchange(pack_send(k_TKD, v_TKD, exchange), exchange, group, meta.cp, stats,
+                                 wire_dtype=wire_dtype)
     out_local = local_attention(q_THD, k_TKD, v_TKD, meta, backend, softmax_scale)
     if pending is not None:
         recv_RKD = pending.wait()
@@ -79,6 +88,11 @@ def cp_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, 
     if pending is not None and meta.remote.num_tokens == 0:
         out = pending.tie(out, recv_RKD)
     return out
+
+
+def _accumulating(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the dtype its gradient is summed in (float32 or wider); the same tensor when it already is."""
+    return x.to(lse_dtype(x.dtype))
 
 
 def _check_group(meta: CPAttnMeta, group) -> None:
@@ -101,9 +115,10 @@ def _attend(q_THD, k_SKD, v_SKD, part: QueryPart, kv_index: torch.Tensor, backen
             softmax_scale: float | None) -> torch.Tensor:
     if part.num_tokens == 0:
         return q_THD[:0]  # empty, but in q's graph: a rank holding no tokens still runs the backward
-    return varlen_attention(q_THD.index_select(0, part.q_index), k_SKD.index_select(0, kv_index),
-                            v_SKD.index_select(0, kv_index), part.cu_seqlens_q, part.cu_seqlens_k,
-                            part.max_seqlen_q, part.max_seqlen_k, backend, softmax_scale)
+    # K/V may come in the accumulation dtype (float32): the kernel reads q's dtype, its dK/dV are summed wider
+    k_SKD, v_SKD = (x.index_select(0, kv_index).to(q_THD.dtype) for x in (k_SKD, v_SKD))
+    return varlen_attention(q_THD.index_select(0, part.q_index), k_SKD, v_SKD, part.cu_seqlens_q,
+                            part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k, backend, softmax_scale)
 
 
 def local_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: CPAttnMeta,
@@ -138,6 +153,8 @@ def attention_after_exchange(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: to
     if recv_RKD.shape[0] != exchange.recv_rows:
         raise ValueError(f"the receive buffer has {recv_RKD.shape[0]} rows, the {exchange.mode} exchange "
                          f"delivers {exchange.recv_rows}")
+    k_TKD, v_TKD = _accumulating(k_TKD), _accumulating(v_TKD)
+    recv_RKD = recv_RKD.to(k_TKD.dtype)
     out_local = local_attention(q_THD, k_TKD, v_TKD, meta, backend, softmax_scale)
     out_remote = remote_attention(q_THD, k_TKD, v_TKD, recv_RKD, meta, exchange, backend, softmax_scale)
     return _combine(out_local, out_remote, meta)

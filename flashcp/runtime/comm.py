@@ -11,6 +11,19 @@ send buffer gradient is needed. The reverse collectives:
 - ``all_to_all_single`` with uneven splits (``a2a``) -> the same call with the splits swapped.
 
 Buffers are ``(rows, 2, K, D)``: K and V travel together in one collective. Rows are tokens.
+
+Precision: partial dK/dV are summed in float32 (``lse_dtype``: float32 or wider) whatever the input dtype.
+The send buffer handed to ``start_exchange`` is in that accumulation dtype; K/V travel forward in the
+``wire_dtype`` (the model's dtype), and the receive buffer comes back in the accumulation dtype, so every
+gradient sum downstream of the exchange runs in float32. Backward:
+
+- reduce-scatter (``allgather``, ``full``): the sum over ranks happens inside the collective, so it runs in
+  float32 on the wire: with bf16 K/V the backward moves twice the bytes of the forward,
+  ``(cp - 1) * rows * 2 * K * D * 4`` bytes sent per rank and layer instead of ``... * 2`` (``rows`` the
+  slot: ``P`` for ``allgather``, ``Q`` for ``full``).
+- ``a2a``: every rank sums its own partials in float32 and sends one ``wire_dtype`` row per borrowed token;
+  the owner receives the ranks' rows separately and adds them in float32 (the send buffer's gradient, then
+  the index-select that packed it). No extra bytes.
 """
 
 from __future__ import annotations
@@ -94,10 +107,11 @@ def _record(stats: CommStats | None, exchange: Exchange, direction: str, inp: to
 class _ExchangeState:
     """What the two autograd Functions of one exchange share."""
 
-    __slots__ = ("exchange", "group", "cp", "stats", "work", "grad_work", "grad_recv", "grad_send")
+    __slots__ = ("exchange", "group", "cp", "stats", "wire_dtype", "work", "grad_work", "grad_recv", "grad_send")
 
-    def __init__(self, exchange: Exchange, group, cp: int, stats: CommStats | None):
+    def __init__(self, exchange: Exchange, group, cp: int, stats: CommStats | None, wire_dtype: torch.dtype):
         self.exchange, self.group, self.cp, self.stats = exchange, group, cp, stats
+        self.wire_dtype = wire_dtype
         self.work: Any = None  # the forward collective's handle until waited for
         self.grad_work: Any = None  # the backward collective's handle until waited for
         self.grad_recv: torch.Tensor | None = None  # kept alive while the backward collective reads it
@@ -124,58 +138,66 @@ def _launch(state: _ExchangeState, inp: torch.Tensor, out: torch.Tensor, directi
 class _StartExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, send_RKD, state: _ExchangeState):
-        recv = send_RKD.new_empty((state.exchange.recv_rows, *send_RKD.shape[1:]))
-        state.work = _launch(state, send_RKD, recv, "forward")
-        ctx.state = state
+        wire = send_RKD.to(state.wire_dtype).contiguous()
+        recv = wire.new_empty((state.exchange.recv_rows, *wire.shape[1:]))
+        state.work = _launch(state, wire, recv, "forward")
+        state.grad_send = wire  # kept alive until the collective is done
+        ctx.state, ctx.acc_dtype = state, send_RKD.dtype
         return recv
 
     @staticmethod
     def backward(ctx, _grad_recv):
         state = ctx.state
         state.grad_work.wait()
-        grad_send = state.grad_send
+        grad_send = state.grad_send.to(ctx.acc_dtype)  # a2a partials arrive in the wire dtype: sum in float32
         state.grad_work = state.grad_recv = state.grad_send = None
         return grad_send, None
 
 
 class _WaitExchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, recv, state: _ExchangeState):
+    def forward(ctx, recv, state: _ExchangeState, acc_dtype: torch.dtype):
         state.work.wait()
-        state.work = None
-        ctx.state = state
-        return recv
+        state.work = state.grad_send = None
+        ctx.state, ctx.recv_shape, ctx.wire_dtype = state, recv.shape, recv.dtype
+        return recv.to(acc_dtype)
 
     @staticmethod
     def backward(ctx, grad_recv):
         state = ctx.state
-        state.grad_recv = grad_recv.contiguous()
         ex = state.exchange
-        state.grad_send = grad_recv.new_empty((ex.send_rows, *grad_recv.shape[1:]))
+        # a reduce-scatter sums inside the collective: keep float32 on the wire; a2a rows are not summed there
+        wire_dtype = ctx.wire_dtype if ex.mode == "a2a" else grad_recv.dtype
+        state.grad_recv = grad_recv.to(wire_dtype).contiguous()
+        state.grad_send = state.grad_recv.new_empty((ex.send_rows, *grad_recv.shape[1:]))
         state.grad_work = _launch(state, state.grad_recv, state.grad_send, "backward")
-        return grad_recv, None
+        # _StartExchange's backward takes its gradient from ``state``; this one only orders the two
+        return torch.zeros((), dtype=ctx.wire_dtype, device=grad_recv.device).expand(ctx.recv_shape), None, None
 
 
 class _TieToBuffer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, recv):
-        ctx.recv_shape = recv.shape
+        ctx.recv_shape, ctx.recv_dtype = recv.shape, recv.dtype
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out):
-        return grad_out, grad_out.new_zeros(ctx.recv_shape)
+        return grad_out, grad_out.new_zeros(ctx.recv_shape, dtype=ctx.recv_dtype)
 
 
 class PendingExchange:
     """An exchange whose forward collective is in flight; ``wait()`` returns the receive buffer."""
 
-    def __init__(self, recv: torch.Tensor, state: _ExchangeState):
-        self._recv, self._state = recv, state
+    def __init__(self, recv: torch.Tensor, state: _ExchangeState, acc_dtype: torch.dtype):
+        self._recv, self._state, self._acc_dtype = recv, state, acc_dtype
 
     def wait(self) -> torch.Tensor:
-        """Block until the collective is done; returns the receive buffer, (recv_rows, 2, K, D)."""
-        return _WaitExchange.apply(self._recv, self._state)
+        """Block until the collective is done; returns the receive buffer, (recv_rows, 2, K, D).
+
+        The buffer is in the send buffer's (accumulation) dtype.
+        """
+        return _WaitExchange.apply(self._recv, self._state, self._acc_dtype)
 
     @staticmethod
     def tie(out: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
@@ -189,20 +211,22 @@ class PendingExchange:
 
 
 def start_exchange(send_RKD: torch.Tensor, exchange: Exchange, group=None, cp: int | None = None,
-                   stats: CommStats | None = None) -> PendingExchange:
+                   stats: CommStats | None = None, wire_dtype: torch.dtype | None = None) -> PendingExchange:
     """Launch ``exchange``'s forward collective on ``group`` without waiting.
 
     Args:
-        send_RKD: this rank's collective input, (exchange.send_rows, 2, K, D), contiguous; differentiable.
+        send_RKD: this rank's collective input, (exchange.send_rows, 2, K, D); differentiable. Its dtype is
+            the one gradients are summed in (float32 for bf16 K/V, see the module docstring).
         exchange: the comm mode's Exchange from this rank's CPAttnMeta.
         group: the CP process group (None: the default group); its ranks are the plan's ranks.
         cp: the group's size (looked up when None).
         stats: where to record what was sent and received, or None.
+        wire_dtype: the dtype K/V travel in (None: send_RKD's).
     """
     if send_RKD.shape[0] != exchange.send_rows:
         raise ValueError(f"the send buffer has {send_RKD.shape[0]} rows, the {exchange.mode} exchange needs "
                          f"{exchange.send_rows}")
     cp = dist.get_world_size(group) if cp is None else cp
-    state = _ExchangeState(exchange, group, cp, stats)
-    recv = _StartExchange.apply(send_RKD.contiguous(), state)
-    return PendingExchange(recv, state)
+    state = _ExchangeState(exchange, group, cp, stats, wire_dtype or send_RKD.dtype)
+    recv = _StartExchange.apply(send_RKD, state)
+    return PendingExchange(recv, state, send_RKD.dtype)

@@ -1,25 +1,43 @@
 """CPLoader: one rank's view of a planned dataset, one packed sequence per batch, resumable.
 
-Every rank of the CP group opens the same dataset and plan with the same seed, so all ranks walk the
-sequences in the same order; each keeps only its own tokens (its shards in plan row order). Data is read a
-row group at a time, and only the ``tokens`` and ``doc_lens`` columns: Parquet's smallest read is one column
-chunk of one row group, so "only what the rank needs" means only the rows and columns it needs; the rank
-then slices out its tokens plus the one token after each of its shards (the label of a shard's last token
-may live on another rank). The matching plan rows are read from only the plan row groups that hold them.
+Every rank opens the same dataset and plan with the same seed, so all ranks see the same *global stream*:
+the epochs' sequence orders one after the other. Under data parallelism (``dp_size`` replicas, each a CP
+group) a step takes the next ``dp_size`` sequences of the stream, the ``d``-th to replica ``d``; every rank
+of a CP group gets the same sequence at the same step and keeps only its own tokens (its shards in plan row
+order). Every sequence of an epoch goes to exactly one replica, exactly once.
+
+Epoch end: the ``num_sequences % dp_size`` sequences left at the end of an epoch are neither dropped nor
+padded: the step that takes them takes the first sequences of the next epoch's order too, so every step has
+``dp_size`` sequences and every rank runs the same number of steps (no rank waits for a step others skip).
+Iterating the loader yields this replica's sequences of the steps that *start* in the current epoch; the
+next pass continues after the ones the straddling step took from the next epoch.
+
+Reading: a replica reads the row groups its sequences live in, so at ``dp_size`` D every rank reads about D
+times the rows it trains on (one sequence in D of each row group); a row group is Parquet's smallest read.
+
+Data is read a row group at a time, and only the ``tokens`` and ``doc_lens`` columns: Parquet's smallest
+read is one column chunk of one row group, so "only what the rank needs" means only the rows and columns it
+needs; the rank then slices out its tokens plus the one token after each of its shards (the label of a
+shard's last token may live on another rank). The matching plan rows are read from only the plan row groups
+that hold them.
 
 Order: with ``shuffle`` the row groups of all data files are permuted per epoch, and the rows inside each
-row group too, from ``(seed, epoch)``; without it, file order. ``state_dict()`` records the epoch and how
-many sequences of it were yielded; ``load_state_dict`` resumes at the next one without reading the ones
-before it.
+row group too, from ``(seed, epoch)``; without it, file order. The order does not depend on ``dp_size``.
+``state_dict()`` records the global position: the epoch and how many sequences of it all replicas together
+have taken; ``load_state_dict`` resumes at the next one without reading the ones before it. The position is
+the same on every rank, so a run may resume with another ``dp_size`` (a DeviceMesh of another shape): it
+continues at the same global position, no sequence repeated or skipped.
 
 Shape legend: ``T`` this rank's tokens of the sequence.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -56,10 +74,15 @@ class Batch:
     row: int
     """Row of the sequence in that file."""
 
-    def to(self, device: torch.device | str) -> Batch:
-        """Return this batch with its tensors and attention meta on ``device``."""
-        return replace(self, input_ids=self.input_ids.to(device), position_ids=self.position_ids.to(device),
-                       labels=self.labels.to(device), attn=self.attn.to(device))
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """Return this batch with its tensors and attention meta on ``device``.
+
+        ``non_blocking`` copies the token tensors asynchronously when they are in pinned memory (see
+        ``flashcp.runtime.prefetch``).
+        """
+        return replace(self, input_ids=self.input_ids.to(device, non_blocking=non_blocking),
+                       position_ids=self.position_ids.to(device, non_blocking=non_blocking),
+                       labels=self.labels.to(device, non_blocking=non_blocking), attn=self.attn.to(device))
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,22 +96,30 @@ class _Unit:
 
 
 class CPLoader:
-    """Iterate a planned dataset as rank ``rank`` of ``world_size`` CP ranks; see the module docstring.
+    """Iterate a planned dataset as CP rank ``rank`` of ``world_size`` in DP replica ``dp_rank`` of ``dp_size``.
+
+    See the module docstring for the order, the epoch end and resuming.
 
     Args:
         data_dir: the dataset folder.
         plan: the plan's name (a folder under ``DATA/plans``).
-        rank: this rank, in ``[0, world_size)``.
+        rank: this rank inside its CP group, in ``[0, world_size)``.
         world_size: the CP group's size; must equal the plan's ``cp``.
+        dp_rank: this rank's data-parallel replica, in ``[0, dp_size)``.
+        dp_size: data-parallel replicas (CP groups) reading the dataset together.
         seed: base of the per-epoch order.
         shuffle: permute row groups and rows per epoch (else file order).
 
     Raises FlashcpError (one sentence) for a missing dataset or plan, a stale plan, a plan for another world
-    size, a lengths-only dataset, or a rank outside the group.
+    size, a lengths-only dataset, or a rank or replica outside its group.
     """
 
-    def __init__(self, data_dir: str | Path, plan: str, rank: int, world_size: int, *, seed: int = 0,
-                 shuffle: bool = True):
+    def __init__(self, data_dir: str | Path, plan: str, rank: int, world_size: int, *, dp_rank: int = 0,
+                 dp_size: int = 1, seed: int = 0, shuffle: bool = True):
+        if dp_size < 1:
+            raise FlashcpError(f"dp_size must be at least 1, got {dp_size}")
+        if not 0 <= dp_rank < dp_size:
+            raise FlashcpError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
         self.dataset = Dataset(data_dir)
         if not self.dataset.has_tokens:
             raise FlashcpError(f"dataset {self.dataset.root} is lengths-only (made with 'synth "
@@ -106,11 +137,42 @@ class CPLoader:
                                f"data has {self.dataset.num_sequences} in {len(self.dataset.files)}; re-run "
                                "'flashcp plan --force'")
         self.plan_name, self.rank, self.world_size = plan, rank, world_size
+        self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         self.seed, self.shuffle = int(seed), bool(shuffle)
         self.context_len = self.dataset.context_len
         self._units = self._list_units()
         self._epoch = 0
         self._position = 0
+        self._orders: dict[int, tuple[list[tuple[_Unit, np.ndarray]], list[int]]] = {}
+        self._reads: dict[tuple[int, int], tuple[Any, ...]] = {}
+
+    @classmethod
+    def from_mesh(cls, data_dir: str | Path, plan: str, mesh, *, dp_dim: str | None = "dp",
+                  cp_dim: str = "cp", seed: int = 0, shuffle: bool = True) -> CPLoader:
+        """The loader of this process's place in ``mesh``, a ``torch.distributed.device_mesh.DeviceMesh``.
+
+        ``mesh`` must name a ``cp_dim`` dimension (the CP group, whose size must be the plan's ``cp``) and,
+        unless ``dp_dim`` is None, a ``dp_dim`` dimension (the replicas). Other dimensions (e.g. tensor
+        parallel) are allowed; their ranks read the same data. Raises FlashcpError (one sentence) for a mesh
+        without the named dimensions or whose cp size differs from the plan's.
+        """
+        names = tuple(mesh.mesh_dim_names or ())
+        wanted = [d for d in (dp_dim, cp_dim) if d is not None]
+        missing = [d for d in wanted if d not in names]
+        if missing:
+            raise FlashcpError(f"the device mesh has dimensions {list(names)} but the loader needs "
+                               f"{' and '.join(repr(d) for d in missing)}; build it with "
+                               f"init_device_mesh(..., mesh_dim_names={tuple(wanted)})")
+        cp = mesh.size(names.index(cp_dim))
+        dp = mesh.size(names.index(dp_dim)) if dp_dim is not None else 1
+        store_cp = PlanStore(Dataset(data_dir), plan).cp
+        if cp != store_cp:
+            raise FlashcpError(f"plan '{plan}' was made for cp {store_cp} but the device mesh's '{cp_dim}' "
+                               f"dimension has {cp} ranks; build the mesh with cp {store_cp} or run "
+                               f"'flashcp plan --cp {cp}'")
+        dp_rank = mesh.get_local_rank(dp_dim) if dp_dim is not None else 0
+        return cls(data_dir, plan, mesh.get_local_rank(cp_dim), cp, dp_rank=dp_rank, dp_size=dp, seed=seed,
+                   shuffle=shuffle)
 
     def _list_units(self) -> list[_Unit]:
         units = []
@@ -128,8 +190,13 @@ class CPLoader:
         return units
 
     def __len__(self) -> int:
-        """Sequences per epoch."""
+        """Sequences per epoch (all replicas together)."""
         return self.dataset.num_sequences
+
+    @property
+    def position(self) -> int:
+        """Sequences of the current epoch that all replicas together have taken."""
+        return self._position
 
     @property
     def epoch(self) -> int:
@@ -137,12 +204,20 @@ class CPLoader:
         return self._epoch
 
     def state_dict(self) -> dict:
-        """Where the loader stands: epoch and sequences already yielded from it (plus identity checks)."""
+        """Where the loader stands: the global position (epoch, sequences of it taken by all replicas).
+
+        The same on every rank; ``dp_size`` is recorded for information only.
+        """
         return {"plan": self.plan_name, "num_sequences": len(self), "seed": self.seed,
-                "shuffle": self.shuffle, "epoch": self._epoch, "position": self._position}
+                "shuffle": self.shuffle, "epoch": self._epoch, "position": self._position,
+                "dp_size": self.dp_size}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from ``state_dict()``: the next batch is the one that would have followed."""
+        """Resume from ``state_dict()`` at the same global position, with this loader's ``dp_size``.
+
+        With the same ``dp_size`` the next batch is the one that would have followed; with another, the
+        replicas continue together from the same place in the stream (nothing repeated or skipped).
+        """
         if state.get("plan") != self.plan_name or state.get("num_sequences") != len(self):
             raise FlashcpError(f"the loader state is for plan '{state.get('plan')}' over "
                                f"{state.get('num_sequences')} sequences, not plan '{self.plan_name}' over "
@@ -152,33 +227,52 @@ class CPLoader:
         self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
         self._epoch, self._position = int(state["epoch"]), int(state["position"])
 
-    def _order(self, epoch: int) -> list[tuple[_Unit, np.ndarray]]:
-        """The epoch's units in order, each with its row order (rows relative to the unit)."""
-        if not self.shuffle:
-            return [(u, np.arange(u.num_rows)) for u in self._units]
-        unit_order = np.random.default_rng((self.seed, epoch)).permutation(len(self._units))
-        return [(self._units[i], np.random.default_rng((self.seed, epoch, int(i))).permutation(
-            self._units[i].num_rows)) for i in unit_order]
+    def _order(self, epoch: int) -> tuple[list[tuple[_Unit, np.ndarray]], list[int]]:
+        """The epoch's units in order with their row orders (relative to the unit), and each unit's start."""
+        if epoch not in self._orders:
+            if not self.shuffle:
+                order = [(u, np.arange(u.num_rows)) for u in self._units]
+            else:
+                unit_order = np.random.default_rng((self.seed, epoch)).permutation(len(self._units))
+                order = [(self._units[i], np.random.default_rng((self.seed, epoch, int(i))).permutation(
+                    self._units[i].num_rows)) for i in unit_order]
+            starts = np.r_[0, np.cumsum([u.num_rows for u, _ in order])][:-1].tolist()
+            if len(self._orders) >= 2:  # a pass needs this epoch's order and at most the next one's
+                self._orders.pop(min(self._orders))
+            self._orders[epoch] = (order, starts)
+        return self._orders[epoch]
 
     def __iter__(self) -> Iterator[Batch]:
-        """Yield the rest of the current epoch, then move to the next epoch."""
-        skip = self._position
-        for unit, rows in self._order(self._epoch):
-            if skip >= unit.num_rows:
-                skip -= unit.num_rows
-                continue
+        """Yield this replica's sequence of every step that starts in the current epoch, then move on."""
+        num = len(self)
+        while self._position < num:
+            epochs, index = divmod(self._position + self.dp_rank, num)
+            batch = self._sequence(self._epoch + epochs, index)
+            self._position += self.dp_size
+            if self._position >= num:  # the step may have taken the next epoch's first sequences
+                self._epoch, self._position = self._epoch + self._position // num, self._position % num
+                yield batch
+                return
+            yield batch
+        self._epoch, self._position = self._epoch + 1, 0  # an empty dataset, or resumed at the epoch's end
+
+    def _sequence(self, epoch: int, index: int) -> Batch:
+        """The batch of the ``index``-th sequence of ``epoch``'s order."""
+        order, starts = self._order(epoch)
+        at = bisect.bisect_right(starts, index) - 1
+        unit, rows = order[at]
+        key = (unit.file_index, unit.row_group)
+        if key not in self._reads:
+            if len(self._reads) >= 2:  # the unit being walked and, at an epoch's end, the next epoch's first
+                self._reads.pop(next(iter(self._reads)))
             tokens, doc_offsets, doc_lens = self._read_unit(unit)
             plans = self.store.read_plans(unit.file_index, unit.first_row, unit.first_row + unit.num_rows)
-            for i in rows[skip:]:
-                i = int(i)
-                lens = doc_lens[doc_offsets[i]:doc_offsets[i + 1]]
-                seq_tokens = tokens[i * self.context_len:(i + 1) * self.context_len]
-                batch = self._batch(seq_tokens, lens, plans[i].plan, unit.file_index, unit.first_row + i)
-                self._position += 1
-                yield batch
-            skip = 0
-        self._epoch += 1
-        self._position = 0
+            self._reads[key] = (tokens, doc_offsets, doc_lens, plans)
+        tokens, doc_offsets, doc_lens, plans = self._reads[key]
+        i = int(rows[index - starts[at]])
+        lens = doc_lens[doc_offsets[i]:doc_offsets[i + 1]]
+        seq_tokens = tokens[i * self.context_len:(i + 1) * self.context_len]
+        return self._batch(seq_tokens, lens, plans[i].plan, unit.file_index, unit.first_row + i)
 
     def _read_unit(self, unit: _Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         path = self.dataset.path(self.dataset.files[unit.file_index])

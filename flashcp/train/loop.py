@@ -1,6 +1,10 @@
 """The training loop behind ``examples/train_tiny.py``: set up, agree, train, log, checkpoint, resume.
 
-``run_training`` runs on every rank of the CP group (or in a single process for a cp-1 plan). Set-up (open the
+``run_training`` runs on every rank of the CP group (or in a single process for a cp-1 plan). With ``dp`` > 1
+or ``sharding="fsdp"`` the launched ranks form a ``(dp, cp)`` DeviceMesh (``flashcp.train.parallel``): each
+replica trains on its own sequences, one global batch of ``dp`` sequences per step; FSDP2 runs save
+``torch.distributed.checkpoint`` folders, the others one file. Batches are built ``prefetch`` ahead on a
+background thread (``flashcp.runtime.prefetch``). Set-up (open the
 dataset and plan, build the model, load the checkpoint) can fail on bad input; the ranks then exchange their
 errors once, before any training collective, and every rank raises the same FlashcpError, so a mismatched
 plan or a missing checkpoint stops the whole group with one sentence instead of leaving some ranks waiting.
@@ -28,7 +32,15 @@ from flashcp.errors import FlashcpError
 from flashcp.models.tiny import TinyConfig, TinyDecoder
 from flashcp.runtime import CPLoader
 from flashcp.runtime.loader import Batch
-from flashcp.train.checkpoint import load_checkpoint, save_checkpoint
+from flashcp.runtime.prefetch import Prefetcher
+from flashcp.train.checkpoint import (
+    check_sharded_target,
+    load_checkpoint,
+    load_sharded_checkpoint,
+    save_checkpoint,
+    save_sharded_checkpoint,
+)
+from flashcp.train.parallel import SHARDING_MODES, ParallelGroups, build_mesh, shard_model
 from flashcp.train.step import LossSumFn, fold_vocab, group_rank, group_size, tiny_loss_sum, train_step
 
 __all__ = ["DTYPES", "MODELS", "StepLog", "TrainOptions", "agree_on_errors", "build_model", "run_training"]
@@ -82,6 +94,12 @@ class TrainOptions:
     """Initial weights and data order."""
     shuffle: bool = True
     """Shuffle the data order per epoch (else file order)."""
+    dp: int = 1
+    """Data-parallel replicas; the ranks launched must be ``dp`` times the plan's ``cp``."""
+    sharding: str = "replicate"
+    """``replicate`` (every rank holds the weights, gradients all-reduced) or ``fsdp`` (FSDP2 over dp x cp)."""
+    prefetch: int = 2
+    """Batches built ahead on a background thread (0: build each batch on the training thread)."""
 
     def __post_init__(self):
         if self.steps < 0:
@@ -94,6 +112,12 @@ class TrainOptions:
             raise ValueError("--resume needs --ckpt, the checkpoint file to resume from")
         if self.save_every < 0:
             raise ValueError(f"save_every must be at least 0, got {self.save_every}")
+        if self.dp < 1:
+            raise ValueError(f"--dp must be at least 1, got {self.dp}")
+        if self.sharding not in SHARDING_MODES:
+            raise ValueError(f"unknown sharding '{self.sharding}' (choose from {', '.join(SHARDING_MODES)})")
+        if self.prefetch < 0:
+            raise ValueError(f"--prefetch must be at least 0, got {self.prefetch}")
         TinyConfig(vocab_size=self.vocab_size, dim=self.dim, num_layers=self.num_layers,
                    num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)  # validates the shape
 
@@ -113,7 +137,7 @@ class StepLog:
     loss: float
     """The sequence's mean loss."""
     num_tokens: int
-    """Tokens of the packed sequence."""
+    """Tokens of the global batch (``dp`` packed sequences)."""
     seconds: float
     """The slowest rank's time for the step, data loading included."""
     kv_bytes_busiest: int
@@ -162,12 +186,28 @@ class _Run:
     loss_sum_fn: LossSumFn
     optimizer: torch.optim.Optimizer
     start: int
+    groups: ParallelGroups | None
+    prefetch: int
     batches: Iterator[Batch] | None = None
+    prefetcher: Prefetcher | None = None
 
     def next_batch(self) -> Batch:
         if self.batches is None:
-            self.batches = self._epochs()
+            if self.prefetch:
+                self.prefetcher = Prefetcher(self.loader, self.prefetch,
+                                             pin_memory=torch.cuda.is_available())
+                self.batches = self.prefetcher
+            else:
+                self.batches = self._epochs()
         return next(self.batches)
+
+    def loader_state(self) -> Any:
+        """What a checkpoint saves as the loader's state: after the last batch trained on."""
+        return self.prefetcher if self.prefetcher is not None else self.loader
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
 
     def _epochs(self) -> Iterator[Batch]:
         while True:  # epoch after epoch; the loader counts epochs itself
@@ -176,64 +216,99 @@ class _Run:
 
 def run_training(options: TrainOptions, *, group=None, device: torch.device | str = "cpu",
                  log: Callable[[str], None] | None = None, show_progress: bool = False) -> list[StepLog]:
-    """Train as this rank of the CP ``group``; returns the steps run (identical on every rank).
+    """Train as this rank; returns the steps run (identical on every rank).
 
-    ``log`` receives the human-readable lines on rank 0 (None: silent); ``show_progress`` adds a progress bar
-    on rank 0 when its terminal is interactive. Raises FlashcpError, on every rank alike, for bad input found
-    while setting up.
+    Without data parallelism ``group`` is the CP group (None: the default group). With ``options.dp`` > 1
+    or FSDP2 the whole world forms the ``(dp, cp)`` mesh (``group`` must be None). ``log`` receives the
+    human-readable lines on rank 0 (None: silent); ``show_progress`` adds a progress bar on rank 0 when its
+    terminal is interactive. Raises FlashcpError, on every rank alike, for bad input found while setting up.
     """
     device = torch.device(device)
     rank, world = group_rank(group), group_size(group)
     log = log if rank == 0 else None
-    error, run = None, None
-    try:
-        run = _set_up(options, rank, world, device)
-    except (FlashcpError, ValueError) as e:
-        error = e
-    agree_on_errors(error, group)
+    error: Exception | None = None
+    run, groups = None, None
+    on_mesh = options.dp > 1 or options.sharding == "fsdp"
+    if on_mesh and not (dist.is_available() and dist.is_initialized()):
+        error = FlashcpError(f"--dp {options.dp} with --sharding {options.sharding} needs a process group; "
+                             "launch with torchrun")
+    elif on_mesh and world % options.dp:
+        error = FlashcpError(f"--dp {options.dp} does not divide the {world} ranks launched; launch dp x cp "
+                             "ranks")
+    elif on_mesh:
+        groups = ParallelGroups.from_mesh(build_mesh(options.dp, world // options.dp, device.type))
+    if error is None:
+        try:
+            run = _set_up(options, rank, world, device, groups)
+        except (FlashcpError, ValueError) as e:
+            error = e
+    all_ranks = group if groups is None else groups.grad_group
+    agree_on_errors(error, all_ranks)
     assert run is not None
     if log:
+        layout = (f"dp {options.dp} x cp {world // options.dp} ({options.sharding})" if groups is not None
+                  else f"{world} ranks")
         log(f"{options.model} model, {sum(p.numel() for p in run.model.parameters()):,} parameters "
-            f"({options.dtype}); plan '{options.plan}' on {world} ranks, {run.loader.context_len} tokens per "
+            f"({options.dtype}); plan '{options.plan}' on {layout}, {run.loader.context_len} tokens per "
             f"sequence, comm {options.comm}; step {run.start} of {options.steps} done")
     logs: list[StepLog] = []
     todo = max(options.steps - run.start, 0)
-    with (progress("training", todo) if show_progress and rank == 0 else nullcontext(None)) as advance:
-        for step in range(run.start + 1, options.steps + 1):
-            logs.append(_step(options, step, run, group, world, device))
-            if log:
-                log(_format(logs[-1], options.steps))
-            if options.ckpt and (step == options.steps
-                                 or (options.save_every and step % options.save_every == 0)):
-                save_checkpoint(options.ckpt, step=step, model=run.model, optimizer=run.optimizer,
-                                loader=run.loader, config=options.identity(), group=group)
+    try:
+        with (progress("training", todo) if show_progress and rank == 0 else nullcontext(None)) as advance:
+            for step in range(run.start + 1, options.steps + 1):
+                logs.append(_step(options, step, run, group, world, device))
                 if log:
-                    log(f"saved {options.ckpt} at step {step}")
-            if advance is not None:
-                advance()
+                    log(_format(logs[-1], options.steps))
+                if options.ckpt and (step == options.steps
+                                     or (options.save_every and step % options.save_every == 0)):
+                    save = save_sharded_checkpoint if options.sharding == "fsdp" else save_checkpoint
+                    save(options.ckpt, step=step, model=run.model, optimizer=run.optimizer,
+                         loader=run.loader_state(), config=options.identity(), group=all_ranks)
+                    if log:
+                        log(f"saved {options.ckpt} at step {step}")
+                if advance is not None:
+                    advance()
+    finally:
+        run.close()
     return logs
 
 
-def _set_up(options: TrainOptions, rank: int, world: int, device: torch.device) -> _Run:
-    loader = CPLoader(options.data, options.plan, rank, world, seed=options.seed, shuffle=options.shuffle)
+def _set_up(options: TrainOptions, rank: int, world: int, device: torch.device,
+            groups: ParallelGroups | None) -> _Run:
+    if groups is not None:
+        loader = CPLoader.from_mesh(options.data, options.plan, groups.mesh, seed=options.seed,
+                                    shuffle=options.shuffle)
+    else:
+        loader = CPLoader(options.data, options.plan, rank, world, seed=options.seed, shuffle=options.shuffle)
     if len(loader) == 0:
         raise FlashcpError(f"dataset {options.data} holds no sequences")
+    if options.sharding == "fsdp" and options.ckpt:
+        check_sharded_target(options.ckpt)
     torch.manual_seed(options.seed)  # the same initial weights on every rank
     model, loss_sum_fn = build_model(options, device)
+    if groups is not None:
+        model = shard_model(model, groups, options.sharding)
     optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=options.weight_decay)
     start = 0
     if options.resume:
         assert options.ckpt is not None
-        start = load_checkpoint(Path(options.ckpt), model=model, optimizer=optimizer, loader=loader,
-                                config=options.identity(), map_location=device)
-    return _Run(loader=loader, model=model, loss_sum_fn=loss_sum_fn, optimizer=optimizer, start=start)
+        if options.sharding == "fsdp":
+            start = load_sharded_checkpoint(Path(options.ckpt), model=model, optimizer=optimizer, loader=loader,
+                                            config=options.identity(), group=groups.grad_group if groups else None)
+        else:
+            start = load_checkpoint(Path(options.ckpt), model=model, optimizer=optimizer, loader=loader,
+                                    config=options.identity(), map_location=device)
+    return _Run(loader=loader, model=model, loss_sum_fn=loss_sum_fn, optimizer=optimizer, start=start,
+                groups=groups, prefetch=options.prefetch)
 
 
 def _step(options: TrainOptions, step: int, run: _Run, group, world: int, device: torch.device) -> StepLog:
     began = time.perf_counter()
-    batch = fold_vocab(run.next_batch().to(device), options.vocab_size)
+    batch = fold_vocab(run.next_batch().to(device, non_blocking=run.prefetcher is not None), options.vocab_size)
+    if run.groups is not None:
+        group = run.groups.grad_group  # the timings below are gathered over every rank
     result = train_step(run.model, run.optimizer, batch, run.loss_sum_fn, group=group, comm=options.comm,
-                        backend=options.backend)
+                        backend=options.backend, groups=run.groups)
     mine = torch.tensor([time.perf_counter() - began, result.kv_sent_bytes, result.kv_recv_bytes],
                         dtype=torch.float64, device=device)
     if world > 1:
@@ -243,7 +318,7 @@ def _step(options: TrainOptions, step: int, run: _Run, group, world: int, device
     else:
         every = mine[None]
     every = every.cpu()
-    return StepLog(step=step, loss=result.loss, num_tokens=run.loader.context_len,
+    return StepLog(step=step, loss=result.loss, num_tokens=run.loader.context_len * options.dp,
                    seconds=float(every[:, 0].max()), kv_bytes_busiest=int((every[:, 1] + every[:, 2]).max()),
                    kv_bytes_total=int(every[:, 1].sum()), grad_bytes=result.grad_bytes)
 

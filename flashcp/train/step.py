@@ -1,11 +1,14 @@
-"""One optimizer step of CP training on one packed sequence, and what it measured.
+"""One optimizer step of CP training (optionally data parallel x CP), and what it measured.
 
 Every rank of the CP group runs ``train_step`` on its own part of the same sequence (a ``Batch`` from
-``CPLoader``). The loss a rank back-propagates is its *local* sum of token losses divided by the sequence's
-total label count (``batch.num_label_tokens``, known from the plan), so the ranks' losses add up to the
-sequence's mean loss. All parameters are replicated over the CP group; summing their gradients over the group
-(one all-reduce of a flat buffer per dtype) gives every rank exactly the gradient of the single-process mean
-loss, and every rank then takes the same optimizer step from the same weights.
+``CPLoader``). The loss a rank back-propagates is its *local* sum of token losses divided by the label count
+of the whole global batch: the sequence's ``batch.num_label_tokens`` (known from the plan), summed over the
+data-parallel replicas when there are several (one scalar all-reduce). The ranks' losses then add up to the
+global batch's mean loss, and summing the gradients over every rank that trains the model (the CP group, or
+the flattened dp x cp mesh) gives exactly the gradient a single process computes on the whole global batch.
+Replicated parameters are summed by one all-reduce of a flat buffer per dtype; an FSDP2-sharded model
+(``flashcp.train.parallel``) reduce-scatters in backward. Every rank then takes the same optimizer step.
+The loss is computed in float32 or wider whatever the model's dtype.
 
 Shape legend: ``T`` this rank's tokens, ``H`` query heads, ``K`` key/value heads, ``D`` head dim, ``V``
 vocabulary.
@@ -25,6 +28,7 @@ from torch import nn
 from flashcp.models.tiny import causal_lm_loss_sum
 from flashcp.runtime import CommStats, CPAttnMeta, cp_attention
 from flashcp.runtime.loader import IGNORE_INDEX, Batch
+from flashcp.train.parallel import ParallelGroups, is_sharded
 
 __all__ = ["CPAttention", "LossSumFn", "StepResult", "all_reduce_gradients", "fold_vocab", "group_rank",
            "group_size", "tiny_loss_sum", "train_step"]
@@ -71,7 +75,8 @@ class StepResult:
     kv_recv_bytes: int
     """K/V plus dK/dV bytes that reached this rank, all layers."""
     grad_bytes: int
-    """Bytes of this rank's input to the gradient all-reduce (all replicated parameters)."""
+    """Bytes of this rank's input to the gradient reduction (all-reduce of all replicated parameters, or the
+    reduce-scatters of a sharded model: its unsharded gradients)."""
 
 
 def group_size(group=None) -> int:
@@ -142,35 +147,52 @@ def all_reduce_gradients(params: Iterable[nn.Parameter], group=None,
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
                loss_sum_fn: LossSumFn = tiny_loss_sum, *, group=None, comm: str = "auto",
-               backend: str = "auto") -> StepResult:
-    """Forward, backward, gradient all-reduce over the CP ``group`` and one optimizer step, on every rank.
+               backend: str = "auto", groups: ParallelGroups | None = None) -> StepResult:
+    """Forward, backward, gradient reduction and one optimizer step, on every rank.
 
     Args:
-        model: the replicated model (same weights on every rank of ``group``).
+        model: the model: replicated (same weights on every rank) or FSDP2-sharded over ``groups``.
         optimizer: its optimizer.
-        batch: this rank's view of the sequence (on the model's device).
+        batch: this rank's view of its replica's sequence (on the model's device).
         loss_sum_fn: the model's summed loss over this rank's labels, given a CPAttention to attend with.
-        group: the CP process group whose ranks are the plan's ranks (None: the default group).
+        group: the CP process group whose ranks are the plan's ranks (None: the default group); used when
+            ``groups`` is None (CP only, no data parallelism).
         comm: the K/V exchange (``allgather``, ``a2a``, ``full``, ``auto``).
         backend: the attention kernel backend.
+        groups: data parallel x CP groups (``ParallelGroups.from_mesh``), or None.
 
-    Raises ValueError when the group's size is not the plan's ``cp``.
+    Raises ValueError when the CP group's size is not the plan's ``cp``.
     """
-    world = group_size(group)
+    cp_group, dp_group, grad_group = group, None, group
+    if groups is not None:
+        cp_group, dp_group, grad_group = groups.cp_group, groups.dp_group, groups.grad_group
+    world = group_size(cp_group)
     if world != batch.attn.cp:
         raise ValueError(f"the batch is planned for cp {batch.attn.cp} but the CP group has {world} ranks")
     device = batch.input_ids.device
     start = time.perf_counter()
+    num_label_tokens = batch.num_label_tokens
+    if dp_group is not None and group_size(dp_group) > 1:
+        count = torch.tensor([num_label_tokens], dtype=torch.int64, device=device)
+        dist.all_reduce(count, group=dp_group)
+        num_label_tokens = int(count.item())
     optimizer.zero_grad(set_to_none=True)
     stats = CommStats()
-    attn = CPAttention(meta=batch.attn, group=group, comm=comm, backend=backend, stats=stats)
-    loss = loss_sum_fn(model, batch, attn) / max(batch.num_label_tokens, 1)
+    attn = CPAttention(meta=batch.attn, group=cp_group, comm=comm, backend=backend, stats=stats)
+    loss = loss_sum_fn(model, batch, attn) / max(num_label_tokens, 1)
     loss.backward()
-    total_loss, grad_bytes = all_reduce_gradients(model.parameters(), group, extra=loss)
+    if is_sharded(model):  # FSDP2 reduce-scattered the gradients in backward; sum the loss for the log
+        total = loss.detach().to(torch.float64).reshape(1)
+        if group_size(grad_group) > 1:
+            dist.all_reduce(total, group=grad_group)
+        total_loss: float | None = float(total.item())
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    else:
+        total_loss, grad_bytes = all_reduce_gradients(model.parameters(), grad_group, extra=loss)
     optimizer.step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     assert total_loss is not None
-    return StepResult(loss=total_loss, num_label_tokens=batch.num_label_tokens,
+    return StepResult(loss=total_loss, num_label_tokens=num_label_tokens,
                       seconds=time.perf_counter() - start, kv_sent_bytes=stats.total("sent_bytes"),
                       kv_recv_bytes=stats.total("recv_bytes"), grad_bytes=grad_bytes)
