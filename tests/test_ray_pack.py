@@ -166,6 +166,17 @@ def test_strict_stops_at_the_same_record(tmp_path, local_ray, small_shards):
     assert not (tmp_path / "ray").exists()
 
 
+def test_an_unreadable_input_fails_with_the_local_sentence(tmp_path, local_ray, small_shards):
+    inputs = make_corpus(tmp_path / "in")
+    (tmp_path / "in" / "broken.jsonl.gz").write_bytes(b"not gzip at all\n")
+    args = pack_args([*inputs, tmp_path / "in" / "broken.jsonl.gz"], 1024, "--tokenizer", "byte")
+    local = run("pack", *args, "-o", tmp_path / "local")
+    result = run("pack", *args, "-o", tmp_path / "ray", "--engine", "ray")
+    assert local.exit_code == result.exit_code == 1
+    assert "broken.jsonl.gz is not a readable gzip file" in result.output and result.output == local.output
+    assert not (tmp_path / "ray").exists()
+
+
 def _descendant(pid: int) -> bool:
     """Whether process ``pid`` descends from this one (a worker of the Ray this test process started)."""
     me = os.getpid()

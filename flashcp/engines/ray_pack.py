@@ -53,7 +53,7 @@ from flashcp.engines.ray_cluster import cluster_cpus, require_ray
 from flashcp.errors import FlashcpError
 from flashcp.fileio import sha256_file
 
-__all__ = ["SHARD_BYTES", "LengthPacker", "RayPackEngine", "Shard"]
+__all__ = ["SHARD_BYTES", "LengthPacker", "RayPackEngine", "Shard", "get_result"]
 
 SHARD_BYTES = 1 << 24
 """Input bytes per tokenize task (about 4M tokens of English text)."""
@@ -294,7 +294,7 @@ class RayPackEngine:
         refs = [self.describe.remote(input_file, self.shard_bytes) for input_file in inputs]
         entries, self.shards = [], []
         for index, ref in enumerate(refs):
-            entry, shards = get(self.ray, ref)
+            entry, shards = get_result(self.ray, ref)
             entries.append(entry)
             self.shards += [Shard(index, kind, lo, hi) for kind, lo, hi in shards]
         return entries
@@ -306,7 +306,7 @@ class RayPackEngine:
         return _RayPackRun(self, config, encoder, inputs, out, identity, identity_sha256, on_rows)
 
 
-def get(ray, ref):
+def get_result(ray, ref):
     """``ray.get``, with a task's FlashcpError or OSError raised as itself (one sentence, as locally)."""
     try:
         return ray.get(ref)
@@ -376,7 +376,7 @@ class _RayPackRun(_PackRun):
         while self.tokenize_queue:
             shard_id, shard, meta_ref, tokens_ref = self.tokenize_queue.popleft()
             self._submit(shards, first_input, first_record)
-            meta = get(ray, meta_ref)
+            meta = get_result(ray, meta_ref)
             if shard.input != base_input:
                 base_input, line_base = shard.input, 0
             records = meta["records"] + (line_base if shard.kind == "bytes" else 0)
@@ -445,7 +445,7 @@ class _RayPackRun(_PackRun):
         if rows_in_part:
             ref = self._submit_write(part, rows_in_part)
             self._collect(block=True)
-            self.last_file, _ = get(ray, ref)
+            self.last_file, _ = get_result(ray, ref)
             self._check_visible(self.last_file)
             self.on_rows(rows_in_part)
         self._collect(block=True)
@@ -509,7 +509,7 @@ class _RayPackRun(_PackRun):
             ref, resume, snapshot, rows = self.write_queue[0]
             if not block and not self.ray.wait([ref], timeout=0)[0]:
                 return
-            data_file, counts = get(self.ray, ref)
+            data_file, counts = get_result(self.ray, ref)
             if counts != snapshot["packer"]:
                 raise AssertionError(f"data file {data_file.path}: the write task ended with packer counts "
                                      f"{counts}, the layout with {snapshot['packer']}")

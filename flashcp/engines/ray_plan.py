@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from flashcp.engines.ray_cluster import require_ray
-from flashcp.engines.ray_pack import get
+from flashcp.engines.ray_pack import get_result
 from flashcp.errors import FlashcpError
 
 __all__ = ["run_jobs"]
@@ -30,7 +30,7 @@ def run_jobs(jobs: list, workers: int, progress: Callable[[int], None] | None) -
     results = []
     try:
         for job, ref in zip(jobs, refs):
-            results.append(get(ray, ref))
+            results.append(get_result(ray, ref))
             if not (Path(job.staging) / results[-1].plan_file["path"]).is_file():
                 raise FlashcpError(f"a Ray worker wrote a plan file where the driver cannot see it; the dataset "
                                    f"folder {job.root} must be on a filesystem every Ray node shares")
