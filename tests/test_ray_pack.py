@@ -155,6 +155,17 @@ def test_ray_pack_equals_local_pack(tmp_path, local_ray, small_shards, monkeypat
     assert "skipped" in result.output and "resumed" not in result.output
 
 
+def test_progress_counts_every_sequence(tmp_path, local_ray, small_shards):
+    from flashcp.data.pack import PackConfig, run_pack
+    from flashcp.engines.ray_pack import RayPackEngine
+
+    config = PackConfig(inputs=tuple(map(str, make_corpus(tmp_path / "in"))), output=tmp_path / "out",
+                        context_len=512, tokenizer="byte", rows_per_file=7)
+    told: list[int] = []
+    result = run_pack(config, on_rows=told.append, engine=RayPackEngine())
+    assert len(told) > 5 and sum(told) == result.manifest["num_sequences"]
+
+
 def test_strict_stops_at_the_same_record(tmp_path, local_ray, small_shards):
     inputs = make_corpus(tmp_path / "in")
     args = pack_args(inputs, 1024, "--tokenizer", "byte", "--strict")

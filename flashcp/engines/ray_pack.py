@@ -431,6 +431,7 @@ class _RayPackRun(_PackRun):
                                   int(records[doc_records[doc]]), doc_index + doc, resume_offset)
                 part = _Part(counts=window_counts)
                 first, first_start = (j, resume_offset) if resume_offset else (j + 1, -1)
+            self.on_rows(len(windows))  # sequences laid out: they follow tokenization, which sets the pace
             rows_in_part = (rows_in_part + len(windows)) % self.rows_per_file
             if first < packed.size:
                 part.add(shard_id, tokens_ref, self._docs(packed[first:], first_start, doc_offsets, doc_lens,
@@ -447,7 +448,6 @@ class _RayPackRun(_PackRun):
             self._collect(block=True)
             self.last_file, _ = get_result(ray, ref)
             self._check_visible(self.last_file)
-            self.on_rows(rows_in_part)
         self._collect(block=True)
         for path in (self.out.root / DATA_DIR).glob(".part-*.tmp"):
             path.unlink(missing_ok=True)  # left by a write task killed mid-file and run again
@@ -500,13 +500,13 @@ class _RayPackRun(_PackRun):
         while len(self.write_queue) >= WRITERS_PER_CPU * self.engine.cpus:
             self._collect(block=True, one=True)
         ref = self._submit_write(part, rows)
-        self.write_queue.append((ref, resume, snapshot, rows))
+        self.write_queue.append((ref, resume, snapshot))
         self._collect(block=False)
 
     def _collect(self, *, block: bool, one: bool = False) -> None:
         """Record finished data files in order, as ``_PackRun`` does after each."""
         while self.write_queue:
-            ref, resume, snapshot, rows = self.write_queue[0]
+            ref, resume, snapshot = self.write_queue[0]
             if not block and not self.ray.wait([ref], timeout=0)[0]:
                 return
             data_file, counts = get_result(self.ray, ref)
@@ -517,7 +517,6 @@ class _RayPackRun(_PackRun):
             self.write_queue.popleft()
             self.out.parts.append(PartRecord(file=data_file, resume=resume, snapshot=snapshot))
             self.out.write_state(self.identity_sha256, self.identity)
-            self.on_rows(rows)
             if one:
                 return
 
