@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -36,6 +37,8 @@ def ray_session(address: str | None = None, workers: int | None = None) -> Itera
     options = {"include_dashboard": False, "logging_level": logging.ERROR, "log_to_driver": False}
     try:
         if address is None:
+            # Ray runs its workers at nice 15; the local engine's run at the caller's priority, and so do these
+            os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(num_cpus=workers, **options)
         else:
             ray.init(address=address, **options)

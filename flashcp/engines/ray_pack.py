@@ -56,7 +56,9 @@ from flashcp.fileio import sha256_file
 __all__ = ["SHARD_BYTES", "LengthPacker", "RayPackEngine", "Shard", "get_result"]
 
 SHARD_BYTES = 1 << 24
-"""Input bytes per tokenize task (about 4M tokens of English text)."""
+"""Input bytes per tokenize task at most (about 4M tokens of English text)."""
+MIN_SHARD_BYTES = 1 << 20
+"""Input bytes per tokenize task at least, when the inputs are too small to give every CPU a few tasks."""
 TASKS_PER_CPU = 3
 """Tokenize tasks queued per cluster CPU: enough to keep every CPU busy while the driver lays out."""
 WRITERS_PER_CPU = 1
@@ -283,7 +285,7 @@ class RayPackEngine:
         self.ray = require_ray()
         cpus = cluster_cpus(self.ray)
         self.cpus = min(cpus, workers) if workers else cpus
-        self.shard_bytes = shard_bytes or SHARD_BYTES
+        self.shard_bytes = shard_bytes
         self.shards: list[Shard] = []
         self.tokenize = _remote(self.ray, _tokenize_shard, num_returns=2, num_cpus=1)
         self.write = _remote(self.ray, _write_part, num_cpus=1)
@@ -291,7 +293,11 @@ class RayPackEngine:
 
     def hash_inputs(self, inputs: list[InputFile]) -> list[dict]:
         """Hash the inputs and cut them into shards, one Ray task per input."""
-        refs = [self.describe.remote(input_file, self.shard_bytes) for input_file in inputs]
+        shard_bytes = self.shard_bytes  # small inputs: smaller shards, so that every CPU gets a few
+        if shard_bytes is None:
+            per_task = sum(i.bytes for i in inputs) // (TASKS_PER_CPU * self.cpus)
+            shard_bytes = min(SHARD_BYTES, max(MIN_SHARD_BYTES, per_task))
+        refs = [self.describe.remote(input_file, shard_bytes) for input_file in inputs]
         entries, self.shards = [], []
         for index, ref in enumerate(refs):
             entry, shards = get_result(self.ray, ref)
