@@ -297,20 +297,6 @@ def test_plan_on_ray_equals_local_plan(tmp_path, local_ray):
     assert distributed == local
 
 
-def test_without_ray_one_sentence_says_what_to_install(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "ray", None)  # import ray now fails as where it is not installed
-    src = tmp_path / "in.jsonl"
-    src.write_text('{"text": "abc"}\n')
-    result = run("pack", src, "-o", tmp_path / "out", "--context-len", "8", "--tokenizer", "byte", "--engine",
-                 "ray")
-    assert result.exit_code == 1
-    assert result.output.strip() == ("error: --engine ray needs Ray, which is not installed; install it with pip "
-                                     "install 'flashcp[ray]'")
-    assert not (tmp_path / "out").exists()
-    result = run("pack", src, "-o", tmp_path / "out", "--context-len", "8", "--ray-address", "auto")
-    assert result.exit_code == 1 and "--ray-address needs --engine ray" in result.output
-
-
 @pytest.mark.parametrize("overflow", OVERFLOWS)
 def test_layout_kernel_equals_the_length_packer(overflow):
     from flashcp.engines._layout import lay_out
