@@ -1,19 +1,41 @@
-"""Crash-safe file writing and hashing: write to a temporary name in the same folder, fsync, rename."""
+"""Safe file operations: crash-safe writes, hashing, Parquet fingerprints, name and symlink checks, locks.
+
+Writes go to a temporary name in the same folder, are fsynced and renamed into place; folders are replaced by
+building the new one beside the old and swapping them at the end.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import hashlib
 import json
 import os
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-__all__ = ["atomic_path", "sha256_file", "write_json_atomic", "write_parquet_atomic"]
+from flashcp.errors import FlashcpError
+
+__all__ = [
+    "FolderLock",
+    "atomic_path",
+    "check_plain_name",
+    "exchange_paths",
+    "is_plain_tree",
+    "parquet_fingerprint",
+    "refuse_symlink",
+    "replace_dir",
+    "sha256_file",
+    "write_json_atomic",
+    "write_parquet_atomic",
+]
 
 PARQUET_COMPRESSION = "zstd"
 
@@ -55,10 +77,11 @@ def _umask() -> int:
     return mask
 
 
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """Write ``obj`` as indented JSON, atomically."""
+def write_json_atomic(path: str | os.PathLike, obj, *, strict: bool = False) -> None:
+    """Write ``obj`` as indented JSON, atomically; ``strict`` refuses NaN and infinities (not JSON)."""
+    text = json.dumps(obj, indent=2, sort_keys=False, allow_nan=not strict) + "\n"
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+        tmp.write_text(text)
 
 
 def write_parquet_atomic(path: str | os.PathLike, table: pa.Table, row_group_rows: int) -> None:
@@ -69,3 +92,146 @@ def write_parquet_atomic(path: str | os.PathLike, table: pa.Table, row_group_row
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp, compression=PARQUET_COMPRESSION, row_group_size=max(1, row_group_rows),
                        write_statistics=False, store_schema=True)
+
+
+# ---- safety rules shared by every command that writes inside a dataset ----
+
+def check_plain_name(name: str, what: str) -> str:
+    """``name`` unless it is not a plain folder name (empty, ``.``/``..``, a path, hidden, control chars).
+
+    Checked before anything is touched, so a name can never reach outside the folder it is meant for.
+    """
+    if not isinstance(name, str) or not name or name in (".", ".."):
+        raise FlashcpError(f"{what} {name!r} is not a plain folder name; use letters, digits, '-', '_' or '+'")
+    if "/" in name or "\\" in name or os.sep in name or name.startswith(".") or len(name.encode()) > 200 \
+            or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise FlashcpError(f"{what} {name!r} is not a plain folder name (no '/', no leading '.', no control "
+                           "characters, at most 200 bytes); use letters, digits, '-', '_' or '+'")
+    return name
+
+
+def refuse_symlink(path: Path, root: Path) -> None:
+    """FlashcpError when ``path`` (inside the dataset ``root``) is a symlink.
+
+    flashcp never writes, renames or deletes through one, so a link leading out of the dataset can never make
+    it touch files elsewhere.
+    """
+    if path.is_symlink():
+        rel = path.relative_to(root) if path.is_relative_to(root) else path
+        raise FlashcpError(f"{rel} in {root} is a symlink (to {os.readlink(path)}); flashcp does not write, "
+                           "rename or delete through symlinks in a dataset; replace it with a folder")
+
+
+def is_plain_tree(path: Path, allowed: Callable[[Path], bool]) -> Path | None:
+    """The first entry under folder ``path`` that is a symlink or not ``allowed``; None when all are fine."""
+    for dirpath, dirnames, filenames in os.walk(path):
+        for entry in [*dirnames, *filenames]:
+            full = Path(dirpath) / entry
+            if full.is_symlink() or not allowed(full):
+                return full
+    return None
+
+
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where that is not available."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
+
+def _load_renameat2():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+_renameat2 = _load_renameat2() if sys.platform == "linux" else None
+
+
+def replace_dir(staging: Path, final: Path, old: Path) -> None:
+    """Put the finished folder ``staging`` at ``final``; what was at ``final`` ends at ``old``.
+
+    The caller removes ``old``. Atomic where the OS can exchange two paths; elsewhere two renames, and a crash
+    between them leaves the old folder at ``old``, which the next run puts back.
+    """
+    if final.exists():
+        if exchange_paths(staging, final):
+            os.replace(staging, old)
+            return
+        os.replace(final, old)
+    os.replace(staging, final)
+
+
+class FolderLock:
+    """An exclusive, non-blocking ``flock`` on a hidden lock file, held until ``release``.
+
+    The lock file exists only while the lock is held: a process that locked a file another one has just
+    removed sees that the path names another file (or none) and tries again, so two holders never coexist.
+    """
+
+    def __init__(self, path: Path, busy_message: str):
+        self.path = path
+        self._fd: int | None = None
+        for _ in range(5):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                raise FlashcpError(busy_message) from None
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._fd = fd
+                return
+            os.close(fd)  # the holder removed it as we opened it: take the lock on the new file
+        raise FlashcpError(busy_message)
+
+    def release(self) -> None:
+        """Remove the lock file and let others take the lock."""
+        if self._fd is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            os.close(self._fd)
+            self._fd = None
+
+
+# ---- cheap identity of a Parquet file: size plus a hash of its footer ----
+
+FOOTER_MAX_BYTES = 1 << 24
+
+
+def parquet_fingerprint(path: str | os.PathLike) -> tuple[int, str]:
+    """``(size in bytes, sha256 of the Parquet footer)`` with one small read at the file's end.
+
+    The footer holds the schema, every column chunk's offset and compressed size and the row counts, so a
+    file replaced by other data (even with the same number of rows) gets another fingerprint. Raises
+    ValueError when the file does not end like Parquet (truncated or not Parquet at all).
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 12:
+            raise ValueError(f"{size} bytes is too short for a Parquet file")
+        f.seek(size - 8)
+        tail = f.read(8)
+        footer_len = int.from_bytes(tail[:4], "little")
+        if tail[4:] != b"PAR1" or footer_len > min(size - 12, FOOTER_MAX_BYTES):
+            raise ValueError("it does not end with a Parquet footer (truncated or not Parquet)")
+        f.seek(size - 8 - footer_len)
+        footer = f.read(footer_len)
+    return size, hashlib.sha256(footer + tail).hexdigest()

@@ -93,7 +93,7 @@ def test_impossible_granularity_is_reported_not_crashed(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    ([], "needs --ilp"),
+    (["--granularity", "100000000"], "larger than the context length"),
     (["--ilp", "--lexicographic", "--match-imbalance"], "exclude each other"),
     (["--ilp", "--write-plan", "cp2-greedy"], "overwrite the plan being audited"),
 ])

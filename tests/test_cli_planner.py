@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from flashcp.cli import cli
-from flashcp.fileio import sha256_file
+from flashcp.fileio import parquet_fingerprint, sha256_file
 
 
 def run(*args):
@@ -107,7 +107,7 @@ def test_corrupt_data_file(dataset, tmp_path):
     assert result.exit_code == 1 and "does not match its sha256 in the manifest" in result.output
     path.write_bytes(b"not parquet at all")
     result = run("plan", root, "--cp", 2)
-    assert result.exit_code == 1 and "cannot be read as Parquet" in result.output
+    assert result.exit_code == 1 and "was replaced or truncated" in result.output
     assert not (root / "plans" / "cp2-flashcp").exists()
 
 
@@ -135,9 +135,11 @@ def test_tampered_plan(dataset, tmp_path):
     table = table.set_column(table.schema.get_field_index("imbalance"), "imbalance", pa.array(imbalance))
     pq.write_table(table, path)
     result = run("verify", root)
-    assert result.exit_code == 1 and "part-00000.parquet does not match its sha256" in result.output
+    assert result.exit_code == 1 and "part-00000.parquet has" in result.output and "plan.json records" in \
+        result.output
     meta = json.loads((plan_dir / "plan.json").read_text())
     meta["plan_files"][0]["sha256"] = sha256_file(path)
+    meta["plan_files"][0]["bytes"], meta["plan_files"][0]["footer_sha256"] = parquet_fingerprint(path)
     (plan_dir / "plan.json").write_text(json.dumps(meta))
     result = run("verify", root)
     assert result.exit_code == 1 and "row 7: stored imbalance" in result.output
@@ -148,6 +150,7 @@ def test_tampered_plan(dataset, tmp_path):
                              pa.array(shard_len, pa.list_(pa.int32())))
     pq.write_table(table, path)
     meta["plan_files"][0]["sha256"] = sha256_file(path)
+    meta["plan_files"][0]["bytes"], meta["plan_files"][0]["footer_sha256"] = parquet_fingerprint(path)
     (plan_dir / "plan.json").write_text(json.dumps(meta))
     result = run("verify", root)
     assert result.exit_code == 1 and "row 3: the plan" in result.output

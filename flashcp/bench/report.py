@@ -169,7 +169,7 @@ def paper_comparison(results: dict) -> list[str]:
 def print_report(results: dict, console: Console) -> None:
     """Print every scenario present in ``results``, then the paper comparison, the targets and the notes."""
     console.print(f"[bold]flashcp bench[/] {results['flashcp_version']} (torch {results['torch']}); "
-                  f"profile: {results['profile']['name']}")
+                  f"profile: {results['profile']['name']}", markup=True)
     sections = {"quality": _quality, "speed": _speed, "runtime": _runtime, "latency": _latency}
     for name, show in sections.items():
         if results.get(name):
@@ -182,7 +182,7 @@ def print_report(results: dict, console: Console) -> None:
             status = "[green]met[/]" if t["met"] else "[red]not met[/]"
             detail = f"; misses: {', '.join(t['misses'])}" if t["misses"] else ""
             console.print(f"target: {t['target']}: {status} (min {t['min_speedup']:.3f}x, mean "
-                          f"{t['mean_speedup']:.3f}x){detail}")
+                          f"{t['mean_speedup']:.3f}x){detail}", markup=True)
     runtime = results.get("runtime")
     if runtime:
         for key, what in RANKINGS:
@@ -190,7 +190,7 @@ def print_report(results: dict, console: Console) -> None:
             if len(ranking["systems"]) >= 2:
                 console.print(f"target: CPU-measured step time ranks the {what} as the projection does: "
                               f"{'[green]met[/]' if ranking['same_order'] else '[red]not met[/]'} (rank "
-                              f"correlation {ranking['spearman']:.2f})")
+                              f"correlation {ranking['spearman']:.2f})", markup=True)
     for note in results["notes"]:
         console.print(f"note: {note}")
     seconds = results["seconds"]

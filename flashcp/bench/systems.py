@@ -79,7 +79,8 @@ def available_strategies() -> list[str]:
     """Registry strategy names in registry order, then ``ring`` when the ring layout is available."""
     module = _strategies_module()
     names = list(getattr(module, "STRATEGIES", {})) if module is not None else []
-    return names + (["ring"] if _ring_plan() is not None else [])
+    # the registry names ``ring`` itself now; add it only where an older registry lacked it (not twice)
+    return names + (["ring"] if "ring" not in names and _ring_plan() is not None else [])
 
 
 def improved_strategy() -> str | None:

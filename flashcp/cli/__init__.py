@@ -9,7 +9,7 @@ import sys
 import click
 
 from flashcp import __version__
-from flashcp.cli.console import error, set_verbosity
+from flashcp.cli.console import error, set_json_output, set_verbosity
 from flashcp.errors import FlashcpError
 
 __all__ = ["cli", "main"]
@@ -23,6 +23,7 @@ COMMANDS = {
     "show": "show",
     "bench": "bench",
     "verify": "verify",
+    "ls": "ls",
 }
 
 
@@ -35,7 +36,7 @@ class LazyGroup(click.Group):
     def get_command(self, ctx, name):
         if name not in COMMANDS or not _has_module(COMMANDS[name]):
             return None
-        return importlib.import_module(f"flashcp.cli.{COMMANDS[name]}").command
+        return _with_verbosity(importlib.import_module(f"flashcp.cli.{COMMANDS[name]}").command)
 
     def invoke(self, ctx):
         try:
@@ -43,6 +44,22 @@ class LazyGroup(click.Group):
         except FlashcpError as e:
             error(str(e))
             ctx.exit(1)
+        except OSError as e:  # the machine's state (disk full, permissions), never a flashcp bug
+            where = f" {e.filename}" if e.filename else ""
+            error(f"cannot access{where}: {e.strerror or e}")
+            ctx.exit(1)
+
+
+def _with_verbosity(command: click.Command) -> click.Command:
+    """Accept ``-v`` / ``-q`` after the command name as well as before it."""
+    names = {opt for param in command.params for opt in getattr(param, "opts", ())}
+    for flags, level, text in ((("-v", "--verbose"), 2, "Print more detail."),
+                               (("-q", "--quiet"), 0, "Print only results and errors.")):
+        if not names & set(flags):
+            command.params.append(click.Option(
+                flags, is_flag=True, expose_value=False, help=text,
+                callback=lambda ctx, param, value, level=level: set_verbosity(level) if value else None))
+    return command
 
 
 def _has_module(module: str) -> bool:
@@ -56,6 +73,7 @@ def _has_module(module: str) -> bool:
 def cli(verbose: bool, quiet: bool) -> None:
     """flashcp: load-balanced, communication-efficient context parallelism for long-context training."""
     set_verbosity(0 if quiet else 2 if verbose else 1)
+    set_json_output(False)
 
 
 def main() -> None:

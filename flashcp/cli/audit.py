@@ -13,13 +13,14 @@ from flashcp.errors import FlashcpError
 from flashcp.fileio import write_json_atomic
 from flashcp.planner.audit import SequenceAudit, audit_plan, sample_rows, summarize, write_audit_plan
 from flashcp.planner.ilp import IlpOptions
-from flashcp.planner.store import PlanStore
+from flashcp.planner.store import PlanSlot, PlanStore
 
 
 @click.command("audit")
 @click.argument("data", type=click.Path(path_type=Path))
 @click.option("--plan", "plan_name", required=True, help="Plan folder to audit, e.g. cp4-flashcp.")
-@click.option("--ilp", is_flag=True, help="Solve sampled sequences exactly with OR-Tools CP-SAT.")
+@click.option("--ilp", is_flag=True,
+              help="Accepted for compatibility: the CP-SAT audit is the one audit and always runs.")
 @click.option("--samples", default=20, show_default=True, type=click.IntRange(min=1),
               help="Sequences to sample.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the sample and of CP-SAT.")
@@ -43,13 +44,19 @@ def command(data: Path, plan_name: str, ilp: bool, samples: int, seed: int, time
             granularity: int, plan_cuts: bool, comm_weight: float, lexicographic: bool, match_imbalance: bool,
             workers: int, json_path: Path | None, write_plan: str | None, force: bool) -> None:
     """Compare a plan with CP-SAT's exact sharding of sampled sequences (paper Table 2)."""
-    if not ilp:
-        raise FlashcpError("flashcp audit needs --ilp (the exact CP-SAT audit is the one audit it runs)")
     if lexicographic and match_imbalance:
         raise FlashcpError("--lexicographic and --match-imbalance exclude each other: "
                            "--match-imbalance already fixes the imbalance and minimises comm only")
     dataset = Dataset(data)
     store = PlanStore(dataset, plan_name)
+    if granularity > dataset.context_len:
+        raise FlashcpError(f"--granularity {granularity} is larger than the context length "
+                           f"{dataset.context_len}; choose at most {dataset.context_len}")
+    if write_plan is not None:  # every check on the name and the folder before the solving starts
+        if write_plan == plan_name:
+            raise FlashcpError(f"--write-plan {write_plan} would overwrite the plan being audited; choose "
+                               "another name")
+        PlanSlot(dataset, write_plan, force=force, what="--write-plan").release()
     options = IlpOptions(granularity=granularity, comm_weight=comm_weight, lexicographic=lexicographic,
                          time_limit_s=time_limit, num_workers=workers, seed=seed, hint_cuts=plan_cuts)
     rows = sample_rows(dataset.num_sequences, samples, seed)

@@ -69,10 +69,13 @@ def command(data, quick, scenarios, dists, cps, heads, context_len, seqs, runtim
     DATA is a dataset folder (its sequences are benched instead of the default distributions). Latency
     numbers are PROJECTED from a hardware profile unless --measured times attention on a GPU.
     """
+    from flashcp.errors import FlashcpError
+
+    if data is not None and not Path(data).is_dir():
+        raise FlashcpError(f"dataset folder {data} does not exist")
     from flashcp.bench.profile import load_profile
     from flashcp.bench.report import print_report
     from flashcp.bench.suite import SCENARIOS, bench_config, run_bench
-    from flashcp.errors import FlashcpError
     from flashcp.fileio import write_json_atomic
 
     chosen = _names(scenarios)

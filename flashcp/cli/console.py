@@ -1,19 +1,43 @@
-"""The one console every command prints through, and the verbosity it honours."""
+"""The one console every command prints through, and the verbosity it honours.
+
+Strings are never read as rich markup (a path holding ``[/b]`` prints as it is); styled output builds
+``rich.text.Text`` instead. With ``--json`` the human text goes to stderr and stdout carries only the one
+JSON result (:func:`emit_json`).
+"""
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
-__all__ = ["console", "err_console", "error", "info", "progress", "set_verbosity", "warn"]
+__all__ = ["console", "emit_json", "err_console", "error", "info", "one_line", "progress", "set_json_output",
+           "set_verbosity", "warn"]
 
-console = Console(highlight=False, soft_wrap=True)
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+console = Console(highlight=False, soft_wrap=True, markup=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
 _verbosity = 1  # 0 quiet, 1 normal, 2 verbose
+
+
+def set_json_output(on: bool) -> None:
+    """With ``on``, everything printed goes to stderr: stdout is kept for :func:`emit_json`."""
+    console.stderr = on
+
+
+def emit_json(result: dict) -> None:
+    """Write a command's machine-readable result to stdout as one JSON document."""
+    sys.stdout.write(json.dumps(result, allow_nan=False, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def one_line(message: str) -> str:
+    """``message`` with control characters (newlines in a hostile file name) shown as escapes."""
+    return "".join(c if c >= " " and c != "\x7f" else repr(c)[1:-1] for c in message)
 
 
 def set_verbosity(level: int) -> None:
@@ -30,12 +54,12 @@ def info(message: str, *, level: int = 1) -> None:
 
 def warn(message: str) -> None:
     """Print a warning (shown even with --quiet)."""
-    err_console.print(f"[yellow]warning:[/] {escape(message)}")
+    err_console.print(Text.assemble(("warning:", "yellow"), " ", one_line(message)))
 
 
 def error(message: str) -> None:
-    """Print an expected error as one plain sentence."""
-    err_console.print(f"[red]error:[/] {escape(message)}", markup=True)
+    """Print an expected error as one plain sentence on one line."""
+    err_console.print(Text.assemble(("error:", "red"), " ", one_line(message)))
 
 
 @contextmanager

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from flashcp.cli.console import console, error, info, progress, warn
+from flashcp.cli.console import console, emit_json, error, info, progress, set_json_output, warn
 from flashcp.data.pack import PackConfig, PackResult, run_pack
 from flashcp.data.packing import OVERFLOWS
 from flashcp.data.tokenizer import BUILTINS, DEFAULT_TOKENIZER
@@ -50,6 +50,7 @@ def _default_workers() -> int:
 @click.option("--rows-per-file", type=int, default=0, help="Sequences per data file [default: ~64M tokens].")
 @click.option("--row-group-rows", type=int, default=0,
               help="Sequences per Parquet row group [default: ~4M tokens].")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (text on stderr).")
 @click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="Run here, or on a Ray cluster (the same bytes; needs pip install 'flashcp[ray]').")
 @click.option("--ray-address", default=None, metavar="ADDRESS",
@@ -57,13 +58,14 @@ def _default_workers() -> int:
                    "starting Ray on this machine with --workers CPUs.")
 def command(inputs: tuple[str, ...], output: Path, context_len: int, tokenizer: str, text_field: str,
             overflow: str, workers: int | None, include: tuple[str, ...], exclude: tuple[str, ...], eos: bool,
-            strict: bool, force: bool, rows_per_file: int, row_group_rows: int, engine: str,
-            ray_address: str | None) -> None:
+            strict: bool, force: bool, rows_per_file: int, row_group_rows: int, as_json: bool = False,
+            engine: str = "local", ray_address: str | None = None) -> None:
     """Pack INPUT files (JSONL, JSONL.gz, Parquet, plain text; folders and globs of them) into a dataset.
 
     Documents are tokenized, EOS is appended, and they fill sequences of exactly --context-len tokens in
     input order. Bad records are skipped and counted; re-running an interrupted pack resumes it.
     """
+    set_json_output(as_json)
     try:
         config = PackConfig(inputs=inputs, output=output, context_len=context_len, tokenizer=tokenizer,
                             text_field=text_field, overflow=overflow, append_eos=eos, include=include,
@@ -86,6 +88,12 @@ def command(inputs: tuple[str, ...], output: Path, context_len: int, tokenizer: 
     for message in result.warnings:
         warn(message)
     manifest, counts = result.manifest, result.manifest["counts"]
+    new_tokens = counts["tokens_packed"] - result.resumed_tokens
+    if as_json:
+        emit_json({"dataset": str(output), "already_done": result.already_done,
+                   "resumed_parts": result.resumed_parts, "seconds": result.seconds,
+                   "tokens_per_s": None if result.already_done else new_tokens / max(result.seconds, 1e-9),
+                   "warnings": list(result.warnings), "manifest": manifest})
     if result.already_done:
         console.print(f"{output} already holds this dataset ({manifest['num_sequences']:,} sequences of "
                       f"{manifest['context_len']:,} tokens); nothing to do")
@@ -93,10 +101,11 @@ def command(inputs: tuple[str, ...], output: Path, context_len: int, tokenizer: 
     if result.resumed_parts:
         info(f"resumed an interrupted pack after {result.resumed_parts} finished data file(s)")
     tokens = counts["tokens_packed"]
+    resumed = f", {new_tokens:,} of them in this run" if result.resumed_parts else ""
     console.print(f"packed {manifest['num_sequences']:,} sequences of {context_len:,} tokens "
-                  f"({tokens:,} tokens) from {counts['documents_packed']:,} documents into {output} "
+                  f"({tokens:,} tokens{resumed}) from {counts['documents_packed']:,} documents into {output} "
                   f"in {result.seconds:.1f} s "
-                  f"({tokens / max(result.seconds, 1e-9):,.0f} tokens/s)")
+                  f"({new_tokens / max(result.seconds, 1e-9):,.0f} tokens/s)")
     info(f"documents: {counts['documents_read']:,} read, {counts['documents_split']:,} split, "
          f"{counts['documents_truncated']:,} truncated, {counts['documents_dropped_empty']:,} empty; "
          f"{counts['tokens_dropped_tail']:,} tokens ({counts['documents_dropped_tail']:,} documents) in the "

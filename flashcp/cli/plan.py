@@ -10,7 +10,7 @@ import click
 from click.core import ParameterSource
 from rich.table import Table
 
-from flashcp.cli.console import console, info, progress
+from flashcp.cli.console import console, emit_json, info, progress, set_json_output
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
 from flashcp.planner.pipeline import plan_dataset
@@ -43,14 +43,16 @@ def summary_table(title: str, rows: dict[str, dict]) -> Table:
 @click.option("--workers", type=int, default=1, show_default=True, help="Worker processes.")
 @click.option("--name", default=None, help="Plan folder name [default: cp{N}-{strategy}].")
 @click.option("--force", is_flag=True, help="Replace an existing plan of the same name.")
+@click.option("--json", "as_json", is_flag=True, help="Print plan.json and the time on stdout (text on stderr).")
 @click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="Plan here, or one Ray task per data file (the same bytes; needs pip install 'flashcp[ray]').")
 @click.option("--ray-address", default=None, metavar="ADDRESS",
               help="With --engine ray: join the cluster at ADDRESS ('auto': the running one) instead of "
                    "starting Ray on this machine with --workers CPUs.")
 def command(data: str, cp: int, strategy: str, target_imbalance: float | None, workers: int, name: str | None,
-            force: bool, engine: str, ray_address: str | None) -> None:
+            force: bool, as_json: bool = False, engine: str = "local", ray_address: str | None = None) -> None:
     """Plan every sequence of DATA for CP size N; every plan is validated before it is written."""
+    set_json_output(as_json)
     started = time.perf_counter()
     dataset = Dataset(data)
     if ray_address is not None and engine != "ray":
@@ -67,8 +69,10 @@ def command(data: str, cp: int, strategy: str, target_imbalance: float | None, w
             stack.enter_context(ray_session(ray_address, workers if explicit else None))  # default: all cores
         advance = stack.enter_context(progress(f"planning cp{cp} {strategy}", dataset.num_sequences))
         meta = plan_dataset(data, cp, strategy, target_imbalance=target_imbalance, workers=workers,
-                            force=force, name=name, progress=advance, run_jobs=run_jobs)
+                            force=force, name=name, progress=advance, on_note=info, run_jobs=run_jobs)
     elapsed = time.perf_counter() - started
+    if as_json:
+        emit_json({"dataset": str(dataset.root), "plan": meta, "seconds": elapsed})
     summary = meta["summary"]
     params = ", ".join(f"{k}={v}" for k, v in meta["params"].items())
     info(f"wrote {dataset.root}/plans/{meta['name']}/ ({len(meta['plan_files'])} plan file(s), "

@@ -6,7 +6,7 @@ import click
 import numpy as np
 from rich.text import Text
 
-from flashcp.cli.console import console
+from flashcp.cli.console import console, emit_json, set_json_output
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
 from flashcp.planner.cost import (
@@ -138,8 +138,11 @@ def render(plan: SequencePlan, doc_lens: np.ndarray, title: str) -> list[Text | 
 @click.option("--plan", "plan_name", default=None, help="Plan folder name, e.g. cp8-flashcp (the only plan "
               "when omitted).")
 @click.option("--seq", type=int, default=0, show_default=True, help="Sequence index in the dataset.")
-def command(data: str, plan_name: str | None, seq: int) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the sequence's shards and per-rank numbers as JSON on stdout (picture on stderr).")
+def command(data: str, plan_name: str | None, seq: int, as_json: bool) -> None:
     """Draw sequence SEQ's plan: each rank's shards, workload, tokens, and the K/V it receives."""
+    set_json_output(as_json)
     dataset = Dataset(data)
     store = PlanStore(dataset, _pick_plan(dataset, plan_name))
     index, row = _locate(dataset, seq)
@@ -148,5 +151,25 @@ def command(data: str, plan_name: str | None, seq: int) -> None:
     stored = store.read_plans(index, row, row + 1)[0]
     title = (f"sequence {seq} ({dataset.files[index].path} row {row}): {doc_lens.size} documents, "
              f"{int(doc_lens.sum()):,} tokens; plan {store.name} ({store.strategy}, cp {store.cp})")
+    if as_json:
+        emit_json(_to_json(stored.plan, doc_lens, sequence=seq, data_file=dataset.files[index].path, row=row,
+                           plan_name=store.name, strategy=store.strategy))
     for line in render(stored.plan, doc_lens, title):
         console.print(line)
+
+
+def _to_json(plan: SequencePlan, doc_lens: np.ndarray, **where) -> dict:
+    cp = plan.cp
+    work = rank_workloads(plan.shard_start, plan.shard_len, plan.shard_rank, cp)
+    tokens = np.bincount(plan.shard_rank, weights=plan.shard_len, minlength=cp).astype(np.int64)
+    contrib = allgather_contributions(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
+    received = exact_need_received(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
+    return {
+        **where, "cp": cp, "doc_lens": doc_lens.tolist(), "imbalance": float(work.max() / work.mean()),
+        "ag_comm_tokens": int(contrib.max()), "a2a_comm_tokens": int(received.max()),
+        "shards": {"doc": plan.shard_doc.tolist(), "start": plan.shard_start.tolist(),
+                   "len": plan.shard_len.tolist(), "rank": plan.shard_rank.tolist()},
+        "ranks": [{"rank": r, "workload": float(work[r]), "tokens": int(tokens[r]),
+                   "ag_contribution": int(contrib[r]), "received": int(received[r]),
+                   "received_ranges": [list(x) for x in received_ranges(plan, r)]} for r in range(cp)],
+    }

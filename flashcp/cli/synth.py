@@ -8,6 +8,7 @@ import click
 
 from flashcp.cli.console import console, info
 from flashcp.data.synth import synth_dataset
+from flashcp.errors import FlashcpError
 
 
 @click.command("synth")
@@ -25,6 +26,8 @@ def command(data: str, dist: str, num_seqs: int, context_len: int, seed: int, no
             vocab_size: int, rows_per_file: int | None) -> None:
     """Write DATA: NUM_SEQS sequences of CONTEXT_LEN tokens packed from documents drawn from DIST."""
     started = time.perf_counter()
+    if context_len < 2:
+        raise FlashcpError(f"context length must be at least 2 tokens (as for 'flashcp pack'), got {context_len}")
     info(f"drawing {num_seqs:,} sequences of {context_len:,} tokens from '{dist}'")
     manifest = synth_dataset(data, dist=dist, num_seqs=num_seqs, context_len=context_len, seed=seed,
                              with_tokens=not no_tokens, vocab_size=vocab_size, rows_per_file=rows_per_file)

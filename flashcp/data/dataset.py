@@ -21,6 +21,7 @@ from flashcp.errors import FlashcpError
 from flashcp.fileio import (
     PARQUET_COMPRESSION,
     atomic_path,
+    parquet_fingerprint,
     sha256_file,
     write_json_atomic,
     write_parquet_atomic,
@@ -34,6 +35,7 @@ __all__ = [
     "DataFile",
     "DataFileWriter",
     "data_table",
+    "numpy_values",
     "write_data_file",
     "write_manifest",
 ]
@@ -41,6 +43,8 @@ __all__ = [
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 DATA_DIR = "data"
+REPLACE_OLD_DIR = ".flashcp-replaced"
+"""Where ``pack --force`` moves the old dataset during the swap (``flashcp.data.pack_output``)."""
 
 DATA_SCHEMA = pa.schema([
     ("tokens", pa.list_(pa.int32())),
@@ -66,6 +70,25 @@ def _arrow(values: np.ndarray, value_type: pa.DataType) -> pa.Array:
     # zero-copy, and unlike pa.array() it does not import pandas (half a second) to inspect its argument
     values = np.ascontiguousarray(values, dtype=_NUMPY_TYPES[value_type])
     return pa.Array.from_buffers(value_type, values.size, [None, pa.py_buffer(values)])
+
+
+def numpy_values(array: pa.Array) -> np.ndarray:
+    """A null-free fixed-width Arrow array as a zero-copy numpy view.
+
+    ``Array.to_numpy`` imports pandas on first use (half a second per process); reading the data buffer does
+    not.
+    """
+    if array.null_count:
+        raise ValueError("the column holds nulls")
+    kind = "float" if pa.types.is_floating(array.type) else "int" if pa.types.is_signed_integer(array.type) \
+        else None
+    if kind is None:
+        raise TypeError(f"no zero-copy view of {array.type}")
+    dtype = np.dtype(f"{kind}{array.type.bit_width}")
+    buffer = array.buffers()[1]
+    if buffer is None:
+        return np.zeros(0, dtype)
+    return np.frombuffer(buffer, dtype=dtype, count=array.offset + len(array))[array.offset:]
 
 
 def _list_array(offsets: np.ndarray, values: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
@@ -103,19 +126,32 @@ class DataFile:
     """Tokens in the file (rows * context_len)."""
     sha256: str
     """Hex sha256 of the file's bytes."""
+    bytes: int | None = None
+    """File size; with ``footer_sha256`` what every reader checks at open (None in older manifests)."""
+    footer_sha256: str | None = None
+    """sha256 of the file's Parquet footer (``flashcp.fileio.parquet_fingerprint``), or None."""
 
     def to_json(self) -> dict:
         """The manifest entry."""
-        return {"path": self.path, "rows": self.rows, "tokens": self.tokens, "sha256": self.sha256}
+        entry: dict = {"path": self.path, "rows": self.rows, "tokens": self.tokens, "sha256": self.sha256}
+        if self.bytes is not None:
+            entry["bytes"], entry["footer_sha256"] = self.bytes, self.footer_sha256
+        return entry
+
+    @staticmethod
+    def made(root: Path, rel: str, rows: int, tokens: int) -> DataFile:
+        """The entry of a data file just written at ``root / rel``: sha256, size and footer fingerprint."""
+        size, footer = parquet_fingerprint(root / rel)
+        return DataFile(path=rel, rows=rows, tokens=tokens, sha256=sha256_file(root / rel), bytes=size,
+                        footer_sha256=footer)
 
 
 def write_data_file(root: Path, index: int, table: pa.Table, row_group_rows: int) -> DataFile:
     """Write ``table`` as the ``index``-th data file of the dataset at ``root``, atomically."""
     rel = data_file_name(index)
     write_parquet_atomic(root / rel, table, row_group_rows)
-    lens = table.column("doc_lens").combine_chunks().flatten().to_numpy()
-    return DataFile(path=rel, rows=table.num_rows, tokens=int(lens.sum(dtype=np.int64)),
-                    sha256=sha256_file(root / rel))
+    lens = numpy_values(table.column("doc_lens").combine_chunks().flatten())
+    return DataFile.made(root, rel, table.num_rows, int(lens.sum(dtype=np.int64)))
 
 
 class DataFileWriter:
@@ -150,8 +186,7 @@ class DataFileWriter:
         """Finish the file, move it to its final name, and return its manifest entry."""
         self._writer.close()
         self._atomic.__exit__(None, None, None)
-        return DataFile(path=self.rel, rows=self.rows, tokens=self.tokens,
-                        sha256=sha256_file(self.root / self.rel))
+        return DataFile.made(self.root, self.rel, self.rows, self.tokens)
 
     def abort(self) -> None:
         """Drop the file being written."""
@@ -160,6 +195,29 @@ class DataFileWriter:
         finally:
             aborted = RuntimeError("data file aborted")
             self._atomic.__exit__(RuntimeError, aborted, None)
+
+
+def _field(obj: dict, key: str, kind: type):
+    if key not in obj:
+        raise KeyError(f"it lacks '{key}'")
+    value = obj[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TypeError(f"'{key}' is {type(value).__name__}, not {kind.__name__}")
+    return value
+
+
+def _data_file(entry) -> DataFile:
+    if not isinstance(entry, dict):
+        raise TypeError("a 'files' entry is not an object")
+    path = _field(entry, "path", str)
+    parts = Path(path).parts
+    if Path(path).is_absolute() or ".." in parts or not parts or parts[0] != DATA_DIR:
+        raise ValueError(f"data file path {path!r} is not inside {DATA_DIR}/")
+    size, footer = entry.get("bytes"), entry.get("footer_sha256")
+    if size is not None and (not isinstance(size, int) or not isinstance(footer, str)):
+        raise TypeError("a 'files' entry has a bad 'bytes' or 'footer_sha256'")
+    return DataFile(path=path, rows=_field(entry, "rows", int), tokens=_field(entry, "tokens", int),
+                    sha256=_field(entry, "sha256", str), bytes=size, footer_sha256=footer)
 
 
 def write_manifest(root: Path, *, context_len: int, has_tokens: bool, created_by: str, tokenizer: dict | None,
@@ -188,28 +246,69 @@ def write_manifest(root: Path, *, context_len: int, has_tokens: bool, created_by
 
 
 class Dataset:
-    """A dataset folder opened for reading. Raises FlashcpError with one sentence when it is not one."""
+    """A dataset folder opened for reading. Raises FlashcpError with one sentence when it is not one.
 
-    def __init__(self, root: str | Path):
+    Opening checks every data file cheaply against the manifest (it exists, has the recorded size and Parquet
+    footer), so a replaced or truncated file is refused here rather than read; ``verify`` re-hashes the
+    bytes. ``check_files=False`` skips that (for callers that check, or report, the files themselves).
+    """
+
+    def __init__(self, root: str | Path, *, check_files: bool = True):
         self.root = Path(root)
         manifest_path = self.root / MANIFEST_NAME
-        if not self.root.is_dir():
+        if not self.root.exists():
             raise FlashcpError(f"{self.root} is not a dataset folder: it does not exist")
+        if not self.root.is_dir():
+            raise FlashcpError(f"{self.root} is a file, not a dataset folder")
         if not manifest_path.is_file():
-            raise FlashcpError(f"{self.root} has no {MANIFEST_NAME}: it is not a finished flashcp dataset "
-                               "(run 'flashcp pack' or 'flashcp synth' to make one)")
+            interrupted = (self.root / REPLACE_OLD_DIR).exists()
+            raise FlashcpError(f"{self.root} has no {MANIFEST_NAME}: " + (
+                "an interrupted 'flashcp pack --force' was replacing it; re-run that command" if interrupted
+                else "it is not a finished flashcp dataset (run 'flashcp pack' or 'flashcp synth' to make one)"))
         try:
             self.manifest = json.loads(manifest_path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise FlashcpError(f"{manifest_path} is not readable JSON ({e})") from None
-        if self.manifest.get("format") != "flashcp-dataset":
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != "flashcp-dataset":
             raise FlashcpError(f"{manifest_path} is not a flashcp dataset manifest")
         if self.manifest.get("format_version") != FORMAT_VERSION:
             raise FlashcpError(f"{manifest_path} has format version {self.manifest.get('format_version')}; "
                                f"this flashcp reads version {FORMAT_VERSION}")
-        self.context_len: int = int(self.manifest["context_len"])
-        self.has_tokens: bool = bool(self.manifest["has_tokens"])
-        self.files: list[DataFile] = [DataFile(**f) for f in self.manifest["files"]]
+        try:
+            self.context_len: int = _field(self.manifest, "context_len", int)
+            self.has_tokens: bool = _field(self.manifest, "has_tokens", bool)
+            self.files: list[DataFile] = [_data_file(entry) for entry in _field(self.manifest, "files", list)]
+        except (KeyError, TypeError, ValueError) as e:
+            detail = e.args[0] if e.args else e  # KeyError's str() adds quotes
+            raise FlashcpError(f"{manifest_path} is damaged ({detail}); re-create the dataset") from None
+        if check_files:
+            for data_file in self.files:
+                problem = self.file_problem(data_file)
+                if problem:
+                    raise FlashcpError(f"{problem}; re-create the dataset or restore the file")
+
+    def file_problem(self, data_file: DataFile) -> str | None:
+        """Why ``data_file`` does not match the manifest by size and footer (None when it does)."""
+        path = self.path(data_file)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return f"data file {path} listed in the manifest is missing"
+        except OSError as e:
+            return f"data file {path} cannot be read ({e.strerror or e})"
+        if data_file.bytes is None:
+            return None  # an older manifest: only verify's full hash can tell
+        if size != data_file.bytes:
+            return (f"data file {path} has {size:,} bytes but the manifest records {data_file.bytes:,}: it was "
+                    "replaced or truncated")
+        try:
+            _, footer = parquet_fingerprint(path)
+        except (OSError, ValueError) as e:
+            return f"data file {path} cannot be read as Parquet ({e})"
+        if footer != data_file.footer_sha256:
+            return f"data file {path} is not the file the manifest records (its Parquet footer differs): it was " \
+                   "replaced or changed"
+        return None
 
     @property
     def num_sequences(self) -> int:
@@ -241,8 +340,8 @@ class Dataset:
             except (OSError, pa.ArrowInvalid) as e:
                 raise FlashcpError(f"data file {self.path(self.files[index])} is corrupt ({e}); "
                                    "re-create the dataset") from None
-            offsets = column.offsets.to_numpy().astype(np.int64)
-            values = column.values.to_numpy().astype(np.int64)
+            offsets = numpy_values(column.offsets).astype(np.int64)
+            values = numpy_values(column.values).astype(np.int64)
             yield offsets - offsets[0], values[offsets[0]:offsets[-1]]
 
     def read_doc_lens(self, index: int) -> tuple[np.ndarray, np.ndarray]:

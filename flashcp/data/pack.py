@@ -132,6 +132,8 @@ class PackResult:
     """Wall time."""
     warnings: tuple[str, ...] = ()
     """Things the user should know (duplicate or empty inputs, skipped records)."""
+    resumed_tokens: int = 0
+    """Tokens in the data files kept from an interrupted run (not packed in ``seconds``)."""
 
 
 # ---- tokenization, in order, in worker processes ----
@@ -410,11 +412,13 @@ def _run_pack(config: PackConfig, pool: ProcessPoolExecutor | None, on_rows: Cal
     }
     identity_sha256 = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     out = prepare_output(config.output, identity_sha256, identity, force=config.force)
+    warnings.extend(out.notes)
     if out.finished is not None:
         out.release()
         return PackResult(manifest=out.finished, resumed_parts=0, already_done=True,
                           seconds=time.perf_counter() - started, warnings=tuple(warnings))
     resumed_parts = len(out.parts)
+    resumed_tokens = sum(p.file.tokens for p in out.parts)
     try:
         out.write_state(identity_sha256, identity)  # from now on the folder is recognisably this pack's
         run = (engine.pack_run if engine else _PackRun)(config, encoder, pool, inputs, out, identity,
@@ -437,17 +441,22 @@ def _run_pack(config: PackConfig, pool: ProcessPoolExecutor | None, on_rows: Cal
                                   created_by="flashcp pack", tokenizer=spec.identity(),
                                   options={**identity["options"], "identity_sha256": identity_sha256},
                                   inputs=manifest_inputs, files=files, counts=counts)
+        out.complete()
     except FlashcpError:
         out.discard()
         raise
     except OSError as e:
         out.discard()
-        raise FlashcpError(f"cannot write the dataset to {out.root}: {e.strerror or e}") from None
-    out.remove_state()
+        raise FlashcpError(f"cannot write the dataset to {config.output}: {e.strerror or e}") from None
+    except BaseException:
+        if out.target is not None:  # interrupted: a re-run of the command resumes the replacement
+            out.release()
+        raise
     if counts["records_skipped_total"]:
         reasons = ", ".join(f"{n} {reason.replace('_', ' ')}"
                             for reason, n in counts["records_skipped"].items() if n)
         warnings.append(f"skipped {counts['records_skipped_total']} bad records ({reasons}); --strict makes "
                         "them fatal")
     return PackResult(manifest=manifest, resumed_parts=resumed_parts, already_done=False,
-                      seconds=time.perf_counter() - started, warnings=tuple(warnings))
+                      seconds=time.perf_counter() - started, warnings=tuple(warnings),
+                      resumed_tokens=resumed_tokens)

@@ -7,7 +7,16 @@ checks the finished files against their hashes and continues after the last good
 identity is refused. ``manifest.json`` is written last; the state file is removed after it.
 
 Only files that ``pack`` owns are ever removed: ``manifest.json``, ``pack-state.json``,
-``data/part-*.parquet``, ``data/.part-*.tmp`` and, with ``--force``, ``plans/``.
+``data/part-*.parquet``, ``data/.part-*.tmp`` and, with ``--force``, the old dataset's ``plans/``.
+
+``--force`` over an existing dataset (or unfinished pack) builds the new one beside it, in the hidden folder
+``DATA/.flashcp-replacement``, and swaps at the end: the old ``manifest.json``, ``pack-state.json``,
+``data/`` and ``plans/`` move into ``DATA/.flashcp-replaced``, the new ``data/`` and ``manifest.json`` move
+in (the manifest last), and the old ones are removed. A failure before the swap leaves the old dataset
+byte-identical; a failure during it is rolled back; a kill during it is finished or rolled back by the next
+``pack`` of that folder, and a kill before it leaves the replacement to be resumed by re-running the command.
+``--force`` refuses a folder whose ``manifest.json`` is not flashcp's, whose dataset folders hold anything
+flashcp did not make, or where any of these names is a symlink.
 """
 
 from __future__ import annotations
@@ -15,19 +24,28 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from flashcp.data.dataset import DATA_DIR, MANIFEST_NAME, DataFile
+from flashcp.data.dataset import DATA_DIR, MANIFEST_NAME, REPLACE_OLD_DIR, DataFile
 from flashcp.errors import FlashcpError
-from flashcp.fileio import sha256_file, write_json_atomic
+from flashcp.fileio import refuse_symlink, sha256_file, write_json_atomic
 
 __all__ = ["STATE_NAME", "OutputFolder", "PartRecord", "identity_from_manifest", "prepare_output"]
 
 STATE_NAME = "pack-state.json"
 STATE_FORMAT = "flashcp-pack-state"
+PLANS_DIR = "plans"
+REPLACE_NEW_DIR = ".flashcp-replacement"
+"""Where ``pack --force`` builds the new dataset inside the old one's folder."""
+
+_DATA_FILE = re.compile(r"part-\d{5}\.parquet|\.part-\d{5}\.parquet\..+\.tmp")
+# the names flashcp.planner.store writes in a plan folder, and beside them in plans/
+_PLAN_FILE = re.compile(r"plan\.json|part-\d{5}\.parquet|\.(plan\.json|part-\d{5}\.parquet)\..+\.tmp")
+_PLANS_LOCK = re.compile(r"\..+\.lock")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,6 +82,13 @@ class OutputFolder:
     """Finished data files of an interrupted run with the same identity, verified; empty for a fresh start."""
     finished: dict | None = None
     """The manifest, when the folder already holds this very dataset (nothing left to do)."""
+    target: Path | None = None
+    """With ``--force`` over an existing dataset: the dataset folder, while ``root`` is the replacement
+    being built inside it; ``complete`` swaps them."""
+    notes: list[str] = field(default_factory=list)
+    """What the preparation found and did that the user should hear of."""
+    resumed: bool = False
+    """This run goes on from an interrupted one's finished files (a failure keeps them for the next run)."""
 
     def write_state(self, identity_sha256: str, identity: dict) -> None:
         """Record the finished parts (atomically)."""
@@ -76,19 +101,36 @@ class OutputFolder:
         (self.root / STATE_NAME).unlink(missing_ok=True)
         self.release()
 
+    def complete(self) -> None:
+        """After the manifest is written: drop the state file, swap a replacement into place, release."""
+        try:
+            (self.root / STATE_NAME).unlink(missing_ok=True)
+            if self.target is not None:
+                _swap(self.target, self.root)
+                self.root, self.target = self.target, None
+        finally:
+            self.release()
+
     def release(self) -> None:
         """Let other processes write to the folder again."""
-        _unlock(self.root)
+        _unlock(self.target or self.root)
 
     def discard(self) -> None:
-        """Remove everything this pack wrote (after a fatal error): no partial dataset is left behind."""
-        _remove_pack_files(self.root, plans=False)
+        """Remove everything this pack wrote (after a fatal error): no partial dataset is left behind.
+
+        A replacement is removed whole and the old dataset stays as it was; a fresh pack's files are removed
+        (and its folder, when this run made it); a resumed pack keeps its finished files for the next run.
+        """
+        if self.target is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+        elif not self.resumed:
+            _remove_pack_files(self.root, plans=False)
+            if self.created:
+                try:
+                    self.root.rmdir()
+                except OSError:
+                    pass
         self.release()
-        if self.created:
-            try:
-                self.root.rmdir()
-            except OSError:
-                pass
 
 
 def identity_from_manifest(manifest: dict) -> dict:
@@ -127,10 +169,77 @@ def _read_json(path: Path, what: str) -> dict:
     try:
         value = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FlashcpError(f"{path} is not readable JSON ({e}); add --force to overwrite {what}") from None
+        raise FlashcpError(f"{path} is not readable JSON ({e}); flashcp will not overwrite {what} it cannot "
+                           "recognise as its own: move it away or choose another folder") from None
     if not isinstance(value, dict):
-        raise FlashcpError(f"{path} is not a JSON object; add --force to overwrite {what}")
+        raise FlashcpError(f"{path} is not a JSON object; flashcp will not overwrite {what} it cannot "
+                           "recognise as its own: move it away or choose another folder")
     return value
+
+
+def _foreign_entry(root: Path) -> Path | None:
+    """The first entry of the dataset's ``data/`` and ``plans/`` that flashcp did not make (None if none)."""
+    data = root / DATA_DIR
+    for folder in (data, root / PLANS_DIR):
+        if folder.exists() and not folder.is_dir():
+            return folder
+    if data.exists():
+        for entry in data.iterdir():
+            if entry.is_symlink() or not entry.is_file() or not _DATA_FILE.fullmatch(entry.name):
+                return entry
+    plans = root / PLANS_DIR
+    if plans.exists():
+        for folder in plans.iterdir():
+            if not folder.is_symlink() and folder.is_file() and _PLANS_LOCK.fullmatch(folder.name):
+                continue
+            if folder.is_symlink() or not folder.is_dir():
+                return folder
+            for entry in folder.iterdir():
+                if entry.is_symlink() or not entry.is_file() or not _PLAN_FILE.fullmatch(entry.name):
+                    return entry
+    return None
+
+
+def _swap(root: Path, staging: Path) -> None:
+    """Move the finished dataset in ``staging`` into ``root`` and remove the old one (see the module doc)."""
+    old = root / REPLACE_OLD_DIR
+    old.mkdir()
+    moved: list[str] = []
+    try:
+        # the manifest first: the old dataset stops existing before any of its files moves
+        for name in (MANIFEST_NAME, STATE_NAME, DATA_DIR, PLANS_DIR):
+            if (root / name).exists():
+                os.replace(root / name, old / name)
+                moved.append(name)
+        os.replace(staging / DATA_DIR, root / DATA_DIR)
+        os.replace(staging / MANIFEST_NAME, root / MANIFEST_NAME)  # the new dataset exists from here
+    except BaseException:
+        if (root / DATA_DIR).exists() and not (staging / DATA_DIR).exists():
+            os.replace(root / DATA_DIR, staging / DATA_DIR)
+        for name in reversed(moved):
+            os.replace(old / name, root / name)
+        old.rmdir()
+        raise
+    shutil.rmtree(old)
+    shutil.rmtree(staging)
+
+
+def _recover_swap(root: Path) -> str | None:
+    """Finish or roll back a swap that a kill interrupted; returns what was done."""
+    old, staging = root / REPLACE_OLD_DIR, root / REPLACE_NEW_DIR
+    if not old.is_dir() or old.is_symlink():
+        return None
+    if (root / MANIFEST_NAME).exists() and (old / MANIFEST_NAME).exists():
+        shutil.rmtree(old)
+        if staging.is_dir() and not staging.is_symlink():
+            shutil.rmtree(staging)
+        return "finished replacing the dataset, which an interrupted 'pack --force' had swapped in"
+    if (root / DATA_DIR).exists() and staging.is_dir() and not (staging / DATA_DIR).exists():
+        os.replace(root / DATA_DIR, staging / DATA_DIR)
+    for entry in old.iterdir():
+        os.replace(entry, root / entry.name)
+    old.rmdir()
+    return "put back the dataset that an interrupted 'pack --force' was replacing"
 
 
 def _remove_pack_files(root: Path, *, plans: bool) -> None:
@@ -206,15 +315,21 @@ def _verified_parts(root: Path, parts: list[PartRecord]) -> list[PartRecord]:
 def prepare_output(root: str | Path, identity_sha256: str, identity: dict, *, force: bool) -> OutputFolder:
     """Get the output folder ready for a pack with this identity.
 
-    Fresh when the folder is new or empty (or with ``force``, after removing an earlier pack's files);
-    resumed when it holds an interrupted pack with the same identity; ``finished`` when it already holds this
-    dataset. Raises FlashcpError when it holds another dataset or pack, or anything else, or is not writable.
+    Fresh when the folder is new or empty (or, with ``force``, holds none of flashcp's names); resumed when
+    it holds an interrupted pack with the same identity; ``finished`` when it already holds this dataset;
+    with ``force`` over a dataset or unfinished pack, a replacement built inside it and swapped in by
+    ``complete``. Raises FlashcpError when it holds another dataset or pack (without ``force``), anything
+    flashcp did not make where it would write or delete, a symlink in those places, or is not writable.
     """
     root = Path(root)
     created = _check_writable(root)
     _lock(root)
     try:
-        return _prepare_locked(root, created, identity_sha256, identity, force=force)
+        note = _recover_swap(root)
+        out = _prepare_locked(root, created, identity_sha256, identity, force=force)
+        if note:
+            out.notes.insert(0, note)
+        return out
     except BaseException:
         _unlock(root)
         raise
@@ -222,35 +337,108 @@ def prepare_output(root: str | Path, identity_sha256: str, identity: dict, *, fo
 
 def _prepare_locked(root: Path, created: bool, identity_sha256: str, identity: dict, *,
                     force: bool) -> OutputFolder:
-    if force:
-        _remove_pack_files(root, plans=True)
-        return OutputFolder(root=root, created=created, parts=[])
+    for name in (MANIFEST_NAME, STATE_NAME, DATA_DIR, PLANS_DIR, REPLACE_NEW_DIR):
+        refuse_symlink(root / name, root)
     manifest_path, state_path = root / MANIFEST_NAME, root / STATE_NAME
-    if manifest_path.is_file():
-        manifest = _read_json(manifest_path, "the dataset")
-        if manifest.get("options", {}).get("identity_sha256") != identity_sha256:
-            raise FlashcpError(f"{root} already holds a dataset packed with other inputs or options "
-                               f"({_difference(identity_from_manifest(manifest), identity)}); choose another "
-                               "folder or add --force to overwrite it")
-        for entry in manifest.get("files", []):
-            path = root / entry["path"]
-            if not path.is_file() or sha256_file(path) != entry["sha256"]:
-                raise FlashcpError(f"{root} holds this dataset but its data file {entry['path']} does not "
-                                   "match the manifest; add --force to pack it again")
-        (root / STATE_NAME).unlink(missing_ok=True)
-        return OutputFolder(root=root, created=False, parts=[], finished=manifest)
-    if state_path.is_file():
-        state = _read_json(state_path, "the unfinished pack")
-        if state.get("format") != STATE_FORMAT or state.get("identity_sha256") != identity_sha256:
-            raise FlashcpError(f"{root} holds an unfinished pack with other inputs or options "
-                               f"({_difference(state.get('identity') or {}, identity)}); re-run it with the "
-                               "same ones to resume, or add --force to start over")
+    manifest = _read_json(manifest_path, "a manifest.json") if manifest_path.exists() else None
+    if manifest is not None and manifest.get("format") != "flashcp-dataset":
+        raise FlashcpError(f"{manifest_path} is not a flashcp dataset manifest; flashcp will not overwrite a "
+                           "folder it did not make: move it away or choose another folder")
+    state = _read_json(state_path, "a pack-state.json") if state_path.exists() and manifest is None else None
+    if state is not None and state.get("format") != STATE_FORMAT:
+        raise FlashcpError(f"{state_path} is not a flashcp pack state; flashcp will not overwrite a folder it "
+                           "did not make: move it away or choose another folder")
+    notes = []
+    if (root / REPLACE_NEW_DIR).exists() and not force:
+        notes.append(f"{root / REPLACE_NEW_DIR} holds an unfinished replacement from an interrupted "
+                     "'pack --force'; re-run that command to finish it")
+    if force and (manifest is not None or state is not None):
+        foreign = _foreign_entry(root)
+        if foreign is not None and foreign.is_symlink():
+            refuse_symlink(foreign, root)
+        if foreign is not None:
+            raise FlashcpError(f"{foreign} was not made by flashcp; --force replaces only flashcp's own files: "
+                               "move it out of the dataset and re-run")
+        out = _prepare_replacement(root, identity_sha256, identity)
+        out.notes[:0] = notes
+        return out
+    if manifest is not None:
         try:
-            parts = [PartRecord.from_json(entry) for entry in state.get("parts", [])]
-        except (KeyError, TypeError):
-            raise FlashcpError(f"{state_path} is damaged; add --force to start over") from None
-        return OutputFolder(root=root, created=False, parts=_verified_parts(root, parts))
-    if any(root.iterdir()):
+            _check_finished(root, manifest, identity_sha256, identity)
+        except (KeyError, TypeError, AttributeError):
+            raise FlashcpError(f"{manifest_path} is damaged; add --force to pack the dataset again") from None
+        (root / STATE_NAME).unlink(missing_ok=True)
+        return OutputFolder(root=root, created=False, parts=[], finished=manifest, notes=notes)
+    if state is not None:
+        parts = _resume_parts(root, state, identity_sha256, identity)
+        return OutputFolder(root=root, created=False, parts=parts, notes=notes, resumed=bool(parts))
+    if force:
+        for name in (DATA_DIR, PLANS_DIR):
+            if (root / name).exists():
+                raise FlashcpError(f"{root / name} exists but {root} holds no flashcp dataset; flashcp will not "
+                                   "write into or delete what it did not make: move it away or choose another "
+                                   "folder")
+    elif any(root.iterdir()):
         raise FlashcpError(f"output folder {root} is not empty and holds no flashcp dataset; choose a new or "
                            "empty folder, or add --force to write into it")
-    return OutputFolder(root=root, created=created, parts=[])
+    return OutputFolder(root=root, created=created, parts=[], notes=notes)
+
+
+def _check_finished(root: Path, manifest: dict, identity_sha256: str, identity: dict) -> None:
+    """FlashcpError unless ``root`` holds the very dataset of this identity, every file as recorded."""
+    if manifest.get("options", {}).get("identity_sha256") != identity_sha256:
+        raise FlashcpError(f"{root} already holds a dataset packed with other inputs or options "
+                           f"({_difference(identity_from_manifest(manifest), identity)}); choose another "
+                           "folder or add --force to overwrite it")
+    for entry in manifest.get("files", []):
+        path = root / entry["path"]
+        if not path.is_file() or sha256_file(path) != entry["sha256"]:
+            raise FlashcpError(f"{root} holds this dataset but its data file {entry['path']} does not "
+                               "match the manifest; add --force to pack it again")
+
+
+def _resume_parts(root: Path, state: dict, identity_sha256: str, identity: dict) -> list[PartRecord]:
+    if state.get("identity_sha256") != identity_sha256:
+        raise FlashcpError(f"{root} holds an unfinished pack with other inputs or options "
+                           f"({_difference(state.get('identity') or {}, identity)}); re-run it with the "
+                           "same ones to resume, or add --force to start over")
+    try:
+        parts = [PartRecord.from_json(entry) for entry in state.get("parts", [])]
+    except (KeyError, TypeError, AttributeError):
+        raise FlashcpError(f"{root / STATE_NAME} is damaged; add --force to start over") from None
+    foreign = _foreign_entry(root)
+    if foreign is not None and foreign.is_relative_to(root / DATA_DIR):
+        raise FlashcpError(f"{foreign} was not made by flashcp; move it out of {root / DATA_DIR} and re-run")
+    return _verified_parts(root, parts)
+
+
+def _prepare_replacement(root: Path, identity_sha256: str, identity: dict) -> OutputFolder:
+    """A replacement for the dataset in ``root``, built in ``root/.flashcp-replacement``."""
+    staging = root / REPLACE_NEW_DIR
+    parts: list[PartRecord] = []
+    if staging.exists():  # left by a killed 'pack --force': go on with it if it is this very pack
+        manifest = _json_or_none(staging / MANIFEST_NAME)
+        state = _json_or_none(staging / STATE_NAME)
+        options = manifest.get("options") if manifest is not None else None
+        if isinstance(options, dict) and options.get("identity_sha256") == identity_sha256:
+            _swap(root, staging)
+            return OutputFolder(root=root, created=False, parts=[], finished=manifest,
+                                notes=["finished the replacement that an interrupted 'pack --force' had built"])
+        if manifest is None and state is not None and state.get("identity_sha256") == identity_sha256 \
+                and _foreign_entry(staging) is None:
+            try:
+                parts = _resume_parts(staging, state, identity_sha256, identity)
+            except FlashcpError:
+                parts = []
+        if not parts:
+            shutil.rmtree(staging)
+    staging.mkdir(exist_ok=True)
+    return OutputFolder(root=staging, created=True, parts=parts, target=root)
+
+
+def _json_or_none(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return value if isinstance(value, dict) else None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Callable
@@ -258,6 +259,7 @@ def synth_dataset(root: str | Path, *, dist: str, num_seqs: int, context_len: in
     token_rng = np.random.default_rng(seeds[1])
 
     root.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_staging(root)
     staging = root.parent / f".{root.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
     staging.mkdir()  # unlike mkdtemp, honours the umask
     try:
@@ -272,6 +274,27 @@ def synth_dataset(root: str | Path, *, dist: str, num_seqs: int, context_len: in
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return manifest
+
+
+def _remove_dead_staging(root: Path) -> None:
+    """Remove the staging folders of killed runs for ``root`` (named with the pid of a process now gone)."""
+    pattern = re.compile(rf"\.{re.escape(root.name)}\.(\d+)-[0-9a-f]{{8}}\.tmp")
+    for entry in root.parent.iterdir():
+        match = pattern.fullmatch(entry.name)
+        if not match or entry.is_symlink() or not entry.is_dir() or _alive(int(match.group(1))):
+            continue
+        if (entry / "data").is_dir() or not any(entry.iterdir()):  # recognisably a synth staging folder
+            shutil.rmtree(entry)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _write_files(root: Path, distribution: Distribution, row_offsets, doc_lens, doc_source, token_rng, *,

@@ -2,12 +2,19 @@
 
 Sequences come as flat arrays: ``row_offsets`` (rows + 1,) indexes ``doc_lens`` by row. Plans come back the
 same way: ``shard_offsets`` (rows + 1,) indexes the flat shard arrays.
+
+``plan_batch`` is compiled once per strategy code (the code is a compile-time literal), and each compilation
+holds only that strategy's kernel: a first ``flashcp plan --strategy flashcp`` does not compile ``flashcp+``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
-from numba import njit
+from numba import literally, njit, typeof, types
+from numba.extending import overload
 
 from flashcp.planner._kernels import (
     _doc_offsets,
@@ -25,17 +32,47 @@ from flashcp.planner.cost import _allgather_contributions, _exact_need_received,
 OK, NO_SHARDS, BAD_LENGTH, BAD_RANK, BAD_DOC, BAD_COVERAGE, BAD_QUOTA = range(7)
 
 
-@njit(cache=True)
+KERNELS = {0: llama3_kernel, 1: perdoc_kernel, 2: flashcp_kernel, 3: flashcp_plus_kernel, 4: ring_kernel}
+"""Strategy code -> kernel ``(lens, cp[, target]) -> (doc, start, len, rank)``: what ``plan_batch`` plans."""
+TAKES_TARGET = (2, 3)
+"""Codes whose kernel takes the target imbalance."""
+
+
 def _plan_one(lens, cp, code, target):
-    if code == 0:
-        return llama3_kernel(lens, cp)
-    if code == 1:
-        return perdoc_kernel(lens, cp)
-    if code == 2:
-        return flashcp_kernel(lens, cp, target)
-    if code == 4:
-        return ring_kernel(lens, cp)
-    return flashcp_plus_kernel(lens, cp, target)
+    """Plan one sequence with the strategy ``code`` (compiled code only; see ``_plan_one_impl``)."""
+    raise NotImplementedError("compiled code only")
+
+
+@overload(_plan_one)
+def _plan_one_impl(lens, cp, code, target):
+    # Only a literal code is typed, so that a compilation links the one kernel it names.
+    if not isinstance(code, types.IntegerLiteral) or code.literal_value not in KERNELS:
+        return None
+    kernel = KERNELS[code.literal_value]
+    if code.literal_value in TAKES_TARGET:
+        return lambda lens, cp, code, target: kernel(lens, cp, target)
+    return lambda lens, cp, code, target: kernel(lens, cp)
+
+
+def needs_compile(code: int) -> bool:
+    """Whether planning with strategy ``code`` has to compile kernels (no cached machine code yet).
+
+    Reads numba's cache index; answers False when it cannot tell (or ``code`` is not planned here).
+    """
+    if code not in KERNELS:
+        return False
+    vector = typeof(np.zeros(1, np.int64))
+    wanted: list[tuple[Any, tuple]] = [(_plan_batch, (vector, vector, types.int64, types.literal(code), types.float64)),
+              (check_batch, (vector,) * 7 + (types.int64,))]
+    try:
+        for dispatcher, signature in wanted:
+            cache = dispatcher._cache
+            key = cache._index_key(signature, dispatcher.targetctx.codegen())
+            if signature not in dispatcher.overloads and key not in cache._cache_file._load_index():
+                return True
+    except Exception:  # numba internals moved: say nothing rather than something wrong
+        return False
+    return False
 
 
 @njit(cache=True)
@@ -45,9 +82,32 @@ def _grown(values, size, capacity):
     return out
 
 
-@njit(cache=True)
+_entry_points: dict[int, Callable] = {}
+
+
 def plan_batch(row_offsets, doc_lens, cp, code, target):
-    """Plan every row with strategy ``code``; returns (shard_offsets, doc, start, len, rank)."""
+    """Plan every row with strategy ``code``; returns (shard_offsets, doc, start, len, rank).
+
+    ``row_offsets`` and ``doc_lens`` are contiguous int64 arrays. The compiled code of a strategy is called
+    directly once it is loaded: numba's own dispatch of a literal argument re-types the call (~20 ms).
+    """
+    entry = _entry_points.get(code)
+    if entry is None or not _plain_int64(row_offsets) or not _plain_int64(doc_lens):
+        result = _plan_batch(row_offsets, doc_lens, cp, code, target)
+        signature = next((s for s in _plan_batch.overloads if s[3] == types.literal(code)), None)
+        if signature is not None and signature[0] == signature[1] == typeof(np.zeros(1, np.int64)):
+            _entry_points[code] = _plan_batch.overloads[signature].entry_point
+        return result
+    return entry(row_offsets, doc_lens, int(cp), int(code), float(target))
+
+
+def _plain_int64(values) -> bool:
+    return isinstance(values, np.ndarray) and values.dtype == np.int64 and values.ndim == 1 \
+        and values.flags.c_contiguous and values.flags.aligned
+
+
+@njit(cache=True)
+def _plan_batch(row_offsets, doc_lens, cp, code, target):
     rows = row_offsets.shape[0] - 1
     shard_offsets = np.zeros(rows + 1, np.int64)
     capacity = 2 * doc_lens.shape[0] + 4 * cp * rows + 16
@@ -58,7 +118,7 @@ def plan_batch(row_offsets, doc_lens, cp, code, target):
     size = 0
     for row in range(rows):
         lens = np.ascontiguousarray(doc_lens[row_offsets[row]:row_offsets[row + 1]])
-        doc, start, length, rank = _plan_one(lens, cp, code, target)
+        doc, start, length, rank = _plan_one(lens, cp, literally(code), target)
         m = doc.shape[0]
         if size + m > capacity:
             # grow by the shards per row seen so far, projected over the remaining rows

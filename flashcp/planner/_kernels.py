@@ -254,6 +254,54 @@ def _argmin_work(work, cp):
 
 
 @njit(cache=True)
+def _most_over(tokens, quotas, cp):
+    """The rank most over its token quota (ties: the lower rank), or -1 when none is over."""
+    over = -1
+    for r in range(cp):
+        if tokens[r] > quotas[r] and (over < 0 or tokens[r] - quotas[r] > tokens[over] - quotas[over]):
+            over = r
+    return over
+
+
+@njit(cache=True)
+def _lightest_under(tokens, quotas, work, cp):
+    """The under-filled rank with the least workload (ties: the lower rank), or -1 when none is under."""
+    under = -1
+    for r in range(cp):
+        if tokens[r] < quotas[r] and (under < 0 or work[r] < work[under]):
+            under = r
+    return under
+
+
+@njit(cache=True)
+def move_head(piece, moved, over, under, pdoc, pstart, plen, prank, count, work, tokens):
+    """Move the head (first ``moved`` tokens) of ``piece`` from rank ``over`` to rank ``under``.
+
+    The Whole-Doc move of the ``flashcp`` and ``flashcp+`` kernels: the whole piece changes rank when
+    ``moved`` is its length, else its head becomes a new piece at index ``count`` and the piece keeps its
+    tail. Workloads and token counts follow. Returns ``(count, index of the moved piece)``.
+    """
+    shift = workload(pstart[piece], moved)
+    if moved == plen[piece]:
+        prank[piece] = under
+        head = piece
+    else:
+        pdoc[count] = pdoc[piece]
+        pstart[count] = pstart[piece]
+        plen[count] = moved
+        prank[count] = under
+        head = count
+        count += 1
+        pstart[piece] += moved
+        plen[piece] -= moved
+    work[over] -= shift
+    work[under] += shift
+    tokens[over] -= moved
+    tokens[under] += moved
+    return count, head
+
+
+@njit(cache=True)
 def _alg1_whole_doc(lens, cp, quotas, order, num_perdoc, work, tokens, pdoc, pstart, plen, prank, count):
     """Greedy whole-document placement and Whole-Doc sharding (Algorithm 1, lines 5-16).
 
@@ -276,38 +324,17 @@ def _alg1_whole_doc(lens, cp, quotas, order, num_perdoc, work, tokens, pdoc, pst
         work[rank] += workload(0, lens[doc])
         tokens[rank] += lens[doc]
     while True:
-        over = -1
-        for r in range(cp):
-            if tokens[r] > quotas[r] and (over < 0 or tokens[r] - quotas[r] > tokens[over] - quotas[over]):
-                over = r
+        over = _most_over(tokens, quotas, cp)
         if over < 0:
             break
-        under = -1
-        for r in range(cp):
-            if tokens[r] < quotas[r] and (under < 0 or work[r] < work[under]):
-                under = r
+        under = _lightest_under(tokens, quotas, work, cp)
         piece = top[over]
         moved = min(tokens[over] - quotas[over], quotas[under] - tokens[under], plen[piece])
-        shift = workload(pstart[piece], moved)
         if moved == plen[piece]:
             top[over] = below[piece]
-            prank[piece] = under
-            below[piece] = top[under]
-            top[under] = piece
-        else:
-            pdoc[count] = pdoc[piece]
-            pstart[count] = pstart[piece]
-            plen[count] = moved
-            prank[count] = under
-            below[count] = top[under]
-            top[under] = count
-            count += 1
-            pstart[piece] += moved
-            plen[piece] -= moved
-        work[over] -= shift
-        work[under] += shift
-        tokens[over] -= moved
-        tokens[under] += moved
+        count, head = move_head(piece, moved, over, under, pdoc, pstart, plen, prank, count, work, tokens)
+        below[head] = top[under]
+        top[under] = head
     return count
 
 

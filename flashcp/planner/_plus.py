@@ -14,9 +14,12 @@ from flashcp.planner._kernels import (
     _descending_order,
     _emit_zigzag,
     _finish,
+    _lightest_under,
+    _most_over,
     _quotas,
     _ratio,
     _zigzag_sizes,
+    move_head,
 )
 from flashcp.planner.cost import workload
 
@@ -55,10 +58,7 @@ def _add_piece(doc, start, length, rank, pdoc, pstart, plen, prank, count, work,
 def _repair_tokens(lens, cp, quotas, work, tokens, pdoc, pstart, plen, prank, count):
     """Equal tokens: whole documents first (best fit), then heads cut from the longest piece."""
     while True:
-        over = -1
-        for r in range(cp):
-            if tokens[r] > quotas[r] and (over < 0 or tokens[r] - quotas[r] > tokens[over] - quotas[over]):
-                over = r
+        over = _most_over(tokens, quotas, cp)
         if over < 0:
             return count
         excess = tokens[over] - quotas[over]
@@ -75,18 +75,10 @@ def _repair_tokens(lens, cp, quotas, work, tokens, pdoc, pstart, plen, prank, co
                         pdoc[i] < pdoc[best] or (pdoc[i] == pdoc[best] and work[u] < work[best_u])))):
                     best = i
                     best_u = u
-        if best >= 0:
-            shift = workload(0, plen[best])
-            prank[best] = best_u
-            work[over] -= shift
-            work[best_u] += shift
-            tokens[over] -= plen[best]
-            tokens[best_u] += plen[best]
+        if best >= 0:  # a whole document (start 0) moves whole
+            count, _ = move_head(best, plen[best], over, best_u, pdoc, pstart, plen, prank, count, work, tokens)
             continue
-        under = -1
-        for r in range(cp):
-            if tokens[r] < quotas[r] and (under < 0 or work[r] < work[under]):
-                under = r
+        under = _lightest_under(tokens, quotas, work, cp)
         # the longest whole document on `over`, else its longest piece (ties: lower doc, then lower start)
         piece = -1
         piece_whole = False
@@ -105,21 +97,7 @@ def _repair_tokens(lens, cp, quotas, work, tokens, pdoc, pstart, plen, prank, co
                 piece = i
                 piece_whole = whole
         moved = min(excess, quotas[under] - tokens[under], plen[piece])
-        shift = workload(pstart[piece], moved)
-        if moved == plen[piece]:
-            prank[piece] = under
-        else:
-            pdoc[count] = pdoc[piece]
-            pstart[count] = pstart[piece]
-            plen[count] = moved
-            prank[count] = under
-            count += 1
-            pstart[piece] += moved
-            plen[piece] -= moved
-        work[over] -= shift
-        work[under] += shift
-        tokens[over] -= moved
-        tokens[under] += moved
+        count, _ = move_head(piece, moved, over, under, pdoc, pstart, plen, prank, count, work, tokens)
 
 
 @njit(cache=True)

@@ -11,9 +11,9 @@ Sequences solved only with relaxed quotas, or not at all, are counted and listed
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -24,8 +24,7 @@ from flashcp.planner.ilp import IlpOptions, IlpResult, solve_sequence
 from flashcp.planner.pipeline import summarize as summarize_plans
 from flashcp.planner.plan import SequencePlan, check_metrics
 from flashcp.planner.store import (
-    PLAN_JSON,
-    PLANS_DIR,
+    PlanSlot,
     PlanStore,
     plan_table,
     write_plan_file,
@@ -193,13 +192,17 @@ def write_audit_plan(dataset: Dataset, store: PlanStore, audits: list[SequenceAu
     """
     if name == store.name:
         raise FlashcpError(f"--write-plan {name} would overwrite the plan being audited; choose another name")
-    plan_dir = dataset.root / PLANS_DIR / name
-    if (plan_dir / PLAN_JSON).exists():
-        if not force:
-            raise FlashcpError(f"plan '{name}' already exists in {dataset.root}; pass --force to replace it")
-        (plan_dir / PLAN_JSON).unlink()  # the old plan stops existing before any file of it changes
-    if plan_dir.exists() and not (plan_dir / PLAN_JSON).exists():
-        shutil.rmtree(plan_dir)
+    with PlanSlot(dataset, name, force=force, what="--write-plan") as slot:
+        try:
+            meta = _write_audit_plan(dataset, store, audits, name, slot.staging(), params)
+            slot.commit()
+        except OSError as e:
+            raise FlashcpError(f"cannot write plan '{name}' in {dataset.root}: {e.strerror or e}") from None
+    return meta
+
+
+def _write_audit_plan(dataset: Dataset, store: PlanStore, audits: list[SequenceAudit], name: str,
+                      plan_dir: Path, params: dict) -> dict:
     ilp_plans = {a.row: a.result.plan for a in audits if a.valid}
     plan_files, all_metrics = [], []
     base = 0
@@ -232,14 +235,14 @@ def write_audit_plan(dataset: Dataset, store: PlanStore, audits: list[SequenceAu
     params = {**params, "base_plan": store.name, "ilp_rows": sorted(ilp_plans),
               "other_rows": "keep the base plan"}
     meta = write_plan_json(plan_dir, dataset=dataset, strategy="ilp", params=params, cp=store.cp,
-                           plan_files=plan_files, summary=summary)
-    _verify_written(dataset, name, ilp_plans)
+                           plan_files=plan_files, summary=summary, name=name)
+    _verify_written(dataset, name, ilp_plans, plan_dir)
     return meta
 
 
-def _verify_written(dataset: Dataset, name: str, ilp_plans: dict[int, SequencePlan]) -> None:
+def _verify_written(dataset: Dataset, name: str, ilp_plans: dict[int, SequencePlan], plan_dir: Path) -> None:
     """Read the written plan back; every ILP row must equal what was written and pass the plan checks."""
-    store = PlanStore(dataset, name)
+    store = PlanStore(dataset, name, folder=plan_dir)
     for row, doc_lens, plan, _ in _iter_sampled(dataset, store, np.array(sorted(ilp_plans), dtype=np.int64)):
         expected = ilp_plans[row]
         if not all(np.array_equal(getattr(plan, f), getattr(expected, f))

@@ -4,16 +4,14 @@ Reusable without the CLI: :func:`plan_dataset` plans a dataset folder, :func:`pl
 of sequences, :func:`strategy_metrics` returns per-sequence metrics for lists of ``doc_lens`` (the bench
 uses it). Work is split by data file: a job plans a file's row groups one at a time, validates every plan and
 writes the file's plan file into a staging folder; ``workers > 1`` runs jobs in worker processes, and the
-output does not depend on the number of workers. The staging folder becomes ``plans/<name>/`` once every
-file is written, and ``plan.json`` is written last.
+output does not depend on the number of workers. ``plan.json`` is written last into the staging folder, which
+then takes the place of ``plans/<name>/`` in one swap.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing
-import os
-import secrets
-import shutil
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -23,14 +21,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from flashcp.data.dataset import Dataset
+from flashcp.data.dataset import Dataset, numpy_values
 from flashcp.errors import FlashcpError, PlanError
 from flashcp.planner import _batch
 from flashcp.planner.cost import comm_saving, exact_need_saving
 from flashcp.planner.plan import SequencePlan
 from flashcp.planner.store import (
-    PLAN_JSON,
-    PLANS_DIR,
+    PlanSlot,
     plan_name,
     plan_table,
     write_plan_file,
@@ -189,7 +186,7 @@ class _FileResult:
 
 def _plan_file(job: _FileJob) -> _FileResult:
     """Plan every row group of one data file, validate, write its plan file; runs in worker processes too."""
-    dataset = Dataset(job.root)
+    dataset = Dataset(job.root, check_files=False)  # the parent checked them
     where = f"data file {dataset.files[job.file_index].path}"
     parts, sampled = [], []
     first = job.first_row
@@ -220,9 +217,9 @@ def read_row_group_lens(dataset: Dataset, file_index: int, row_group: int) -> tu
     pf = dataset.parquet(file_index)
     try:
         column = pf.read_row_group(row_group, columns=["doc_lens"]).column("doc_lens").combine_chunks()
-        offsets = column.offsets.to_numpy().astype(np.int64)
-        values = column.values.to_numpy().astype(np.int64)
-    except (OSError, pa.ArrowException, KeyError) as e:
+        offsets = numpy_values(column.offsets).astype(np.int64)
+        values = numpy_values(column.values).astype(np.int64)
+    except (OSError, pa.ArrowException, KeyError, TypeError, ValueError) as e:
         raise FlashcpError(f"data file {dataset.path(dataset.files[file_index])} is corrupt ({e}); "
                            "re-create the dataset") from None
     return offsets - offsets[0], values[offsets[0]:offsets[-1]]
@@ -248,16 +245,20 @@ def _concat(parts: list[PlannedRows]) -> PlannedRows:
 def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
                  target_imbalance: float | None = None, workers: int = 1, force: bool = False,
                  name: str | None = None, progress: Callable[[int], None] | None = None,
-                 run_jobs: Callable | None = None) -> dict:
+                 on_note: Callable[[str], None] | None = None, run_jobs: Callable | None = None) -> dict:
     """Plan every sequence of the dataset at ``root`` and write ``plans/<name>/``; returns its plan.json.
 
-    ``name`` defaults to ``cp{N}-{strategy}``. An existing plan of that name is refused unless ``force``; it
-    is then replaced only once the new one is complete. ``progress(rows)`` is called as rows finish. The
-    returned dict carries the baselines' summaries under ``summary["baselines"]``. ``run_jobs(jobs, workers,
-    progress)`` runs the per-file jobs elsewhere (``flashcp.engines.ray_plan``) and returns their results in
-    order; by default they run here or in local worker processes.
+    ``name`` defaults to ``cp{N}-{strategy}`` and must be a plain folder name. An existing plan of that name
+    is refused unless ``force``; it is then replaced only once the new one is complete (built beside it and
+    swapped, :class:`flashcp.planner.store.PlanSlot`), so a failure leaves it byte-identical.
+    ``progress(rows)`` is called as rows finish; ``on_note(sentence)`` hears of staging folders of killed runs
+    that were cleaned up. The returned dict carries the baselines' summaries under ``summary["baselines"]``.
+    ``run_jobs(jobs, workers, progress)`` runs the per-file jobs elsewhere (``flashcp.engines.ray_plan``) and
+    returns their results in order; by default they run here or in local worker processes.
     """
     dataset = Dataset(root)
+    if target_imbalance is not None and not (math.isfinite(target_imbalance) and target_imbalance >= 1):
+        raise FlashcpError(f"--target-imbalance must be a finite number of at least 1.0, got {target_imbalance}")
     try:
         chosen = get_strategy(strategy)
         params = resolve_params(chosen, target_imbalance)
@@ -266,14 +267,7 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
         raise FlashcpError(str(e)) from None
     if workers < 1:
         raise FlashcpError(f"--workers must be at least 1, got {workers}")
-    name = name or plan_name(cp, chosen.name)
-    if not name or "/" in name or name.startswith("."):
-        raise FlashcpError(f"plan name '{name}' is not a plain folder name")
-    plans_root = dataset.root / PLANS_DIR
-    final = plans_root / name
-    if (final / PLAN_JSON).exists() and not force:
-        raise FlashcpError(f"plan '{name}' already exists in {dataset.root}; pass --force to replace it")
-
+    name = plan_name(cp, chosen.name) if name is None else name
     total_rows = dataset.num_sequences
     step = max(1, -(-total_rows // BASELINE_MAX_ROWS))
     for index, data_file in enumerate(dataset.files):
@@ -282,30 +276,27 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
             raise FlashcpError(f"data file {data_file.path} has {rows} rows but the manifest says "
                                f"{data_file.rows}; re-create the dataset")
 
-    plans_root.mkdir(parents=True, exist_ok=True)
-    staging = plans_root / f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-    staging.mkdir()
-    try:
-        jobs, first_row = [], 0
-        for index, data_file in enumerate(dataset.files):
-            jobs.append(_FileJob(root=str(dataset.root), file_index=index, first_row=first_row, cp=cp,
-                                 strategy=chosen.name, params=params, context_len=dataset.context_len,
-                                 baseline_step=step, staging=str(staging)))
-            first_row += data_file.rows
-        results = (run_jobs or _run_jobs)(jobs, workers, progress)
-        summary = _summary(results, dataset.context_len, cp, step)
-        old = None
-        if final.exists():
-            old = plans_root / f".{name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-            os.replace(final, old)
-        os.replace(staging, final)
-        meta = write_plan_json(final, dataset=dataset, strategy=chosen.name, params=params, cp=cp,
-                               plan_files=[r.plan_file for r in results], summary=summary)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with PlanSlot(dataset, name, force=force) as slot:
+        notes = list(slot.notes)
+        if any(_batch.needs_compile(get_strategy(s).code) for s in (chosen.name, *BASELINES)):
+            notes.append("compiling planner kernels, first run only")
+        for note in notes:
+            (on_note or (lambda message: None))(note)
+        try:
+            staging = slot.staging()
+            jobs, first_row = [], 0
+            for index, data_file in enumerate(dataset.files):
+                jobs.append(_FileJob(root=str(dataset.root), file_index=index, first_row=first_row, cp=cp,
+                                     strategy=chosen.name, params=params, context_len=dataset.context_len,
+                                     baseline_step=step, staging=str(staging)))
+                first_row += data_file.rows
+            results = (run_jobs or _run_jobs)(jobs, workers, progress)
+            summary = _summary(results, dataset.context_len, cp, step)
+            meta = write_plan_json(staging, dataset=dataset, strategy=chosen.name, params=params, cp=cp,
+                                   plan_files=[r.plan_file for r in results], summary=summary, name=name)
+            slot.commit()
+        except OSError as e:
+            raise FlashcpError(f"cannot write plan '{name}' in {dataset.root}: {e.strerror or e}") from None
     return meta
 
 

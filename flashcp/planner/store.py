@@ -2,11 +2,22 @@
 
 ``plan.json`` is written last; a plan exists once it exists. It records the sha256 of every data file the plan
 was made from: a reader whose dataset's manifest lists other hashes refuses the plan as stale.
+
+Writers go through :class:`PlanSlot`: the plan name is checked to be a plain folder name before anything is
+touched, a lock per plan name keeps two writers apart, the new plan is built in a hidden staging folder
+beside the old one (``plans/.<name>.<pid>-<hex>.tmp``) and swapped in at the end, and only flashcp's own
+plan folders are ever replaced. Staging folders left by a killed run are removed by the next writer of that
+name (and reported); ``plans`` and the plan folder are never followed when they are symlinks.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import re
+import secrets
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,13 +27,23 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flashcp import __version__
-from flashcp.data.dataset import Dataset
+from flashcp.data.dataset import Dataset, numpy_values
 from flashcp.errors import FlashcpError, StalePlanError
-from flashcp.fileio import sha256_file, write_json_atomic, write_parquet_atomic
+from flashcp.fileio import (
+    FolderLock,
+    check_plain_name,
+    parquet_fingerprint,
+    refuse_symlink,
+    replace_dir,
+    sha256_file,
+    write_json_atomic,
+    write_parquet_atomic,
+)
 from flashcp.planner.plan import SequencePlan
 
 __all__ = [
     "PLAN_SCHEMA",
+    "PlanSlot",
     "PlanStore",
     "StoredPlan",
     "plan_name",
@@ -76,17 +97,19 @@ def write_plan_file(plan_dir: Path, index: int, table: pa.Table) -> dict:
     """Write the plan file matching the ``index``-th data file, atomically; return its plan.json entry."""
     path = plan_dir / f"part-{index:05d}.parquet"
     write_parquet_atomic(path, table, PLAN_ROW_GROUP_ROWS)
-    return {"path": path.name, "rows": table.num_rows, "sha256": sha256_file(path)}
+    size, footer = parquet_fingerprint(path)
+    return {"path": path.name, "rows": table.num_rows, "sha256": sha256_file(path), "bytes": size,
+            "footer_sha256": footer}
 
 
 def write_plan_json(plan_dir: Path, *, dataset: Dataset, strategy: str, params: dict, cp: int,
-                    plan_files: list[dict], summary: dict) -> dict:
-    """Write ``plan.json`` last, atomically, and return it."""
+                    plan_files: list[dict], summary: dict, name: str | None = None) -> dict:
+    """Write ``plan.json`` last, atomically, and return it; ``name`` defaults to the folder's name."""
     meta = {
         "format": "flashcp-plan",
         "format_version": PLAN_FORMAT_VERSION,
         "flashcp_version": __version__,
-        "name": plan_dir.name,
+        "name": name or plan_dir.name,
         "strategy": strategy,
         "params": params,
         "cp": int(cp),
@@ -95,8 +118,131 @@ def write_plan_json(plan_dir: Path, *, dataset: Dataset, strategy: str, params: 
         "plan_files": plan_files,
         "summary": summary,
     }
-    write_json_atomic(plan_dir / PLAN_JSON, meta)
+    write_json_atomic(plan_dir / PLAN_JSON, meta, strict=True)
     return meta
+
+
+_PLAN_FILE = re.compile(r"(plan\.json|part-\d{5}\.parquet|\.(plan\.json|part-\d{5}\.parquet)\..+\.tmp)")
+
+
+class PlanSlot:
+    """The right to write ``plans/<name>`` of a dataset, held from the checks to the swap.
+
+    Use as a context manager: ``staging()`` makes the folder to build the plan in (``plan.json`` included,
+    written last), ``commit()`` swaps it into place; leaving the block without ``commit`` removes it, so a
+    failure leaves the old plan (or nothing) exactly as it was. ``notes`` says what was cleaned up.
+    """
+
+    def __init__(self, dataset: Dataset, name: str, *, force: bool, what: str = "plan name"):
+        check_plain_name(name, what)
+        self.root, self.name = dataset.root, name
+        self.plans_root = self.root / PLANS_DIR
+        self.final = self.plans_root / name
+        self.notes: list[str] = []
+        self._staging: Path | None = None
+        refuse_symlink(self.plans_root, self.root)
+        if self.plans_root.exists() and not self.plans_root.is_dir():
+            raise FlashcpError(f"{self.plans_root} is a file, not a plans folder; move it away")
+        self._root_fd = os.open(self.root, os.O_RDONLY)
+        try:
+            fcntl.flock(self._root_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # 'pack' holds it exclusively
+        except OSError:
+            os.close(self._root_fd)
+            raise FlashcpError(f"a flashcp pack is writing to {self.root}; wait for it to finish") from None
+        self._lock: FolderLock | None = None
+        try:
+            self.plans_root.mkdir(exist_ok=True)
+            self._lock = FolderLock(self.plans_root / f".{name}.lock",
+                                    f"another flashcp command is writing plan '{name}' in {self.root}; wait "
+                                    "for it to finish")
+            self._clean_leftovers()
+            self._check_existing(force)
+        except OSError as e:
+            self.release()
+            raise FlashcpError(f"cannot write plan '{name}' in {self.root}: {e.strerror or e}") from None
+        except BaseException:
+            self.release()
+            raise
+
+    def __enter__(self) -> PlanSlot:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self._staging is not None:
+                shutil.rmtree(self._staging, ignore_errors=True)
+        finally:
+            self.release()
+
+    def _leftovers(self) -> Iterator[tuple[Path, bool]]:
+        pattern = re.compile(rf"\.{re.escape(self.name)}\.(old-)?\d+-[0-9a-f]{{8}}\.tmp")
+        for entry in list(self.plans_root.iterdir()):
+            match = pattern.fullmatch(entry.name)
+            if match and entry.is_dir() and not entry.is_symlink():
+                yield entry, match.group(1) is not None
+
+    def _clean_leftovers(self) -> None:
+        """Remove staging folders of killed runs of this name; put back an old plan a crash left aside."""
+        removed = 0
+        for entry, is_old in sorted(self._leftovers()):
+            if is_old and not self.final.exists() and (entry / PLAN_JSON).is_file():
+                os.replace(entry, self.final)
+                self.notes.append(f"restored plan '{self.name}' that an interrupted run had moved aside")
+                continue
+            shutil.rmtree(entry)
+            removed += 1
+        if removed:
+            self.notes.append(f"removed {removed} staging folder(s) of plan '{self.name}' left by an interrupted "
+                              "run")
+
+    def _check_existing(self, force: bool) -> None:
+        refuse_symlink(self.final, self.root)
+        if not self.final.exists():
+            return
+        where = f"plans/{self.name} in {self.root}"
+        if not self.final.is_dir():
+            raise FlashcpError(f"{where} is a file, not a plan folder; move it away or choose another name")
+        for entry in self.final.iterdir():
+            if entry.is_symlink() or not entry.is_file() or not _PLAN_FILE.fullmatch(entry.name):
+                raise FlashcpError(f"{where} holds '{entry.name}', which flashcp did not write; flashcp "
+                                   "replaces only its own plan folders: move it away or choose another name")
+        meta_path = self.final / PLAN_JSON
+        if meta_path.is_file():
+            try:
+                meta = json.loads(meta_path.read_text())
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                meta = None
+            if not isinstance(meta, dict) or meta.get("format") != "flashcp-plan":
+                raise FlashcpError(f"{where} holds a plan.json that is not a flashcp plan; move it away or "
+                                   "choose another name")
+            if not force:
+                raise FlashcpError(f"plan '{self.name}' already exists in {self.root}; pass --force to "
+                                   "replace it")
+        elif any(self.final.iterdir()) and not force:
+            raise FlashcpError(f"{where} holds an unfinished plan (no plan.json); pass --force to replace it")
+
+    def staging(self) -> Path:
+        """A new, empty hidden folder beside the plan to build it in."""
+        self._staging = self.plans_root / f".{self.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+        self._staging.mkdir()
+        return self._staging
+
+    def commit(self) -> None:
+        """Swap the finished staging folder (``plan.json`` written) into place; remove the old plan."""
+        assert self._staging is not None and (self._staging / PLAN_JSON).is_file()
+        old = self.plans_root / f".{self.name}.old-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+        replace_dir(self._staging, self.final, old)
+        self._staging = None
+        shutil.rmtree(old, ignore_errors=True)
+
+    def release(self) -> None:
+        """Drop the locks (also done on leaving the ``with`` block)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        if self._root_fd >= 0:
+            os.close(self._root_fd)
+            self._root_fd = -1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,10 +262,10 @@ class StoredPlan:
 class PlanStore:
     """A plan folder of a dataset, opened for reading; refuses a missing, unfinished or stale plan."""
 
-    def __init__(self, dataset: Dataset, name: str):
+    def __init__(self, dataset: Dataset, name: str, *, folder: Path | None = None):
         self.dataset = dataset
         self.name = name
-        self.dir = dataset.root / PLANS_DIR / name
+        self.dir = folder or dataset.root / PLANS_DIR / name  # ``folder``: a plan being written, to read back
         meta_path = self.dir / PLAN_JSON
         if not meta_path.is_file():
             available = sorted(p.parent.name for p in (dataset.root / PLANS_DIR).glob(f"*/{PLAN_JSON}"))
@@ -129,21 +275,59 @@ class PlanStore:
             self.meta = json.loads(meta_path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise FlashcpError(f"{meta_path} is not readable JSON ({e})") from None
-        self.cp: int = int(self.meta["cp"])
-        self.strategy: str = self.meta["strategy"]
+        try:
+            if not isinstance(self.meta, dict):
+                raise TypeError("it is not a JSON object")
+            self.cp: int = int(self.meta["cp"])
+            self.strategy: str = str(self.meta["strategy"])
+            self.context_len: int = int(self.meta["context_len"])
+            self.data_files: list[tuple[str, str]] = [(str(f["path"]), str(f["sha256"]))
+                                                      for f in self.meta["data_files"]]
+            self.plan_files: list[dict] = list(self.meta["plan_files"])
+            for entry in self.plan_files:
+                if check_plain_name(str(entry["path"]), "plan file") and not isinstance(entry["rows"], int):
+                    raise TypeError("a plan file's rows is not an integer")
+        except (KeyError, TypeError, ValueError, FlashcpError) as e:
+            what = f"lacks {e}" if isinstance(e, KeyError) else f"is damaged ({e})"
+            raise FlashcpError(f"{meta_path} {what}; re-run 'flashcp plan --force'") from None
+        if self.cp < 1:
+            raise FlashcpError(f"{meta_path} is damaged (cp {self.cp}); re-run 'flashcp plan --force'")
         self.check_fresh()
+        for index in range(len(self.plan_files)):
+            problem = self.file_problem(index)
+            if problem:
+                raise FlashcpError(f"{problem}; re-run 'flashcp plan --force'")
+
+    def file_problem(self, index: int) -> str | None:
+        """Why the ``index``-th plan file does not match plan.json by size and footer (None when it does)."""
+        entry, path = self.plan_files[index], self.plan_path(index)
+        try:
+            size = path.stat().st_size
+        except OSError as e:
+            return f"plan file {path} cannot be read ({e.strerror or e})"
+        if entry.get("bytes") is None:
+            return None  # written before plan.json recorded sizes: only verify's hash can tell
+        if size != entry["bytes"]:
+            return f"plan file {path} has {size:,} bytes but plan.json records {entry['bytes']:,}: it was replaced " \
+                   "or truncated"
+        try:
+            _, footer = parquet_fingerprint(path)
+        except (OSError, ValueError) as e:
+            return f"plan file {path} cannot be read as Parquet ({e})"
+        if footer != entry.get("footer_sha256"):
+            return f"plan file {path} is not the file plan.json records (its Parquet footer differs)"
+        return None
 
     def check_fresh(self) -> None:
         """Raise StalePlanError unless the plan was made from the data files the manifest lists now."""
-        planned = [(f["path"], f["sha256"]) for f in self.meta["data_files"]]
         current = [(f.path, f.sha256) for f in self.dataset.files]
-        if planned != current or self.meta["context_len"] != self.dataset.context_len:
+        if self.data_files != current or self.context_len != self.dataset.context_len:
             raise StalePlanError(f"plan '{self.name}' is stale: it was made from other data files than "
                                  f"{self.dataset.root} holds now; re-run 'flashcp plan' (with --force)")
 
     def plan_path(self, index: int) -> Path:
         """Path of the plan file matching the ``index``-th data file."""
-        return self.dir / self.meta["plan_files"][index]["path"]
+        return self.dir / self.plan_files[index]["path"]
 
     def read_flat(self, index: int) -> dict[str, np.ndarray]:
         """The whole ``index``-th plan file as flat int64/float64 arrays.
@@ -160,15 +344,15 @@ class PlanStore:
         out: dict[str, np.ndarray] = {}
         for name in ("shard_doc", "shard_start", "shard_len", "shard_rank"):
             column = table.column(name).combine_chunks()
-            offsets = column.offsets.to_numpy().astype(np.int64)
-            out[name] = column.values.to_numpy().astype(np.int64)[offsets[0]:offsets[-1]]
+            offsets = numpy_values(column.offsets).astype(np.int64)
+            out[name] = numpy_values(column.values).astype(np.int64)[offsets[0]:offsets[-1]]
             if name == "shard_doc":
                 out["shard_offsets"] = offsets - offsets[0]
             elif not np.array_equal(offsets - offsets[0], out["shard_offsets"]):
                 raise FlashcpError(f"plan file {path} is corrupt: its shard columns have different lengths")
-        out["imbalance"] = table.column("imbalance").to_numpy()
-        out["ag_comm_tokens"] = table.column("ag_comm_tokens").to_numpy().astype(np.int64)
-        out["a2a_comm_tokens"] = table.column("a2a_comm_tokens").to_numpy().astype(np.int64)
+        for name in ("imbalance", "ag_comm_tokens", "a2a_comm_tokens"):
+            values = numpy_values(table.column(name).combine_chunks())
+            out[name] = values.astype(np.float64 if name == "imbalance" else np.int64)
         return out
 
     def _open(self, index: int) -> pq.ParquetFile:
@@ -211,12 +395,12 @@ class PlanStore:
 def _stored_plans(table: pa.Table, cp: int) -> Iterator[StoredPlan]:
     cols = {name: table.column(name).combine_chunks() for name in PLAN_SCHEMA.names}
     shard_cols = ("shard_doc", "shard_start", "shard_len", "shard_rank")
-    offsets = cols["shard_doc"].offsets.to_numpy().astype(np.int64)
+    offsets = numpy_values(cols["shard_doc"].offsets).astype(np.int64)
     offsets -= offsets[0]  # a sliced table's offsets start mid-buffer; flatten() below honours the slice
-    flat = {name: cols[name].flatten().to_numpy().astype(np.int64) for name in shard_cols}
-    imbalance = cols["imbalance"].to_numpy()
-    ag = cols["ag_comm_tokens"].to_numpy()
-    a2a = cols["a2a_comm_tokens"].to_numpy()
+    flat = {name: numpy_values(cols[name].flatten()).astype(np.int64) for name in shard_cols}
+    imbalance = numpy_values(cols["imbalance"])
+    ag = numpy_values(cols["ag_comm_tokens"])
+    a2a = numpy_values(cols["a2a_comm_tokens"])
     for i in range(table.num_rows):
         lo, hi = offsets[i], offsets[i + 1]
         plan = SequencePlan(shard_doc=flat["shard_doc"][lo:hi], shard_start=flat["shard_start"][lo:hi],
