@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 from flashcp.cli import cli
@@ -29,3 +31,18 @@ def test_without_ray_one_sentence_says_what_to_install(tmp_path, monkeypatch):
     result = run("plan", tmp_path / "data", "--cp", "2", "--engine", "ray")
     assert result.exit_code == 1 and "install it with pip install 'flashcp[ray]'" in result.output
     assert not (tmp_path / "data" / "plans" / "cp2-flashcp").exists()
+
+
+def test_an_address_nothing_answers_at_is_one_sentence(tmp_path):
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("this process already joined a Ray cluster")
+    with socket.socket() as free:  # a port nothing listens on
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "abc"}\n')
+    result = run("pack", src, "-o", tmp_path / "out", "--context-len", "2", "--tokenizer", "byte", "--engine", "ray",
+                 "--ray-address", f"127.0.0.1:{port}")
+    assert result.exit_code == 1 and f"no Ray cluster answers at 127.0.0.1:{port}" in result.output
+    assert not (tmp_path / "out").exists()

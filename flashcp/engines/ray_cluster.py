@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -34,6 +35,8 @@ def ray_session(address: str | None = None, workers: int | None = None) -> Itera
     if ray.is_initialized():
         yield ray
         return
+    if address is not None:
+        _check_reachable(address)
     options = {"include_dashboard": False, "logging_level": logging.ERROR, "log_to_driver": False}
     try:
         if address is None:
@@ -55,3 +58,15 @@ def ray_session(address: str | None = None, workers: int | None = None) -> Itera
 def cluster_cpus(ray) -> int:
     """CPUs the cluster offers (at least 1)."""
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def _check_reachable(address: str) -> None:
+    """Refuse a ``host:port`` nothing listens on at once (Ray itself retries it for minutes)."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return  # "auto", ray:// client addresses: Ray reports those itself
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise FlashcpError(f"no Ray cluster answers at {address} ({e.strerror or e}); start one with "
+                           "'ray start --head' or leave out --ray-address to start Ray here") from None
