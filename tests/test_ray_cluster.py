@@ -33,6 +33,20 @@ def test_two_node_cluster_packs_and_plans_the_local_bytes(tmp_path, two_nodes, m
     assert result.exit_code == 0, result.output
     assert file_hashes(tmp_path / "ray") == file_hashes(tmp_path / "local")
 
+    # the same again through the API, to see that both nodes tokenized
+    from flashcp.data.pack import PackConfig, run_pack
+
+    ray.init(address=two_nodes.address, log_to_driver=False)
+    try:
+        engine = ray_pack.RayPackEngine()
+        config = PackConfig(inputs=tuple(map(str, inputs)), output=tmp_path / "api", context_len=2048,
+                            tokenizer="byte", rows_per_file=6, row_group_rows=4)
+        run_pack(config, engine=engine)
+    finally:
+        ray.shutdown()
+    assert engine.cpus == 2 and len(engine.nodes_used) == 2
+    assert file_hashes(tmp_path / "api") == file_hashes(tmp_path / "local")
+
     assert run("plan", tmp_path / "local", "--cp", "8").exit_code == 0
     result = run("plan", tmp_path / "ray", "--cp", "8", "--engine", "ray", "--ray-address", two_nodes.address)
     assert result.exit_code == 0, result.output

@@ -231,8 +231,14 @@ def _tokenize_shard(input_file: InputFile, kind: str, start: int, stop: int, ski
     flush()
     meta = {"kinds": np.array(kinds, np.int8), "records": np.array(records, np.int64),
             "lens": np.concatenate(len_parts) if len_parts else np.zeros(0, np.int64),
-            "lines": counted[0], "error": error, "pid": os.getpid()}
+            "lines": counted[0], "error": error, "node": _node_id()}
     return meta, (np.concatenate(token_parts) if token_parts else np.zeros(0, np.int32))
+
+
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
 
 
 def _write_part(root: str, index: int, context_len: int, overflow: str, counts: dict, rows: int,
@@ -286,8 +292,11 @@ class RayPackEngine:
         cpus = cluster_cpus(self.ray)
         self.cpus = min(cpus, workers) if workers else cpus
         self.shard_bytes = shard_bytes
+        self.nodes_used: set[str] = set()
+        """Ray nodes that ran tokenize tasks."""
         self.shards: list[Shard] = []
-        self.tokenize = _remote(self.ray, _tokenize_shard, num_returns=2, num_cpus=1)
+        # spread over the nodes (independent, CPU-bound); write tasks go where most of their tokens are
+        self.tokenize = _remote(self.ray, _tokenize_shard, num_returns=2, num_cpus=1, scheduling_strategy="SPREAD")
         self.write = _remote(self.ray, _write_part, num_cpus=1)
         self.describe = _remote(self.ray, _describe_input, num_cpus=1)
 
@@ -383,6 +392,7 @@ class _RayPackRun(_PackRun):
             shard_id, shard, meta_ref, tokens_ref = self.tokenize_queue.popleft()
             self._submit(shards, first_input, first_record)
             meta = get_result(ray, meta_ref)
+            self.engine.nodes_used.add(meta["node"])
             if shard.input != base_input:
                 base_input, line_base = shard.input, 0
             records = meta["records"] + (line_base if shard.kind == "bytes" else 0)
