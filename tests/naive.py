@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from itertools import product
 
 
@@ -519,4 +520,247 @@ def naive_block_optimum(doc_lens: list[int], cp: int, granularity: int, *, comm_
             key = (imbalance + comm_weight * ag * cp / context_len,)
         if best is None or key < best:
             best = key
+    return best
+
+
+def _naive_span_pieces(doc_lens: list[int], pos: int, end: int) -> list[tuple[int, int, int]]:
+    """(doc, start, len) pieces of sequence span [pos, end): its overlap with every document, in order."""
+    pieces, first = [], 0
+    for doc, n in enumerate(doc_lens):
+        lo, hi = max(pos, first), min(end, first + n)
+        if lo < hi:
+            pieces.append((doc, lo - first, hi - lo))
+        first += n
+    return pieces
+
+
+def _naive_place(doc_lens, pos, end, rank, quotas, tokens, load, weight, pieces):
+    """The peers' placement rule: the preferred rank takes what fits, the rest goes head first to the rank
+    with room and the least load (ties: lowest rank)."""
+    cp = len(quotas)
+    while pos < end:
+        take = min(quotas[rank] - tokens[rank], end - pos)
+        if take > 0:
+            for doc, start, length in _naive_span_pieces(doc_lens, pos, pos + take):
+                pieces.append((doc, start, length, rank))
+                if weight is None:
+                    load[rank] += naive_workload(start, length)
+            if weight is not None:
+                load[rank] += weight
+            tokens[rank] += take
+            pos += take
+        if pos < end:
+            rank = min((r for r in range(cp) if tokens[r] < quotas[r]), key=lambda r: (load[r], r))
+
+
+def naive_magi(doc_lens: list[int], cp: int, chunk: int = 512) -> list[tuple[int, int, int, int]]:
+    """MagiAttention's MinHeap dispatch: chunks by decreasing workload (ties: later chunk first), each to the
+    least-loaded rank with room for all of it, else the least-loaded rank with any room takes its head."""
+    context_len = sum(doc_lens)
+    quotas = naive_quotas(context_len, cp)
+    bounds = [(s, min(context_len, s + chunk)) for s in range(0, context_len, chunk)]
+    work = [sum(naive_workload(s, n) for _, s, n in _naive_span_pieces(doc_lens, a, b)) for a, b in bounds]
+    order = sorted(range(len(bounds)), key=lambda i: (-work[i], -i))
+    tokens, load, pieces = [0] * cp, [0] * cp, []
+    for i in order:
+        a, b = bounds[i]
+        fits = [r for r in range(cp) if quotas[r] - tokens[r] >= b - a]
+        some = fits or [r for r in range(cp) if tokens[r] < quotas[r]]
+        best = min(some, key=lambda r: (load[r], r))
+        _naive_place(doc_lens, a, b, best, quotas, tokens, load, None, pieces)
+    return naive_finish(pieces)
+
+
+def naive_ptrr_times(doc_lens: list[int], chunk: int) -> list[int]:
+    """Key blocks each query block reads under the document-causal mask: query q reads keys from its
+    document's first token to q, so block i reads the union of those keys' blocks over its queries."""
+    context_len = sum(doc_lens)
+    doc_start = [sum(doc_lens[:d]) for d, n in enumerate(doc_lens) for _ in range(n)]
+    times = []
+    for i in range((context_len + chunk - 1) // chunk):
+        read = set()
+        for q in range(i * chunk, min(context_len, (i + 1) * chunk)):
+            read.update(range(doc_start[q] // chunk, q // chunk + 1))
+        times.append(len(read))
+    return times
+
+
+def naive_ptrr(doc_lens: list[int], cp: int, chunk: int = 128) -> list[tuple[int, int, int, int]]:
+    """PyTorch's PTRR: blocks sorted by decreasing process time (stable), row k of cp blocks dealt to ranks
+    0..cp-1 (k even) or cp-1..0 (k odd); a rank without room passes the rest on (see ``_naive_place``)."""
+    context_len = sum(doc_lens)
+    quotas = naive_quotas(context_len, cp)
+    times = naive_ptrr_times(doc_lens, chunk)
+    order = sorted(range(len(times)), key=lambda i: -times[i])
+    tokens, load, pieces = [0] * cp, [0] * cp, []
+    for p, i in enumerate(order):
+        rank = p % cp if (p // cp) % 2 == 0 else cp - 1 - p % cp
+        _naive_place(doc_lens, i * chunk, min(context_len, (i + 1) * chunk), rank, quotas, tokens, load,
+                     times[i], pieces)
+    return naive_finish(pieces)
+
+
+def naive_affinity(doc_lens: list[int], cp: int, chunk: int, tolerance: float) -> list[tuple[int, int, int, int]]:
+    """flashcp2's constructive candidate: per-document chunks cut from the end, by decreasing workload
+    (ties: lower document, then later chunk), to the least-loaded rank with room, unless the rank holding the
+    next chunk of the same document has room, stays within the mean and is within ``tolerance * mean`` of
+    that rank's load; a chunk no rank has room for is split head first over the least-loaded ranks."""
+    quotas = naive_quotas(sum(doc_lens), cp)
+    chunks = []  # (doc, start, len) in cut order: a document's later chunk comes first
+    for d, n in enumerate(doc_lens):
+        end = n
+        while end > 0:
+            take = min(chunk, end)
+            chunks.append((d, end - take, take))
+            end -= take
+    work = [naive_workload(s, n) for _, s, n in chunks]
+    mean = sum(work) / cp
+    order = sorted(range(len(chunks)), key=lambda i: -work[i])
+    owner = [-1] * len(chunks)
+    load, tokens, pieces = [0] * cp, [0] * cp, []
+    for i in order:
+        d, s, n = chunks[i]
+        fits = [r for r in range(cp) if quotas[r] - tokens[r] >= n]
+        best = min(fits, key=lambda r: (load[r], r)) if fits else -1
+        if i > 0 and chunks[i - 1][0] == d and owner[i - 1] >= 0:
+            near = owner[i - 1]
+            if quotas[near] - tokens[near] >= n and load[near] + work[i] <= mean and \
+                    (best < 0 or load[near] <= load[best] + tolerance * mean):
+                best = near
+        if best >= 0:
+            pieces.append((d, s, n, best))
+            load[best] += work[i]
+            tokens[best] += n
+            owner[i] = best
+            continue
+        pos = s
+        while pos < s + n:
+            r = min((r for r in range(cp) if tokens[r] < quotas[r]), key=lambda r: (load[r], r))
+            take = min(s + n - pos, quotas[r] - tokens[r])
+            pieces.append((d, pos, take, r))
+            load[r] += naive_workload(pos, take)
+            tokens[r] += take
+            pos += take
+    return naive_finish(pieces)
+
+
+def naive_local_search(shards: list[tuple[int, int, int, int]], cp: int, step_time, target: float,
+                       budget: int, steps=(1024, 256, 64, 16), window: int = 0) -> list[tuple[int, int, int, int]]:
+    """flashcp2's local search, move by move: for each shift (largest first) and each pair of boundaries
+    (i < j) between the same two ranks, shift boundary i by +-shift and boundary j so that the tokens go
+    back; keep the first move that lowers ``step_time(shards)`` while the imbalance stays within ``target``
+    and the largest exact-need receive does not grow; repeat while a pass improves, within ``budget``
+    evaluations. Boundaries: touching shards of one document on different ranks, in (doc, start) order.
+    With a token ``window`` > 0, each shift first tries every single boundary moved by +-shift that keeps
+    both ranks within ``window`` tokens of their quotas (same acceptance)."""
+    shards = [list(s) for s in shards]
+    order = sorted(range(len(shards)), key=lambda i: (shards[i][0], shards[i][1]))
+    bounds = [(a, b) for a, b in zip(order, order[1:])
+              if shards[a][0] == shards[b][0] and shards[a][1] + shards[a][2] == shards[b][1]]
+
+    def shift(pair, delta):
+        a, b = pair
+        shards[a][2] += delta
+        shards[b][1] += delta
+        shards[b][2] -= delta
+
+    def received():
+        return naive_metrics([tuple(s) for s in shards], cp)[2]
+
+    def tokens(rank):
+        return sum(n for _, _, n, r in shards if r == rank)
+
+    quotas = naive_quotas(sum(n for _, _, n, _ in shards), cp)
+    best, recv, used = step_time(shards), received(), 0
+    improved = True
+    while improved and used < budget:
+        improved = False
+        for step in steps:
+            for al, ar in (bounds if window > 0 else []):
+                for sign in (1, -1):
+                    if (sign > 0 and shards[ar][2] <= step) or (sign < 0 and shards[al][2] <= step):
+                        continue
+                    gain, lose = (shards[al][3], shards[ar][3]) if sign > 0 else (shards[ar][3], shards[al][3])
+                    if tokens(gain) + step > quotas[gain] + window or tokens(lose) - step < quotas[lose] - window:
+                        continue
+                    if used >= budget:
+                        return [tuple(s) for s in shards]  # type: ignore[misc]
+                    shift((al, ar), sign * step)
+                    used += 1
+                    imbalance = naive_metrics([tuple(s) for s in shards], cp)[0]
+                    if imbalance <= target and step_time(shards) < best and received() <= recv:
+                        best, recv, improved = step_time(shards), received(), True
+                        break
+                    shift((al, ar), -sign * step)
+            for i, (al, ar) in enumerate(bounds):
+                for bl, br in bounds[i + 1:]:
+                    x, y = shards[ar][3], shards[al][3]
+                    if (shards[bl][3], shards[br][3]) == (x, y):
+                        sign_j = 1
+                    elif (shards[bl][3], shards[br][3]) == (y, x):
+                        sign_j = -1
+                    else:
+                        continue
+                    for sign_i in (1, -1):
+                        d_i, d_j = sign_i * step, sign_i * sign_j * step
+                        if (d_i > 0 and shards[ar][2] <= d_i) or (d_i < 0 and shards[al][2] <= -d_i):
+                            continue
+                        if (d_j > 0 and shards[br][2] <= d_j) or (d_j < 0 and shards[bl][2] <= -d_j):
+                            continue
+                        if used >= budget:
+                            return [tuple(s) for s in shards]  # type: ignore[misc]
+                        shift((al, ar), d_i)
+                        shift((bl, br), d_j)
+                        used += 1
+                        got = step_time(shards)
+                        imbalance = naive_metrics([tuple(s) for s in shards], cp)[0]
+                        if got < best and imbalance <= target and received() <= recv:
+                            best, recv, improved = got, received(), True
+                            break
+                        shift((bl, br), -d_j)
+                        shift((al, ar), -d_i)
+    return [tuple(s) for s in shards]  # type: ignore[misc]
+
+
+def naive_step_time(cp: int):
+    """The step time as ``flashcp bench`` computes it (numpy projection: default profile, H = H_kv = 32,
+    D = 128, auto comm, overlap), for plans given as (doc, start, len, rank) shards."""
+    from flashcp.bench.profile import load_profile
+    from flashcp.bench.projection import ModelShape, project_step
+    from flashcp.planner.plan import SequencePlan
+
+    profile = load_profile()
+    shape = ModelShape(num_heads=32, num_kv_heads=32, head_dim=128)
+
+    def step_time(shards):
+        plan = SequencePlan.from_arrays(*zip(*shards), cp=cp)
+        return project_step(plan, shape, profile, "auto", True).total
+
+    return step_time
+
+
+def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float = 1.01,
+                   effort: int = 1, token_slack: float = 0.0) -> list[tuple[int, int, int, int]]:
+    """flashcp2 from the references: flashcp+ first, then the portfolio in the kernel's order; a candidate
+    wins when it is strictly faster under ``step_time`` (default ``naive_step_time``) and within
+    max(target, flashcp+'s imbalance); then the local search with 48 evaluations per unit of effort."""
+    step_time = step_time or naive_step_time(cp)
+    best = naive_flashcp_plus(doc_lens, cp, target)
+    best_time = step_time(best)
+    limit = max(target, naive_metrics(best, cp)[0])
+    affinity = [(2048, 0.03), (1024, 0.1), (1024, 0.01), (512, 0.01), (1024, 0.03), (2048, 0.01), (512, 0.03),
+                (512, 0.1)]
+    candidates = [lambda c=c, t=t: naive_affinity(doc_lens, cp, c, t) for c, t in affinity[:8 if effort else 3]]
+    candidates.append(lambda: naive_flashcp(doc_lens, cp, 1.05))
+    if effort:
+        candidates += [lambda: naive_magi(doc_lens, cp, 1024), lambda: naive_llama3(doc_lens, cp),
+                       lambda: naive_magi(doc_lens, cp, 512), lambda: naive_magi(doc_lens, cp, 2048)]
+    for make in candidates:
+        plan = make()
+        t = step_time(plan)
+        if t < best_time and naive_metrics(plan, cp)[0] <= limit:
+            best, best_time = plan, t
+    if effort:
+        window = math.floor(token_slack * sum(doc_lens) / cp)
+        best = naive_finish(naive_local_search(best, cp, step_time, limit, 16 * effort, window=window))
     return best

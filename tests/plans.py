@@ -80,15 +80,23 @@ def random_plan_builder(seed: int):
     return build
 
 
+PEERS = ("magi", "ptrr")
+"""Strategies of other systems, left out of the end-to-end builders (their chunked layouts add nothing the
+random plans and ``perdoc`` do not already cover, and every builder costs a distributed training run)."""
+
+
 def plan_builders() -> dict:
     """Name -> ``plan_fn(doc_lens, cp) -> SequencePlan`` for end-to-end tests and benchmarks.
 
-    Random plans (harsh patterns), then every strategy of the registry (``plan_sequence(name, doc_lens, cp)``).
+    Random plans (harsh patterns), then every strategy of the registry (``plan_sequence(name, doc_lens, cp)``)
+    except the peers ``PEERS``.
     """
     from flashcp.planner import strategies
 
     builders = {"random": random_plan_builder(0)}
     for name in strategies.STRATEGIES:
+        if name in PEERS:
+            continue
         builders[name] = partial(_plan_with_strategy, strategies.plan_sequence, name)
     return builders
 

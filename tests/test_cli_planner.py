@@ -58,14 +58,14 @@ def test_plan_verify_show(dataset, tmp_path):
 def test_replan_needs_force(dataset, tmp_path):
     root = fresh_copy(dataset, tmp_path)
     assert run("plan", root, "--cp", 2).exit_code == 0
-    first = sha256_file(root / "plans" / "cp2-flashcp" / "part-00000.parquet")
+    first = sha256_file(root / "plans" / "cp2-flashcp2" / "part-00000.parquet")
     result = run("plan", root, "--cp", 2)
     assert result.exit_code == 1 and "already exists" in result.output and "--force" in result.output
     result = run("plan", root, "--cp", 2, "--force", "--target-imbalance", 1.2)
     assert result.exit_code == 0, result.output
-    meta = json.loads((root / "plans" / "cp2-flashcp" / "plan.json").read_text())
+    meta = json.loads((root / "plans" / "cp2-flashcp2" / "plan.json").read_text())
     assert meta["params"]["target_imbalance"] == 1.2
-    assert sorted(p.name for p in (root / "plans").iterdir()) == ["cp2-flashcp"]
+    assert sorted(p.name for p in (root / "plans").iterdir()) == ["cp2-flashcp2"]
     assert first  # the old plan was replaced only once the new one was complete
 
 
@@ -108,7 +108,7 @@ def test_corrupt_data_file(dataset, tmp_path):
     path.write_bytes(b"not parquet at all")
     result = run("plan", root, "--cp", 2)
     assert result.exit_code == 1 and "was replaced or truncated" in result.output
-    assert not (root / "plans" / "cp2-flashcp").exists()
+    assert not (root / "plans" / "cp2-flashcp2").exists()
 
 
 def test_stale_plan(dataset, tmp_path):
@@ -119,15 +119,15 @@ def test_stale_plan(dataset, tmp_path):
     assert run("synth", other, "--dist", "prolong", "--num-seqs", 24, "--context-len", 4099).exit_code == 0
     shutil.copy(other / "data" / "part-00000.parquet", root / "data" / "part-00000.parquet")
     shutil.copy(other / "manifest.json", root / "manifest.json")
-    for command in (["verify", root], ["show", root, "--plan", "cp2-flashcp"]):
+    for command in (["verify", root], ["show", root, "--plan", "cp2-flashcp2"]):
         result = run(*command)
-        assert result.exit_code == 1 and "plan 'cp2-flashcp' is stale" in result.output
+        assert result.exit_code == 1 and "plan 'cp2-flashcp2' is stale" in result.output
 
 
 def test_tampered_plan(dataset, tmp_path):
     root = fresh_copy(dataset, tmp_path)
     assert run("plan", root, "--cp", 4).exit_code == 0
-    plan_dir = root / "plans" / "cp4-flashcp"
+    plan_dir = root / "plans" / "cp4-flashcp2"
     path = plan_dir / "part-00000.parquet"
     table = pq.read_table(path)
     imbalance = table.column("imbalance").to_pylist()

@@ -26,7 +26,7 @@ def template(tmp_path_factory):
     src = write_jsonl(base / "in.jsonl", docs(40))
     result = run(*pack_args(src, base / "data"))
     assert result.exit_code == 0, result.output
-    assert run("plan", base / "data", "--cp", 2).exit_code == 0
+    assert run("plan", base / "data", "--cp", 2, "--strategy", "flashcp").exit_code == 0
     assert len(Dataset(base / "data").files) >= 2
     return base
 
@@ -56,7 +56,8 @@ HOSTILE = ["", ".", "..", "../../victim", "../victim", "/tmp/abs", "a/b", ".hidd
 
 @pytest.mark.parametrize("name", HOSTILE)
 def test_plan_name_must_be_plain(ws, name):
-    unchanged(ws, ["plan", ws / "data", "--cp", 2, "--name", name, "--force"], "is not a plain folder name")
+    unchanged(ws, ["plan", ws / "data", "--cp", 2, "--strategy", "flashcp", "--name", name, "--force"],
+              "is not a plain folder name")
 
 
 @pytest.mark.parametrize("name", ["", ".", "..", "../../victim", "cp2-flashcp/.."])
@@ -83,7 +84,7 @@ def test_markup_in_names_and_paths_is_printed_as_is(ws):
     result = run(*pack_args([ws / "w[" / "b].jsonl", ws / "w[" / "more.jsonl"], ws / "out[/b]"))
     assert result.exit_code == 0, result.output
     assert "w[/b].jsonl" in result.stderr and (ws / "out[/b]" / "manifest.json").is_file()
-    result = run("plan", ws / "out[/b]", "--cp", 2, "--name", "odd[bold]name")
+    result = run("plan", ws / "out[/b]", "--cp", 2, "--strategy", "flashcp", "--name", "odd[bold]name")
     assert result.exit_code == 0 and (ws / "out[/b]" / "plans" / "odd[bold]name" / "plan.json").is_file()
 
 
@@ -175,9 +176,9 @@ def test_plan_never_writes_through_a_symlink(ws, link):
     outside = ws / "victim" / "plans-elsewhere"
     os.rename(path, outside)
     path.symlink_to(outside)
-    unchanged(ws, ["plan", ws / "data", "--cp", 2, "--force"], "is a symlink")
+    unchanged(ws, ["plan", ws / "data", "--cp", 2, "--strategy", "flashcp", "--force"], "is a symlink")
     unchanged(ws, ["plan", ws / "data", "--cp", 2, "--strategy", "llama3"] if link == "plans" else
-              ["plan", ws / "data", "--cp", 2], "is a symlink")
+              ["plan", ws / "data", "--cp", 2, "--strategy", "flashcp"], "is a symlink")
 
 
 def test_resumed_pack_never_deletes_through_a_data_symlink(ws, tmp_path):
@@ -204,7 +205,7 @@ def _replace_data_file(ws: Path) -> Path:
     return path
 
 
-READERS = [["show", "{d}", "--plan", "cp2-flashcp"], ["plan", "{d}", "--cp", 2, "--force"],
+READERS = [["show", "{d}", "--plan", "cp2-flashcp"], ["plan", "{d}", "--cp", 2, "--strategy", "flashcp", "--force"],
            ["audit", "{d}", "--plan", "cp2-flashcp", "--samples", 1, "--time-limit", 1, "--granularity", 8],
            ["bench", "{d}", "--quick", "--scenario", "quality"], ["verify", "{d}"], ["verify", "{d}", "--fast"]]
 
@@ -287,8 +288,8 @@ def test_malformed_manifest(ws, case):
         else:
             manifest["files"][0]["path"] = change["path"]
         path.write_text(json.dumps(manifest))
-    for command in (["show", ws / "data"], ["plan", ws / "data", "--cp", 2, "--force"], ["verify", ws / "data"],
-                    ["ls", ws / "data"]):
+    for command in (["show", ws / "data"], ["plan", ws / "data", "--cp", 2, "--strategy", "flashcp", "--force"],
+                    ["verify", ws / "data"], ["ls", ws / "data"]):
         unchanged(ws, command, "manifest.json")
     unchanged(ws, pack_args(ws / "in.jsonl", ws / "data"))  # without --force: refused, one sentence
     if isinstance(change, str) or not change:  # not recognisably flashcp's: never overwritten
@@ -316,16 +317,16 @@ def test_plan_on_a_full_disk(ws, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(store, "write_parquet_atomic", full)
-    unchanged(ws, ["plan", ws / "data", "--cp", 2, "--force"], "No space left on device")
-    unchanged(ws, ["plan", ws / "data", "--cp", 4], "No space left on device")
+    unchanged(ws, ["plan", ws / "data", "--cp", 2, "--strategy", "flashcp", "--force"], "No space left on device")
+    unchanged(ws, ["plan", ws / "data", "--cp", 4, "--strategy", "flashcp"], "No space left on device")
     monkeypatch.undo()
     monkeypatch.setattr(store, "write_json_atomic", full)
-    unchanged(ws, ["plan", ws / "data", "--cp", 2, "--force"], "No space left on device")
+    unchanged(ws, ["plan", ws / "data", "--cp", 2, "--strategy", "flashcp", "--force"], "No space left on device")
 
 
 @pytest.mark.parametrize("command", [
-    ["plan", "{d}", "--cp", 2, "--force"],
-    ["plan", "{d}", "--cp", 4],
+    ["plan", "{d}", "--cp", 2, "--strategy", "flashcp", "--force"],
+    ["plan", "{d}", "--cp", 4, "--strategy", "flashcp"],
     ["audit", "{d}", "--plan", "cp2-flashcp", "--samples", 1, "--time-limit", 1, "--granularity", 8,
      "--write-plan", "ilp", "--force"],
     pack_args("{in}", "{d}", "--force", context_len=32),
@@ -348,7 +349,7 @@ def test_staging_left_by_a_killed_plan_is_removed_and_reported(ws):
     (leftover / "part-00000.parquet").write_bytes(b"half")
     result = run("verify", ws / "data")
     assert result.exit_code == 0 and "staging folder left by an interrupted plan" in result.stderr
-    result = run("plan", ws / "data", "--cp", 2, "--force")
+    result = run("plan", ws / "data", "--cp", 2, "--strategy", "flashcp", "--force")
     assert result.exit_code == 0 and "removed 1 staging folder(s)" in result.stderr
     assert not leftover.exists()
 
@@ -358,15 +359,16 @@ def test_a_plan_being_written_is_not_written_twice(ws):
 
     lock = FolderLock(ws / "data" / "plans" / ".cp2-flashcp.lock", "busy")
     try:
-        unchanged(ws, ["plan", ws / "data", "--cp", 2, "--force"], "another flashcp command is writing plan")
+        unchanged(ws, ["plan", ws / "data", "--cp", 2, "--strategy", "flashcp", "--force"],
+                  "another flashcp command is writing plan")
     finally:
         lock.release()
-    assert run("plan", ws / "data", "--cp", 2, "--force").exit_code == 0
+    assert run("plan", ws / "data", "--cp", 2, "--strategy", "flashcp", "--force").exit_code == 0
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "0.5", "-inf"])
 def test_target_imbalance_must_be_finite(ws, value):
-    unchanged(ws, ["plan", ws / "data", "--cp", 2, "--target-imbalance", value, "--name", "x"],
+    unchanged(ws, ["plan", ws / "data", "--cp", 2, "--strategy", "flashcp", "--target-imbalance", value, "--name", "x"],
               "--target-imbalance must be a finite number of at least 1")
 
 
@@ -423,12 +425,12 @@ def test_an_old_plan_moved_aside_by_a_crash_is_put_back(ws, monkeypatch):
     plans = ws / "data" / "plans"
     before = tree(ws)
     os.rename(plans / "cp2-flashcp", plans / ".cp2-flashcp.old-99-0123abcd.tmp")
-    one_sentence(run("plan", ws / "data", "--cp", 2), "already exists")
+    one_sentence(run("plan", ws / "data", "--cp", 2, "--strategy", "flashcp"), "already exists")
     assert tree(ws) == before
     import flashcp.fileio as fileio
 
     monkeypatch.setattr(fileio, "_renameat2", None)
-    result = run("plan", ws / "data", "--cp", 2, "--force", "--target-imbalance", 1.3)
+    result = run("plan", ws / "data", "--cp", 2, "--strategy", "flashcp", "--force", "--target-imbalance", 1.3)
     assert result.exit_code == 0 and sorted(p.name for p in plans.iterdir()) == ["cp2-flashcp"]
     assert json.loads((plans / "cp2-flashcp" / "plan.json").read_text())["params"]["target_imbalance"] == 1.3
 

@@ -59,9 +59,10 @@ def ws(tmp_path):
     write_jsonl(tmp_path / "old.jsonl", docs(30))
     write_jsonl(tmp_path / "new.jsonl", docs(50, seed=3))
     assert run(*pack_args(tmp_path / "old.jsonl", tmp_path / "data")).exit_code == 0
-    assert run("plan", tmp_path / "data", "--cp", 2).exit_code == 0
+    assert run("plan", tmp_path / "data", "--cp", 2, "--strategy", "flashcp").exit_code == 0
     assert run(*pack_args(tmp_path / "new.jsonl", tmp_path / "reference")).exit_code == 0
-    assert run("plan", tmp_path / "reference", "--cp", 2, "--target-imbalance", 1.2).exit_code == 0
+    assert run("plan", tmp_path / "reference", "--cp", 2, "--strategy", "flashcp",
+               "--target-imbalance", 1.2).exit_code == 0
     return tmp_path
 
 
@@ -101,7 +102,7 @@ def test_force_pack_killed_during_the_swap(ws):
 def test_plan_killed_then_rerun(ws, tmp_path, point):
     data = ws / "reference"
     old = tree(data / "plans" / "cp2-flashcp")
-    args = ["plan", data, "--cp", 2, "--force"]  # replaces the 1.2 plan with the default 1.05
+    args = ["plan", data, "--cp", 2, "--strategy", "flashcp", "--force"]  # replaces the 1.2 plan with the default 1.05
     if point == "building":
         killed(args, "flashcp.planner.pipeline", "write_plan_file", 2)
         assert tree(data / "plans" / "cp2-flashcp") == old
@@ -116,5 +117,5 @@ def test_plan_killed_then_rerun(ws, tmp_path, point):
     assert result.exit_code == 0 and "removed 1 staging folder(s)" in result.stderr
     fresh = copy_tree(ws / "reference", tmp_path / "fresh")
     shutil.rmtree(fresh / "plans")
-    assert run("plan", fresh, "--cp", 2, "--force").exit_code == 0
+    assert run("plan", fresh, "--cp", 2, "--strategy", "flashcp", "--force").exit_code == 0
     assert tree(data / "plans") == tree(fresh / "plans")

@@ -104,15 +104,17 @@ class HardwareProfile:
         Log-log interpolation between the curve's points; below the first point the first segment's power
         law continues, above the last point the last value holds; never above ``peak_tflops``.
         """
+        from flashcp.planner.objective import curve_tflops
+
+        knots, values = self.log_curve(backward)
+        length = np.asarray(length, dtype=np.float64)
+        flat = np.ascontiguousarray(length.ravel())
+        return curve_tflops(flat, knots, values, float(self.peak_tflops)).reshape(length.shape)
+
+    def log_curve(self, backward: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """``(log lengths, log TFLOP/s)`` of the forward or backward curve, as the objective reads them."""
         curve = self.backward_tflops if backward else self.forward_tflops
-        values = np.log(np.asarray(curve, dtype=np.float64))
-        knots = np.log(np.asarray(self.lengths, dtype=np.float64))
-        x = np.log(np.maximum(np.asarray(length, dtype=np.float64), 1.0))
-        y = np.interp(x, knots, values)
-        if knots.size > 1:
-            slope = (values[1] - values[0]) / (knots[1] - knots[0])
-            y = np.where(x < knots[0], values[0] + slope * (x - knots[0]), y)
-        return np.minimum(np.exp(y), self.peak_tflops)
+        return np.log(np.asarray(self.lengths, dtype=np.float64)), np.log(np.asarray(curve, dtype=np.float64))
 
     def padded_rows(self, rows) -> np.ndarray:
         """Query rows a kernel computes for ``rows`` queries: rounded up to whole tiles (float64 array)."""

@@ -41,14 +41,13 @@ import numpy as np
 
 from flashcp.bench.profile import HardwareProfile
 from flashcp.planner import cost
+from flashcp.planner.objective import pair_seconds
 from flashcp.planner.plan import SequencePlan
 
 __all__ = ["ModelShape", "RankWork", "StepLatency", "comm_volumes", "local_only_mask", "project_step",
            "rank_work", "resolve_comm", "shard_seconds"]
 
 COMM_CHOICES = ("full", "allgather", "a2a", "auto", "ring")
-BWD_FLOPS = 2.5
-"""Backward FLOPs per forward FLOP (the flash-attention benchmark convention the profile's curve uses)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -180,9 +179,12 @@ def shard_seconds(shard_start, shard_len, shape: ModelShape, profile: HardwarePr
 def _pair_seconds(pairs, eq_len, shape: ModelShape, profile: HardwareProfile, backward: bool) -> np.ndarray:
     """Kernel time of sequences computing ``pairs`` query-key pairs each, at equivalent length ``eq_len``."""
     pairs = np.asarray(pairs, dtype=np.float64)
-    flops = 4.0 * pairs * shape.num_heads * shape.head_dim * (BWD_FLOPS if backward else 1.0)
-    tflops = profile.attention_tflops(eq_len, backward)
-    return np.where(pairs > 0, flops / (tflops * 1e12), 0.0)
+    eq_len = np.broadcast_to(np.asarray(eq_len, dtype=np.float64), pairs.shape)
+    knots, values = profile.log_curve(backward)
+    seconds = pair_seconds(np.ascontiguousarray(pairs.ravel()), np.ascontiguousarray(eq_len.ravel()),
+                           float(shape.num_heads), float(shape.head_dim), backward, knots, values,
+                           float(profile.peak_tflops))
+    return seconds.reshape(pairs.shape)
 
 
 def comm_volumes(plan: SequencePlan) -> dict[str, dict[str, np.ndarray]]:
@@ -292,8 +294,8 @@ def project_step(plan: SequencePlan, shape: ModelShape, profile: HardwareProfile
     seconds = _collective_seconds(mode, volumes, shape, profile)
     fwd, fwd_attn, fwd_copy, fwd_comm = _pass(seconds, work.local_fwd, work.local_copy, work.remote_fwd,
                                               work.remote_copy, work.other_copy, overlap, local_first=True)
-    bwd, bwd_attn, bwd_copy, bwd_comm = _pass(seconds, work.local_bwd, work.local_copy, work.remote_bwd,
-                                              work.remote_copy, work.other_copy, overlap, local_first=False)
+    bwd, bwd_attn, bwd_copy, bwd_comm = _pass(seconds, work.remote_bwd, work.remote_copy, work.local_bwd,
+                                              work.local_copy, work.other_copy, overlap, local_first=False)
     f, b = int(np.argmax(fwd)), int(np.argmax(bwd))
     return StepLatency(total=float(fwd[f] + bwd[b]), attn_fwd=float(fwd_attn[f]), attn_bwd=float(bwd_attn[b]),
                        comm=float(fwd_comm[f] + bwd_comm[b]), other=float(fwd_copy[f] + bwd_copy[b]),

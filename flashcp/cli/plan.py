@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
+from pathlib import Path
 
 import click
 from click.core import ParameterSource
@@ -14,7 +15,7 @@ from flashcp.cli.console import console, emit_json, info, progress, set_json_out
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
 from flashcp.planner.pipeline import plan_dataset
-from flashcp.planner.strategies import STRATEGIES
+from flashcp.planner.strategies import DEFAULT_STRATEGY, STRATEGIES
 
 
 def summary_table(title: str, rows: dict[str, dict]) -> Table:
@@ -36,10 +37,23 @@ def summary_table(title: str, rows: dict[str, dict]) -> Table:
 @click.command("plan")
 @click.argument("data", type=click.Path())
 @click.option("--cp", "cp", type=int, required=True, help="CP size N (ranks per sequence).")
-@click.option("--strategy", default="flashcp", show_default=True,
+@click.option("--strategy", default=DEFAULT_STRATEGY, show_default=True,
               help=f"One of: {', '.join(STRATEGIES)}.")
 @click.option("--target-imbalance", type=float, default=None,
-              help="Target max/mean workload R (flashcp: 1.05, flashcp+: 1.01 by default).")
+              help="Target max/mean workload R (flashcp: 1.05, flashcp+ and flashcp2: 1.01 by default).")
+@click.option("--objective", type=click.Choice(["time"]), default=None,
+              help="flashcp2: what the search minimises (time = projected step time) [default: time].")
+@click.option("--profile", type=click.Path(dir_okay=False), default=None,
+              help="flashcp2: hardware profile JSON for the objective [default: the bench's H100 profile].")
+@click.option("--effort", default=None,
+              help="flashcp2: local-search budget per sequence, 16 objective evaluations per unit "
+                   "[default: 1; 0 = a smaller portfolio, no search]; 'ilp' or 'ilp:SECONDS' then polishes "
+                   "every sequence with CP-SAT (10 s each by default).")
+@click.option("--token-slack", type=click.FloatRange(min=0, max=1, max_open=True), default=None,
+              help="flashcp2: a rank may hold up to F x C/N tokens more or fewer than its quota, the objective "
+                   "pricing the per-token layers too [default: 0, exact quotas].")
+@click.option("--chunk-size", type=click.IntRange(min=1), default=None,
+              help="magi, ptrr: chunk tokens [default: 512 for magi, 128 for ptrr].")
 @click.option("--workers", type=int, default=1, show_default=True, help="Worker processes.")
 @click.option("--name", default=None, help="Plan folder name [default: cp{N}-{strategy}].")
 @click.option("--force", is_flag=True, help="Replace an existing plan of the same name.")
@@ -49,8 +63,10 @@ def summary_table(title: str, rows: dict[str, dict]) -> Table:
 @click.option("--ray-address", default=None, metavar="ADDRESS",
               help="With --engine ray: join the cluster at ADDRESS ('auto': the running one) instead of "
                    "starting Ray on this machine with --workers CPUs.")
-def command(data: str, cp: int, strategy: str, target_imbalance: float | None, workers: int, name: str | None,
-            force: bool, as_json: bool = False, engine: str = "local", ray_address: str | None = None) -> None:
+def command(data: str, cp: int, strategy: str, target_imbalance: float | None, objective: str | None,
+            profile: str | None, effort: str | None, token_slack: float | None, chunk_size: int | None,
+            workers: int, name: str | None, force: bool, as_json: bool = False, engine: str = "local",
+            ray_address: str | None = None) -> None:
     """Plan every sequence of DATA for CP size N; every plan is validated before it is written."""
     set_json_output(as_json)
     started = time.perf_counter()
@@ -64,12 +80,15 @@ def command(data: str, cp: int, strategy: str, target_imbalance: float | None, w
             from flashcp.engines.ray_plan import run_jobs as ray_run_jobs
 
             run_jobs = ray_run_jobs
-
             explicit = click.get_current_context().get_parameter_source("workers") != ParameterSource.DEFAULT
             stack.enter_context(ray_session(ray_address, workers if explicit else None))  # default: all cores
         advance = stack.enter_context(progress(f"planning cp{cp} {strategy}", dataset.num_sequences))
+        overrides = {"objective": objective, "profile": str(Path(profile).resolve()) if profile else None,
+                     "effort": int(effort) if effort and effort.isdigit() else effort, "chunk_size": chunk_size,
+                     "token_slack": token_slack}
         meta = plan_dataset(data, cp, strategy, target_imbalance=target_imbalance, workers=workers,
-                            force=force, name=name, progress=advance, on_note=info, run_jobs=run_jobs)
+                            force=force, name=name, progress=advance, on_note=info,
+                            overrides={k: v for k, v in overrides.items() if v is not None}, run_jobs=run_jobs)
     elapsed = time.perf_counter() - started
     if as_json:
         emit_json({"dataset": str(dataset.root), "plan": meta, "seconds": elapsed})

@@ -293,7 +293,7 @@ class _StopAtWorkload(cp_model.CpSolverSolutionCallback):
 
 def _solve_stage(model: _Model, name: str, objective, scale: float, deadline: float, options: IlpOptions,
                  callback: cp_model.CpSolverSolutionCallback | None = None
-                 ) -> tuple[StageResult, cp_model.CpSolver, int]:
+                 ) -> tuple[StageResult, cp_model.CpSolver, cp_model.CpSolverStatus]:
     model.model.minimize(objective)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, deadline - time.perf_counter())

@@ -23,9 +23,10 @@ import pyarrow as pa
 
 from flashcp.data.dataset import Dataset, numpy_values
 from flashcp.errors import FlashcpError, PlanError
-from flashcp.planner import _batch
+from flashcp.planner import _batch, _search
 from flashcp.planner.cost import comm_saving, exact_need_saving
 from flashcp.planner.plan import SequencePlan
+from flashcp.planner.polish import parse_effort, polish_plan
 from flashcp.planner.store import (
     PlanSlot,
     plan_name,
@@ -33,7 +34,7 @@ from flashcp.planner.store import (
     write_plan_file,
     write_plan_json,
 )
-from flashcp.planner.strategies import Strategy, check_shape, get_strategy, resolve_params
+from flashcp.planner.strategies import Strategy, check_shape, get_strategy, kernel_args, resolve_params
 
 __all__ = [
     "BASELINES",
@@ -118,10 +119,23 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
     params = resolve_params(chosen) if params is None else params
     row_offsets = np.ascontiguousarray(row_offsets, dtype=np.int64)
     doc_lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
-    target = float(params.get("target_imbalance", 1.0))
-    offsets, doc, start, length, rank = _batch.plan_batch(row_offsets, doc_lens, cp, chosen.code, target)
-    errors, imbalance, ag, a2a = _batch.check_batch(row_offsets, doc_lens, offsets, doc, start, length, rank,
-                                                    cp)
+    if chosen.code >= _search.MAGI:  # magi, ptrr, flashcp2
+        args = kernel_args(chosen, params)
+        offsets, doc, start, length, rank = _search.plan_batch(row_offsets, doc_lens, cp, chosen.code, *args)
+        ilp_seconds = parse_effort(params["effort"])[1] if "effort" in params else None
+        if ilp_seconds is not None:
+            offsets, doc, start, length, rank = _polish_rows(row_offsets, doc_lens, cp, args[-1], ilp_seconds,
+                                                             offsets, doc, start, length, rank)
+    else:
+        target = float(params.get("target_imbalance", 1.0))
+        offsets, doc, start, length, rank = _batch.plan_batch(row_offsets, doc_lens, cp, chosen.code, target)
+    slack = float(params.get("token_slack", 0.0))
+    if slack > 0:
+        errors, imbalance, ag, a2a = _search.check_batch_slack(row_offsets, doc_lens, offsets, doc, start, length,
+                                                               rank, cp, slack)
+    else:
+        errors, imbalance, ag, a2a = _batch.check_batch(row_offsets, doc_lens, offsets, doc, start, length,
+                                                        rank, cp)
     if errors.any():
         bad = int(np.flatnonzero(errors)[0])
         raise PlanError(f"the {chosen.name} plan of {where}, row {bad}, {_ERROR_TEXT[int(errors[bad])]}")
@@ -129,8 +143,23 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
                        shard_rank=rank, imbalance=imbalance, ag_comm_tokens=ag, a2a_comm_tokens=a2a)
 
 
+def _polish_rows(row_offsets, doc_lens, cp, model, seconds, offsets, doc, start, length, rank):
+    """``--effort ilp``: every row's plan polished with CP-SAT (``flashcp.planner.polish``)."""
+    parts = []
+    for i in range(row_offsets.size - 1):
+        lo, hi = offsets[i], offsets[i + 1]
+        plan = SequencePlan(shard_doc=doc[lo:hi], shard_start=start[lo:hi], shard_len=length[lo:hi],
+                            shard_rank=rank[lo:hi], cp=cp)
+        parts.append(polish_plan(doc_lens[row_offsets[i]:row_offsets[i + 1]], plan, model, seconds))
+    new_offsets = np.zeros(len(parts) + 1, np.int64)
+    new_offsets[1:] = np.cumsum([p.num_shards for p in parts])
+    flat = [np.ascontiguousarray(np.concatenate([getattr(p, name) for p in parts]), dtype=np.int64)
+            for name in ("shard_doc", "shard_start", "shard_len", "shard_rank")]
+    return (new_offsets, *flat)
+
+
 def strategy_metrics(sequences: Sequence[np.ndarray], cp: int, strategy: str,
-                     target_imbalance: float | None = None) -> dict[str, np.ndarray]:
+                     target_imbalance: float | None = None, **overrides) -> dict[str, np.ndarray]:
     """Per-sequence ``imbalance``, ``ag_comm_tokens`` and ``a2a_comm_tokens`` of a strategy's plans.
 
     ``sequences`` is a list of ``doc_lens`` arrays; every plan is validated on the way.
@@ -140,7 +169,7 @@ def strategy_metrics(sequences: Sequence[np.ndarray], cp: int, strategy: str,
     row_offsets = np.zeros(len(lens) + 1, np.int64)
     row_offsets[1:] = np.cumsum([s.size for s in lens])
     flat = np.concatenate(lens) if lens else np.zeros(0, np.int64)
-    planned = plan_rows(row_offsets, flat, cp, chosen, resolve_params(chosen, target_imbalance))
+    planned = plan_rows(row_offsets, flat, cp, chosen, resolve_params(chosen, target_imbalance, **overrides))
     return {"imbalance": planned.imbalance, "ag_comm_tokens": planned.ag_comm_tokens,
             "a2a_comm_tokens": planned.a2a_comm_tokens}
 
@@ -245,14 +274,16 @@ def _concat(parts: list[PlannedRows]) -> PlannedRows:
 def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
                  target_imbalance: float | None = None, workers: int = 1, force: bool = False,
                  name: str | None = None, progress: Callable[[int], None] | None = None,
-                 on_note: Callable[[str], None] | None = None, run_jobs: Callable | None = None) -> dict:
+                 on_note: Callable[[str], None] | None = None, overrides: dict | None = None,
+                 run_jobs: Callable | None = None) -> dict:
     """Plan every sequence of the dataset at ``root`` and write ``plans/<name>/``; returns its plan.json.
 
     ``name`` defaults to ``cp{N}-{strategy}`` and must be a plain folder name. An existing plan of that name
     is refused unless ``force``; it is then replaced only once the new one is complete (built beside it and
     swapped, :class:`flashcp.planner.store.PlanSlot`), so a failure leaves it byte-identical.
     ``progress(rows)`` is called as rows finish; ``on_note(sentence)`` hears of staging folders of killed runs
-    that were cleaned up. The returned dict carries the baselines' summaries under ``summary["baselines"]``.
+    that were cleaned up. ``overrides`` set the strategy's other parameters (``chunk_size``, ``effort``,
+    ``profile``, ...). The returned dict carries the baselines' summaries under ``summary["baselines"]``.
     ``run_jobs(jobs, workers, progress)`` runs the per-file jobs elsewhere (``flashcp.engines.ray_plan``) and
     returns their results in order; by default they run here or in local worker processes.
     """
@@ -261,8 +292,10 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
         raise FlashcpError(f"--target-imbalance must be a finite number of at least 1.0, got {target_imbalance}")
     try:
         chosen = get_strategy(strategy)
-        params = resolve_params(chosen, target_imbalance)
+        params = resolve_params(chosen, target_imbalance, **(overrides or {}))
         check_shape(dataset.context_len, cp)
+        if chosen.code == _search.FLASHCP2:
+            kernel_args(chosen, params)  # reads the profile: a bad one fails before any work
     except ValueError as e:
         raise FlashcpError(str(e)) from None
     if workers < 1:
@@ -278,7 +311,8 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
 
     with PlanSlot(dataset, name, force=force) as slot:
         notes = list(slot.notes)
-        if any(_batch.needs_compile(get_strategy(s).code) for s in (chosen.name, *BASELINES)):
+        if any(_batch.needs_compile(get_strategy(s).code) for s in (chosen.name, *BASELINES)) or \
+                (chosen.code >= _search.MAGI and _search.needs_compile()):
             notes.append("compiling planner kernels, first run only")
         for note in notes:
             (on_note or (lambda message: None))(note)

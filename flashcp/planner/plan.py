@@ -59,8 +59,11 @@ class SequencePlan:
         """Imbalance and comm critical paths recomputed from the shards."""
         return plan_metrics(self.shard_doc, self.shard_start, self.shard_len, self.shard_rank, self.cp)
 
-    def validate(self, doc_lens) -> None:
-        """Raise PlanError unless the plan covers every token of ``doc_lens`` once and gives equal tokens."""
+    def validate(self, doc_lens, token_slack: int = 0) -> None:
+        """Raise PlanError unless the plan covers every token of ``doc_lens`` once and gives equal tokens.
+
+        ``token_slack``: tokens a rank may hold above or below its quota (plans made with token slack).
+        """
         doc_lens = np.asarray(doc_lens, dtype=np.int64)
         if self.num_shards == 0:
             raise PlanError("the plan has no shards")
@@ -88,10 +91,12 @@ class SequencePlan:
             raise PlanError(f"document {which} (length {doc_lens[which]}) is not covered exactly once")
         tokens = rank_tokens(self.shard_len, self.shard_rank, self.cp)
         quotas = token_quotas(int(doc_lens.sum()), self.cp)
-        if (tokens != quotas).any():
-            rank = int(np.argmax(tokens != quotas))
+        off = np.abs(tokens - quotas) > token_slack
+        if off.any():
+            rank = int(np.argmax(off))
+            allowed = f" (+-{token_slack} tokens of token slack)" if token_slack else ""
             raise PlanError(f"rank {rank} holds {tokens[rank]} tokens but its equal-token quota is "
-                            f"{quotas[rank]}")
+                            f"{quotas[rank]}{allowed}")
 
 
 def check_metrics(plan: SequencePlan, imbalance: float, ag_comm_tokens: int, a2a_comm_tokens: int) -> None:

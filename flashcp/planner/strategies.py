@@ -66,6 +66,48 @@ identical plans.
     The first candidate sets aside exactly the heavy documents (tail-anchored). If it misses the target,
     further candidates zigzag the k longest documents whole (k = max(1, heavy), ...) as Algorithm 1 does,
     with changes 2-5; the first within the target wins, else the most balanced one.
+
+``magi`` (MagiAttention's MinHeap dispatch, parameter ``chunk_size``, default 512)
+    The sequence is cut into chunks of ``chunk_size`` tokens (the last one shorter); a chunk's workload is
+    that of its pieces cut at document bounds. Chunks are taken by decreasing workload (ties: the later
+    chunk first, as MagiAttention reverses an ascending stable sort); each goes to the rank with the least
+    workload that has room for all of it (ties: lowest rank). When ``C`` is a multiple of ``N *
+    chunk_size`` every rank gets exactly ``C / (N chunk_size)`` chunks, which is MagiAttention's rule (at
+    most ``ceil(chunks / N)`` per bucket). Otherwise, when no rank has room for a whole chunk, the
+    least-loaded rank with room takes the chunk's head that fits and the rest goes on, head first, to the
+    least-loaded rank with room; so quotas hold for any C.
+
+``ptrr`` (PyTorch's ``_PTRRLoadBalancer``, parameter ``chunk_size``, default 128 = flex_attention's block)
+    Query block i of ``chunk_size`` tokens has process time ``i - floor(s / b) + 1``, the key blocks it reads
+    under the document-causal mask (``s`` = start of the document holding its first token). Blocks are
+    sorted by decreasing process time (stable: ties keep block order); row k of N blocks is dealt to ranks
+    0..N-1 when k is even and N-1..0 when k is odd. When ``C`` is a multiple of ``N * chunk_size`` (what
+    torch requires) this is torch's assignment; otherwise a rank without room for its block takes the head
+    that fits and the rest goes on to the rank with room and the least process time so far.
+
+``flashcp2`` (parameters ``target_imbalance`` 1.01, ``effort`` 1, ``objective`` "time", ``profile``, shape)
+    Per sequence, a portfolio under the step-time objective (``flashcp.planner.objective``: the projected
+    step time of ``flashcp bench`` for one layer of H = H_kv = 32, D = 128 by default, auto comm with local
+    shards overlapping the exchange). ``flashcp+`` comes first; then, in order, chunked assignments that keep
+    documents contiguous (``_search.affinity_kernel``: every document cut into chunks from its end, chunks by
+    decreasing workload to the least-loaded rank with room, except that the rank holding the next chunk of
+    the same document takes it while it stays within the mean workload and within ``tolerance * mean`` of
+    the least-loaded rank; (chunk, tolerance) = (2048, 0.03), (1024, 0.1), (1024, 0.01), (512, 0.01),
+    (1024, 0.03), (2048, 0.01), (512, 0.03), (512, 0.1)), ``flashcp`` (R = 1.05), ``magi`` at 1024 tokens,
+    ``llama3`` and ``magi`` at 512 and 2048 tokens; effort 0 tries only the first three chunked assignments
+    and ``flashcp``. A
+    candidate replaces the best one when it is strictly faster and its imbalance is within ``limit = max(
+    target, imbalance of flashcp+)``, so the result is never slower than ``flashcp+``. Then, with ``effort``
+    > 0, local search: paired moves of two document boundaries between the same two ranks by the same
+    shift (1024, 256, 64, 16 tokens) so every rank keeps its quota, kept when the step time drops, the
+    imbalance stays within ``limit`` and the largest receive does not grow; passes repeat while one
+    improves, for at most ``16 * effort`` evaluations.
+
+    Token slack (``token_slack`` F, default 0, beyond the paper): a rank may hold up to ``floor(F C / N)``
+    tokens more or fewer than its quota. The objective then also prices every rank's per-token layers
+    (projections and MLP, ``objective.ObjectiveShape.token_flops``), and each search pass first tries single
+    boundary moves that keep both ranks within that window. Plans record ``token_slack`` in plan.json; the
+    portfolio's candidates keep exact quotas.
 """
 
 from __future__ import annotations
@@ -75,11 +117,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flashcp.planner import _search
 from flashcp.planner._kernels import flashcp_kernel, llama3_kernel, perdoc_kernel, ring_kernel
+from flashcp.planner._peers import magi_kernel, ptrr_kernel
 from flashcp.planner._plus import flashcp_plus_kernel
 from flashcp.planner.plan import SequencePlan
 
-__all__ = ["MAX_CONTEXT_LEN", "STRATEGIES", "Strategy", "get_strategy", "plan_sequence"]
+__all__ = ["DEFAULT_STRATEGY", "MAX_CONTEXT_LEN", "STRATEGIES", "Strategy", "get_strategy", "plan_sequence"]
+
+DEFAULT_STRATEGY = "flashcp2"
+"""What ``flashcp plan`` uses unless told otherwise."""
+OBJECTIVES = ("time",)
+"""Objectives ``flashcp2`` optimises: ``time`` = the projected step time."""
 
 MAX_CONTEXT_LEN = 1 << 24
 """Longest sequence the kernels accept: keeps every workload sum times ``cp`` inside int64."""
@@ -102,9 +151,12 @@ class Strategy:
     kernel: Callable
     """The per-sequence Numba kernel."""
 
-    def plan(self, doc_lens, cp: int, *, target_imbalance: float | None = None) -> SequencePlan:
-        """Plan one packed sequence: ``doc_lens`` (num_docs,) positive integers -> SequencePlan."""
-        params = resolve_params(self, target_imbalance)
+    def plan(self, doc_lens, cp: int, *, target_imbalance: float | None = None, **overrides) -> SequencePlan:
+        """Plan one packed sequence: ``doc_lens`` (num_docs,) positive integers -> SequencePlan.
+
+        ``overrides`` set other parameters of the strategy (``chunk_size``, ``effort``, ``profile``, ...).
+        """
+        params = resolve_params(self, target_imbalance, **overrides)
         lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
         if lens.ndim != 1 or lens.size == 0 or (lens <= 0).any():
             raise ValueError("doc_lens must be a non-empty 1-D array of positive lengths")
@@ -124,6 +176,15 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              description="Algorithm 1 + tail-anchored splits, token-aware greedy, levers, window swaps"),
     Strategy(name="ring", code=4, defaults={}, kernel=ring_kernel,
              description="N contiguous equal chunks, chunk i on rank i (the Ring-Attn layout)"),
+    Strategy(name="magi", code=_search.MAGI, defaults={"chunk_size": 512}, kernel=magi_kernel,
+             description="MagiAttention's MinHeap dispatch of chunk_size-token chunks"),
+    Strategy(name="ptrr", code=_search.PTRR, defaults={"chunk_size": 128}, kernel=ptrr_kernel,
+             description="PyTorch's PTRR load balancer: blocks by process time, dealt in snake order"),
+    Strategy(name="flashcp2", code=_search.FLASHCP2,
+             defaults={"target_imbalance": 1.01, "effort": 1, "objective": "time", "profile": None,
+                       "num_heads": 32, "num_kv_heads": 32, "head_dim": 128, "layers": 1, "token_slack": 0.0},
+             kernel=_search.flashcp2_kernel,
+             description="portfolio + local search under the projected step time, never slower than flashcp+"),
 )}
 
 
@@ -135,8 +196,11 @@ def get_strategy(name: str) -> Strategy:
         raise ValueError(f"unknown strategy '{name}': choose one of {', '.join(STRATEGIES)}") from None
 
 
-def resolve_params(strategy: Strategy, target_imbalance: float | None = None) -> dict:
-    """The strategy's parameters with ``target_imbalance`` filled in (its default when None)."""
+def resolve_params(strategy: Strategy, target_imbalance: float | None = None, **overrides) -> dict:
+    """The strategy's parameters with ``target_imbalance`` and ``overrides`` filled in (defaults for None).
+
+    ValueError for a parameter the strategy does not take or a bad value.
+    """
     params = dict(strategy.defaults)
     if target_imbalance is not None:
         if "target_imbalance" not in params:
@@ -144,7 +208,44 @@ def resolve_params(strategy: Strategy, target_imbalance: float | None = None) ->
         if not target_imbalance >= 1.0:
             raise ValueError(f"target imbalance must be at least 1.0, got {target_imbalance}")
         params["target_imbalance"] = float(target_imbalance)
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if key not in params:
+            raise ValueError(f"strategy '{strategy.name}' takes no {key.replace('_', ' ')}")
+        params[key] = value
+    if "chunk_size" in params and not (isinstance(params["chunk_size"], int) and params["chunk_size"] >= 1):
+        raise ValueError(f"chunk size must be a positive integer, got {params['chunk_size']}")
+    if "effort" in params:
+        from flashcp.planner.polish import parse_effort
+
+        parse_effort(params["effort"])
+    if "token_slack" in params:
+        slack = params["token_slack"]
+        if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 <= slack < 1:
+            raise ValueError(f"token slack must be a number in [0, 1), got {slack}")
+        params["token_slack"] = float(slack)
+    if "objective" in params and params["objective"] not in OBJECTIVES:
+        raise ValueError(f"unknown objective '{params['objective']}': choose one of {', '.join(OBJECTIVES)}")
     return params
+
+
+def objective_model(params: dict) -> np.ndarray:
+    """The step-time model vector of ``flashcp2`` parameters (profile file, model shape); cached."""
+    from flashcp.planner.objective import cached_model
+
+    return cached_model(params.get("profile"), int(params.get("num_heads", 32)),
+                        int(params.get("num_kv_heads", 32)), int(params.get("head_dim", 128)),
+                        int(params.get("layers", 1)), float(params.get("token_slack", 0.0)) > 0)
+
+
+def kernel_args(strategy: Strategy, params: dict) -> tuple:
+    """``(target, chunk, effort, model, token slack)`` for ``_search.plan_batch`` (MAGI, PTRR, FLASHCP2)."""
+    model = objective_model(params) if strategy.code == _search.FLASHCP2 else np.zeros(1, np.float64)
+    from flashcp.planner.polish import parse_effort
+
+    return (float(params.get("target_imbalance", 1.0)), int(params.get("chunk_size", 1)),
+            parse_effort(params.get("effort", 0))[0], model, float(params.get("token_slack", 0.0)))
 
 
 def check_shape(context_len: int, cp: int) -> None:
@@ -161,15 +262,19 @@ def check_shape(context_len: int, cp: int) -> None:
 
 def run_kernel(strategy: Strategy, lens: np.ndarray, cp: int, params: dict):
     """Call the strategy's kernel on contiguous int64 ``lens``; returns the four shard arrays."""
+    if strategy.code >= _search.MAGI:  # one row of the batch kernel: one compiled entry point, not two
+        rows = np.array([0, lens.size], np.int64)
+        return _search.plan_batch(rows, lens, cp, strategy.code, *kernel_args(strategy, params))[1:]
     if "target_imbalance" in strategy.defaults:
         return strategy.kernel(lens, cp, float(params["target_imbalance"]))
     return strategy.kernel(lens, cp)
 
 
-def plan_sequence(strategy: str, doc_lens, cp: int, *, target_imbalance: float | None = None) -> SequencePlan:
+def plan_sequence(strategy: str, doc_lens, cp: int, *, target_imbalance: float | None = None,
+                  **overrides) -> SequencePlan:
     """Plan one packed sequence with the named strategy.
 
-    ``doc_lens``: (num_docs,) positive integers; ``target_imbalance`` defaults to the strategy's own.
-    Raises ValueError for an unknown strategy or bad input.
+    ``doc_lens``: (num_docs,) positive integers; ``target_imbalance`` and ``overrides`` (``chunk_size``,
+    ``effort``, ...) default to the strategy's own. Raises ValueError for an unknown strategy or bad input.
     """
-    return get_strategy(strategy).plan(doc_lens, cp, target_imbalance=target_imbalance)
+    return get_strategy(strategy).plan(doc_lens, cp, target_imbalance=target_imbalance, **overrides)

@@ -277,7 +277,8 @@ class _SequenceLayout:
 
     def __init__(self, plan: SequencePlan, doc_lens):
         self.doc_lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
-        plan.validate(self.doc_lens)
+        # any split of the tokens over ranks runs (token slack); the planner and verify check the quotas
+        plan.validate(self.doc_lens, token_slack=int(self.doc_lens.sum()))
         self.plan, cp = plan, plan.cp
         self.doc_offset = _cumsum0(self.doc_lens)[:-1]
         self.context_len = int(self.doc_lens.sum())

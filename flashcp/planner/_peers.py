@@ -1,0 +1,167 @@
+"""Numba kernels of the peer strategies ``magi`` and ``ptrr`` (rules in flashcp/planner/strategies.py).
+
+Both cut the packed sequence into equal chunks of ``chunk`` tokens (the last one shorter), give every chunk
+a rank, and emit the chunk's pieces cut at document bounds. ``tests/naive.py`` holds plain-Python references
+that must produce identical plans; ``tests/test_peers.py`` checks ``ptrr`` against torch's own scheduler.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from flashcp.planner._kernels import _doc_offsets, _finish, _quotas
+from flashcp.planner.cost import workload
+
+
+@njit(cache=True)
+def _chunk_pieces_workload(offsets, pos, end, doc):
+    """Workload of the sequence span ``[pos, end)`` cut at document bounds; ``doc`` holds ``pos``."""
+    total = 0
+    while pos < end:
+        while offsets[doc + 1] <= pos:
+            doc += 1
+        take = min(end, offsets[doc + 1]) - pos
+        total += workload(pos - offsets[doc], take)
+        pos += take
+    return total
+
+
+@njit(cache=True)
+def _emit(offsets, pos, end, rank, pdoc, pstart, plen, prank, count):
+    doc = np.searchsorted(offsets, pos, side="right") - 1
+    while pos < end:
+        while offsets[doc + 1] <= pos:
+            doc += 1
+        take = min(end, offsets[doc + 1]) - pos
+        pdoc[count] = doc
+        pstart[count] = pos - offsets[doc]
+        plen[count] = take
+        prank[count] = rank
+        count += 1
+        pos += take
+    return count
+
+
+@njit(cache=True)
+def _chunks(lens, chunk):
+    """Chunk starts (num_chunks + 1,) and the workload of every chunk."""
+    offsets = _doc_offsets(lens)
+    context_len = offsets[-1]
+    num_chunks = (context_len + chunk - 1) // chunk
+    starts = np.empty(num_chunks + 1, np.int64)
+    work = np.empty(num_chunks, np.int64)
+    doc = 0
+    for i in range(num_chunks):
+        starts[i] = i * chunk
+        end = min(context_len, (i + 1) * chunk)
+        while offsets[doc + 1] <= i * chunk:
+            doc += 1
+        work[i] = _chunk_pieces_workload(offsets, i * chunk, end, doc)
+    starts[num_chunks] = context_len
+    return offsets, starts, work
+
+
+@njit(cache=True)
+def _place(offsets, pos, end, preferred, quotas, tokens, load, weight, cp, pdoc, pstart, plen, prank, count):
+    """Give ``[pos, end)`` to ``preferred`` if it has room for all of it; else split it over ranks with room.
+
+    A rank short of room takes the head that fits; the rest goes to the rank with room and the least
+    ``load`` (ties: lowest rank), again head first. ``load`` grows by each piece's ``weight`` share (its
+    workload for magi, its block count for ptrr, both computed by the caller per piece).
+    """
+    rank = preferred
+    while pos < end:
+        room = quotas[rank] - tokens[rank]
+        take = min(room, end - pos)
+        if take > 0:
+            count = _emit(offsets, pos, pos + take, rank, pdoc, pstart, plen, prank, count)
+            tokens[rank] += take
+            if weight < 0:
+                load[rank] += _chunk_pieces_workload(offsets, pos, pos + take,
+                                                     np.searchsorted(offsets, pos, side="right") - 1)
+            else:
+                load[rank] += weight
+            pos += take
+        if pos < end:
+            rank = -1
+            for r in range(cp):
+                if tokens[r] < quotas[r] and (rank < 0 or load[r] < load[rank]):
+                    rank = r
+    return count
+
+
+@njit(cache=True)
+def magi_kernel(lens, cp, chunk):
+    """MagiAttention's MinHeap dispatch over ``chunk``-token chunks of the sequence."""
+    offsets, starts, work = _chunks(lens, chunk)
+    quotas = _quotas(offsets[-1], cp)
+    num_chunks = work.shape[0]
+    # decreasing workload, ties: the later chunk first (MagiAttention reverses an ascending stable sort)
+    order = np.argsort(work * (num_chunks + 1) + np.arange(num_chunks))[::-1]
+    capacity = 2 * num_chunks + lens.shape[0] + 2 * cp + 4
+    pdoc = np.empty(capacity, np.int64)
+    pstart = np.empty(capacity, np.int64)
+    plen = np.empty(capacity, np.int64)
+    prank = np.empty(capacity, np.int64)
+    load = np.zeros(cp, np.int64)
+    tokens = np.zeros(cp, np.int64)
+    count = 0
+    for i in order:
+        size = starts[i + 1] - starts[i]
+        best = -1
+        for r in range(cp):  # the least-loaded rank with room for the whole chunk (ties: lowest rank)
+            if quotas[r] - tokens[r] >= size and (best < 0 or load[r] < load[best]):
+                best = r
+        if best < 0:
+            for r in range(cp):  # none: the least-loaded rank with any room takes the chunk's head
+                if tokens[r] < quotas[r] and (best < 0 or load[r] < load[best]):
+                    best = r
+        count = _place(offsets, starts[i], starts[i + 1], best, quotas, tokens, load, -1, cp, pdoc, pstart,
+                       plen, prank, count)
+    return _finish(pdoc, pstart, plen, prank, count, lens)
+
+
+@njit(cache=True)
+def ptrr_process_times(lens, chunk):
+    """Key blocks each query block of ``chunk`` tokens reads under the document-causal mask.
+
+    Query block i covers ``[i b, (i + 1) b)``; its keys run from the start of the document holding its first
+    token to its own end, so it reads blocks ``floor(doc start / b) .. i``.
+    """
+    offsets = _doc_offsets(lens)
+    num_blocks = (offsets[-1] + chunk - 1) // chunk
+    times = np.empty(num_blocks, np.int64)
+    doc = 0
+    for i in range(num_blocks):
+        while offsets[doc + 1] <= i * chunk:
+            doc += 1
+        times[i] = i - offsets[doc] // chunk + 1
+    return times
+
+
+@njit(cache=True)
+def ptrr_kernel(lens, cp, chunk):
+    """PyTorch's PTRR: blocks by decreasing process time, dealt to ranks in snake (boustrophedon) order."""
+    offsets = _doc_offsets(lens)
+    context_len = offsets[-1]
+    quotas = _quotas(context_len, cp)
+    times = ptrr_process_times(lens, chunk)
+    num_blocks = times.shape[0]
+    # decreasing process time, ties: the earlier block first (torch's stable descending sort)
+    order = np.argsort(-times, kind="mergesort")
+    capacity = 2 * num_blocks + lens.shape[0] + 2 * cp + 4
+    pdoc = np.empty(capacity, np.int64)
+    pstart = np.empty(capacity, np.int64)
+    plen = np.empty(capacity, np.int64)
+    prank = np.empty(capacity, np.int64)
+    load = np.zeros(cp, np.int64)
+    tokens = np.zeros(cp, np.int64)
+    count = 0
+    for p in range(num_blocks):
+        i = order[p]
+        col = p % cp
+        rank = col if (p // cp) % 2 == 0 else cp - 1 - col
+        count = _place(offsets, i * chunk, min(context_len, (i + 1) * chunk), rank, quotas, tokens, load,
+                       times[i], cp, pdoc, pstart, plen, prank, count)
+    return _finish(pdoc, pstart, plen, prank, count, lens)

@@ -1,0 +1,379 @@
+"""Numba kernels of ``flashcp2`` (portfolio + local search under the step-time objective) and the batch
+planner of the strategies defined beyond ``_kernels``/``_plus`` (``magi``, ``ptrr``, ``flashcp2``).
+
+Rules in flashcp/planner/strategies.py; ``tests/naive.py`` holds the plain-Python reference of the search.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import njit, typeof, types
+
+from flashcp.planner._batch import BAD_QUOTA, _check_row
+from flashcp.planner._kernels import _finish, _quotas, flashcp_kernel, llama3_kernel
+from flashcp.planner._peers import magi_kernel, ptrr_kernel
+from flashcp.planner._plus import flashcp_plus_kernel
+from flashcp.planner.cost import _allgather_contributions, _exact_need_received, _rank_workloads, workload
+from flashcp.planner.objective import step_seconds
+
+__all__ = ["FLASHCP2", "MAGI", "PTRR", "check_batch_slack", "flashcp2_kernel", "local_search", "needs_compile",
+           "plan_batch", "plan_one", "slack_tokens"]
+
+MAGI, PTRR, FLASHCP2 = 5, 6, 7
+"""Strategy codes this module plans (registry ``Strategy.code``)."""
+PORTFOLIO_CHUNKS = (512, 2048)
+"""Chunk sizes of the chunked-assignment (``magi``) candidates besides 1024 (which effort 0 tries too)."""
+AFFINITY = ((2048, 0.03), (1024, 0.1), (1024, 0.01), (512, 0.01), (1024, 0.03), (2048, 0.01), (512, 0.03), (512, 0.1))
+"""The constructive candidates ``(chunk, tolerance)`` of ``affinity_kernel``, the most often best first."""
+FAST = 3
+"""Affinity candidates at effort 0."""
+EVALS_PER_EFFORT = 16
+"""Objective evaluations of the local search per unit of ``effort``."""
+STEPS = (1024, 256, 64, 16)
+"""Boundary shifts the local search tries, largest first."""
+
+
+@njit(cache=True)
+def _imbalance(start, length, rank, cp):
+    work = _rank_workloads(start, length, rank, cp)
+    total = work.sum()
+    if total == 0:
+        return 1.0
+    return float(work.max()) / (float(total) / float(cp))
+
+
+@njit(cache=True)
+def _boundaries(doc, start, length):
+    """Pairs ``(left, right)`` of shard indices that touch inside one document on different ranks."""
+    n = doc.shape[0]
+    order = np.argsort(doc * (1 << 40) + start)
+    left = np.empty(n, np.int64)
+    right = np.empty(n, np.int64)
+    m = 0
+    for j in range(1, n):
+        a = order[j - 1]
+        b = order[j]
+        if doc[a] == doc[b] and start[a] + length[a] == start[b]:
+            left[m] = a
+            right[m] = b
+            m += 1
+    return left[:m], right[:m]
+
+
+@njit(cache=True)
+def _shift(left, right, delta, start, length):
+    """Move the boundary between touching shards ``left`` and ``right`` by ``delta`` tokens (> 0: right)."""
+    length[left] += delta
+    start[right] += delta
+    length[right] -= delta
+
+
+@njit(cache=True)
+def slack_tokens(share, context_len, cp):
+    """Tokens a rank may be off its quota under token slack ``share``: ``floor(share * C / N)``."""
+    return np.int64(np.floor(share * context_len / cp))
+
+
+@njit(cache=True)
+def local_search(doc, start, length, rank, cp, model, target, budget, window):
+    """Improve a plan in place by paired boundary moves; returns (step seconds, evaluations used).
+
+    A move shifts two document boundaries at once by the same ``delta`` so that tokens go from rank x to
+    rank y at the first and back at the second (every rank keeps its tokens). With a token ``window`` > 0
+    (token slack), each pass first tries single boundary moves that keep both ranks within ``window`` tokens
+    of their quotas. Moves are tried for every pair
+    of boundaries between the same two ranks, shifts from ``STEPS`` (largest first), and kept when the step
+    time drops, the imbalance stays within ``target`` and the largest receive does not grow; a pass over all
+    moves repeats while it improves,
+    until ``budget`` objective evaluations are spent.
+    """
+    best = step_seconds(doc, start, length, rank, cp, model)
+    received = _exact_need_received(doc, start, length, rank, cp).max()
+    used = 0
+    left, right = _boundaries(doc, start, length)
+    nb = left.shape[0]
+    tokens = np.zeros(cp, np.int64)
+    for i in range(doc.shape[0]):
+        tokens[rank[i]] += length[i]
+    quotas = _quotas(tokens.sum(), cp)
+    improved = True
+    while improved and used < budget:
+        improved = False
+        for step in STEPS:
+            # with a token window: single boundary moves that keep both ranks within it
+            for i in range(nb if window > 0 else 0):
+                a_l, a_r = left[i], right[i]
+                for sign_i in (1, -1):
+                    d_i = sign_i * step
+                    if d_i > 0 and length[a_r] <= d_i or d_i < 0 and length[a_l] <= -d_i:
+                        continue
+                    gain, lose = rank[a_l], rank[a_r]  # +d: the earlier piece's rank gains d tokens
+                    if d_i < 0:
+                        gain, lose = lose, gain
+                    if tokens[gain] + step > quotas[gain] + window or tokens[lose] - step < quotas[lose] - window:
+                        continue
+                    if used >= budget:
+                        return best, used
+                    _shift(a_l, a_r, d_i, start, length)
+                    used += 1
+                    if _imbalance(start, length, rank, cp) <= target:
+                        got = step_seconds(doc, start, length, rank, cp, model)
+                        if got < best:
+                            now = _exact_need_received(doc, start, length, rank, cp).max()
+                            if now <= received:
+                                best = got
+                                received = now
+                                improved = True
+                                tokens[gain] += step
+                                tokens[lose] -= step
+                                break
+                    _shift(a_l, a_r, -d_i, start, length)
+            for i in range(nb):
+                a_l, a_r = left[i], right[i]
+                for j in range(i + 1, nb):
+                    b_l, b_r = left[j], right[j]
+                    # boundary i: +d moves rank(a_r) -> rank(a_l); boundary j must move it back
+                    x, y = rank[a_r], rank[a_l]
+                    if rank[b_l] == x and rank[b_r] == y:
+                        sign_j = 1
+                    elif rank[b_l] == y and rank[b_r] == x:
+                        sign_j = -1
+                    else:
+                        continue
+                    for sign_i in (1, -1):
+                        d_i = sign_i * step
+                        d_j = sign_i * sign_j * step
+                        if d_i > 0 and length[a_r] <= d_i or d_i < 0 and length[a_l] <= -d_i:
+                            continue
+                        if d_j > 0 and length[b_r] <= d_j or d_j < 0 and length[b_l] <= -d_j:
+                            continue
+                        if used >= budget:
+                            return best, used
+                        _shift(a_l, a_r, d_i, start, length)
+                        _shift(b_l, b_r, d_j, start, length)
+                        used += 1
+                        if _imbalance(start, length, rank, cp) <= target:
+                            got = step_seconds(doc, start, length, rank, cp, model)
+                            if got < best:
+                                now = _exact_need_received(doc, start, length, rank, cp).max()
+                                if now <= received:
+                                    best = got
+                                    received = now
+                                    improved = True
+                                    break
+                        _shift(b_l, b_r, -d_j, start, length)
+                        _shift(a_l, a_r, -d_i, start, length)
+    return best, used
+
+
+@njit(cache=True)
+def affinity_kernel(lens, cp, chunk, tolerance):
+    """Chunked assignment that keeps documents contiguous: MinHeap order with a preference for neighbours.
+
+    Every document is cut into chunks of ``chunk`` tokens from its end (its first chunk is the shorter
+    one). Chunks go by decreasing workload (ties: lower document, then later chunk) to the least-loaded
+    rank with room for them (ties: lowest rank), except that the rank holding the chunk right after it in
+    the same document takes it when it has room and stays within the mean workload: that rank then holds
+    one contiguous piece and receives only the prefix before it. Quotas: when no rank has room for a chunk,
+    the least-loaded rank with room takes its head and the rest goes on (as in ``magi``).
+    """
+    num_docs = lens.shape[0]
+    quotas = _quotas(lens.sum(), cp)
+    num_chunks = 0
+    for d in range(num_docs):
+        num_chunks += (lens[d] + chunk - 1) // chunk
+    cdoc = np.empty(num_chunks, np.int64)
+    cstart = np.empty(num_chunks, np.int64)
+    clen = np.empty(num_chunks, np.int64)
+    cwork = np.empty(num_chunks, np.int64)
+    total = 0
+    k = 0
+    for d in range(num_docs):
+        end = lens[d]
+        while end > 0:
+            take = min(chunk, end)
+            cdoc[k] = d
+            cstart[k] = end - take
+            clen[k] = take
+            cwork[k] = workload(end - take, take)
+            total += cwork[k]
+            end -= take
+            k += 1
+    mean = total / cp
+    order = np.argsort(-cwork, kind="mergesort")
+    owner = np.full(num_chunks, -1, np.int64)  # rank of each chunk, -1 until placed (or when split)
+    capacity = 2 * num_chunks + 4 * cp + 4
+    pdoc = np.empty(capacity, np.int64)
+    pstart = np.empty(capacity, np.int64)
+    plen = np.empty(capacity, np.int64)
+    prank = np.empty(capacity, np.int64)
+    load = np.zeros(cp, np.int64)
+    tokens = np.zeros(cp, np.int64)
+    count = 0
+    for j in range(num_chunks):
+        i = order[j]
+        size = clen[i]
+        best = -1
+        for r in range(cp):
+            if quotas[r] - tokens[r] >= size and (best < 0 or load[r] < load[best]):
+                best = r
+        # chunk i - 1 is the one after it in the same document (chunks were cut from the end)
+        if i > 0 and cdoc[i - 1] == cdoc[i] and owner[i - 1] >= 0:
+            near = owner[i - 1]
+            if quotas[near] - tokens[near] >= size and load[near] + cwork[i] <= mean and \
+                    (best < 0 or load[near] <= load[best] + tolerance * mean):
+                best = near
+        if best >= 0:
+            pdoc[count] = cdoc[i]
+            pstart[count] = cstart[i]
+            plen[count] = size
+            prank[count] = best
+            count += 1
+            load[best] += cwork[i]
+            tokens[best] += size
+            owner[i] = best
+            continue
+        pos = cstart[i]
+        end = pos + size
+        while pos < end:
+            best = -1
+            for r in range(cp):
+                if tokens[r] < quotas[r] and (best < 0 or load[r] < load[best]):
+                    best = r
+            take = min(end - pos, quotas[best] - tokens[best])
+            pdoc[count] = cdoc[i]
+            pstart[count] = pos
+            plen[count] = take
+            prank[count] = best
+            count += 1
+            load[best] += workload(pos, take)
+            tokens[best] += take
+            pos += take
+    return _finish(pdoc, pstart, plen, prank, count, lens)
+
+
+@njit(cache=True)
+def flashcp2_kernel(lens, cp, target, effort, model, slack):
+    """Portfolio of candidate plans, the best under the step time, then local search (see strategies.py)."""
+    best_doc, best_start, best_len, best_rank = flashcp_plus_kernel(lens, cp, target)
+    best_time = step_seconds(best_doc, best_start, best_len, best_rank, cp, model)
+    # the imbalance every candidate must meet: the target, or flashcp+'s own when it misses the target
+    limit = max(target, _imbalance(best_start, best_len, best_rank, cp))
+    num = len(AFFINITY) if effort > 0 else FAST
+    for c in range(num + (3 + len(PORTFOLIO_CHUNKS) if effort > 0 else 1)):
+        if c < num:
+            doc, start, length, rank = affinity_kernel(lens, cp, AFFINITY[c][0], AFFINITY[c][1])
+        elif c == num:
+            doc, start, length, rank = flashcp_kernel(lens, cp, 1.05)
+        elif c == num + 1:
+            doc, start, length, rank = magi_kernel(lens, cp, 1024)
+        elif c == num + 2:
+            doc, start, length, rank = llama3_kernel(lens, cp)
+        else:
+            doc, start, length, rank = magi_kernel(lens, cp, PORTFOLIO_CHUNKS[c - num - 3])
+        if _imbalance(start, length, rank, cp) > limit:  # cheap test first
+            continue
+        t = step_seconds(doc, start, length, rank, cp, model)
+        if t < best_time:
+            best_doc, best_start, best_len, best_rank, best_time = doc, start, length, rank, t
+    if effort > 0:
+        start = best_start.copy()
+        length = best_len.copy()
+        local_search(best_doc, start, length, best_rank, cp, model, limit, effort * EVALS_PER_EFFORT,
+                     slack_tokens(slack, lens.sum(), cp))
+        return _finish(best_doc, start, length, best_rank, best_doc.shape[0], lens)
+    return best_doc, best_start, best_len, best_rank
+
+
+@njit(cache=True)
+def plan_one(lens, cp, code, target, chunk, effort, model, slack):
+    """One sequence with strategy ``code`` (MAGI, PTRR or FLASHCP2)."""
+    if code == MAGI:
+        return magi_kernel(lens, cp, chunk)
+    if code == PTRR:
+        return ptrr_kernel(lens, cp, chunk)
+    return flashcp2_kernel(lens, cp, target, effort, model, slack)
+
+
+@njit(cache=True)
+def plan_batch(row_offsets, doc_lens, cp, code, target, chunk, effort, model, slack):
+    """Plan every row; returns (shard_offsets, doc, start, len, rank) like ``_batch.plan_batch``."""
+    rows = row_offsets.shape[0] - 1
+    shard_offsets = np.zeros(rows + 1, np.int64)
+    capacity = 2 * doc_lens.shape[0] + 4 * cp * rows + 16
+    out = np.empty((4, capacity), np.int64)
+    size = 0
+    for row in range(rows):
+        lens = np.ascontiguousarray(doc_lens[row_offsets[row]:row_offsets[row + 1]])
+        doc, start, length, rank = plan_one(lens, cp, code, target, chunk, effort, model, slack)
+        m = doc.shape[0]
+        if size + m > out.shape[1]:
+            grown = np.empty((4, max(2 * out.shape[1], size + m, (size + m) * rows // (row + 1) + 16)),
+                             np.int64)
+            grown[:, :size] = out[:, :size]
+            out = grown
+        out[0, size:size + m] = doc
+        out[1, size:size + m] = start
+        out[2, size:size + m] = length
+        out[3, size:size + m] = rank
+        size += m
+        shard_offsets[row + 1] = size
+    return (shard_offsets, out[0, :size].copy(), out[1, :size].copy(), out[2, :size].copy(),
+            out[3, :size].copy())
+
+
+
+def needs_compile() -> bool:
+    """Whether planning with MAGI, PTRR or FLASHCP2 has to compile ``plan_batch`` (no cached machine code).
+
+    Reads numba's cache index like ``_batch.needs_compile``; False when it cannot tell.
+    """
+    vector = typeof(np.zeros(1, np.int64))
+    signature = (vector, vector, types.int64, types.int64, types.float64, types.int64, types.int64,
+                 typeof(np.zeros(1, np.float64)), types.float64)
+    dispatcher: Any = plan_batch  # numba internals, untyped
+    try:
+        cache = dispatcher._cache
+        key = cache._index_key(signature, dispatcher.targetctx.codegen())
+        return signature not in dispatcher.overloads and key not in cache._cache_file._load_index()
+    except Exception:  # numba internals moved: say nothing rather than something wrong
+        return False
+
+
+@njit(cache=True)
+def check_batch_slack(row_offsets, doc_lens, shard_offsets, doc, start, length, rank, cp, slack):
+    """``_batch.check_batch`` with token slack: a rank may hold ``slack_tokens(slack, C, N)`` tokens more or
+    fewer than its quota. Returns (error code per row, imbalance, all-gather path, exact-need path)."""
+    rows = row_offsets.shape[0] - 1
+    errors = np.zeros(rows, np.int64)
+    imbalance = np.zeros(rows, np.float64)
+    ag = np.zeros(rows, np.int64)
+    a2a = np.zeros(rows, np.int64)
+    for row in range(rows):
+        lens = doc_lens[row_offsets[row]:row_offsets[row + 1]]
+        lo = shard_offsets[row]
+        hi = shard_offsets[row + 1]
+        d = doc[lo:hi]
+        s = start[lo:hi]
+        n = length[lo:hi]
+        r = rank[lo:hi]
+        errors[row] = _check_row(lens, d, s, n, r, cp)
+        if errors[row] == BAD_QUOTA:  # every other check passed; the quotas get the window
+            context_len = lens.sum()
+            quotas = _quotas(context_len, cp)
+            window = slack_tokens(slack, context_len, cp)
+            tokens = np.zeros(cp, np.int64)
+            for i in range(d.shape[0]):
+                tokens[r[i]] += n[i]
+            errors[row] = 0
+            for q in range(cp):
+                if abs(tokens[q] - quotas[q]) > window:
+                    errors[row] = BAD_QUOTA
+        if errors[row] != 0:
+            continue
+        imbalance[row] = _imbalance(s, n, r, cp)
+        ag[row] = _allgather_contributions(d, s, r, n, cp).max()
+        a2a[row] = _exact_need_received(d, s, n, r, cp).max()
+    return errors, imbalance, ag, a2a

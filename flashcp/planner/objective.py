@@ -1,0 +1,293 @@
+"""The step-time objective: one plan's projected step time, in Numba, for the planner's search.
+
+This module holds the projection's formulas in one place: ``flashcp.bench.projection`` (``flashcp bench``)
+and ``flashcp.bench.profile`` import the attention curve and the kernel time from here, and
+:func:`step_seconds` assembles them exactly as ``projection.project_step(plan, shape, profile, "auto",
+overlap=True)`` does (``tests/test_objective.py`` checks that the two agree). The planner sees the model
+through one float64 vector (:func:`model_vector`), so kernels compile once whatever the profile.
+
+Per rank, one layer, forward and backward (DESIGN.md cost model, ``flashcp.bench.projection``):
+
+- attention: every shard is one sequence of a varlen kernel and computes whole query tiles; forward FLOPs
+  ``4 W H D``, backward 2.5x, at the profile's throughput for the equivalent length ``sqrt(2 W)``; one call
+  over the rank's local shards (whole key prefix on the rank) and one over its remote shards, each with
+  ``kernel_overhead_us``, each shard with ``sequence_overhead_us``;
+- exchange: ``auto`` (exact-need all-to-all when its busiest rank moves fewer tokens than an all-gather rank,
+  else the compacted all-gather), ``tokens * kv bytes / link_gbps + collective_latency_us``; the local call
+  runs while it is in flight, so only what the local part does not hide is paid;
+- copies: the runtime's gathers, send buffer and merge at ``hbm_gbps``.
+
+Step time: the slowest rank's forward plus the slowest rank's backward, times ``layers``. With token slack
+(ranks holding unequal tokens), every rank also pays its tokens' per-token layers: ``token_flops`` FLOPs per
+token and layer (projections and MLP, forward + backward: one third forward, two thirds backward) at the
+profile's dense peak, ASSUMPTION (optimistic: real matmuls reach less, which makes tokens dearer and slack
+worth less).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from flashcp.planner.cost import (
+    _allgather_contributions,
+    _exact_need_received,
+    _exact_need_sent,
+    workload,
+)
+
+__all__ = ["BWD_FLOPS", "ObjectiveShape", "batch_step_seconds", "cached_model", "curve_tflops", "model_vector",
+           "pair_seconds", "plan_step_seconds", "step_seconds"]
+
+BWD_FLOPS = 2.5
+"""Backward FLOPs per forward FLOP (the flash-attention benchmark convention the profile's curve uses)."""
+
+# layout of the model vector
+_H, _HKV, _D, _BYTES, _LAYERS, _TILE, _SKIP, _LINK, _HBM, _KERNEL, _SEQ, _COLL, _PEAK, _TOKEN_FLOPS, \
+    _TOKEN_TFLOPS, _K = range(16)
+_HEADER = 16
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ObjectiveShape:
+    """The model the step time is priced for."""
+
+    num_heads: int = 32
+    """H: query heads."""
+    num_kv_heads: int = 32
+    """K/V heads."""
+    head_dim: int = 128
+    """D."""
+    layers: int = 1
+    """Transformer layers (the step time scales with it)."""
+    dtype_bytes: int = 2
+    """Bytes per element (bf16)."""
+    hidden_mult: float = 4.0
+    """MLP width over the model width ``H D`` (for the per-token layers under token slack)."""
+
+    def __post_init__(self):
+        if min(self.num_heads, self.num_kv_heads, self.head_dim, self.layers, self.dtype_bytes) < 1 or \
+                self.num_heads % self.num_kv_heads or not self.hidden_mult > 0:
+            raise ValueError(f"bad model shape: H={self.num_heads}, H_kv={self.num_kv_heads}, "
+                             f"D={self.head_dim}, layers={self.layers}")
+
+    def token_flops(self) -> float:
+        """FLOPs of one token's per-token layers, one layer, forward + backward (3x forward).
+
+        Forward: Q and O projections ``2 * 2 * d^2``, K and V ``2 * 2 * d * d_kv``, MLP (two matrices)
+        ``2 * 2 * d * hidden_mult * d``; ``d = H D``, ``d_kv = H_kv D``.
+        """
+        d = self.num_heads * self.head_dim
+        d_kv = self.num_kv_heads * self.head_dim
+        return 3.0 * (4.0 * d * d + 4.0 * d * d_kv + 4.0 * self.hidden_mult * d * d)
+
+    def as_dict(self) -> dict:
+        """Plain dict for plan.json."""
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+def model_vector(profile, shape: ObjectiveShape, *, with_tokens: bool = False) -> np.ndarray:
+    """The float64 vector the Numba objective reads: shape, profile scalars, then the attention curve.
+
+    ``with_tokens`` prices the per-token layers too (only unequal token counts make them differ by rank).
+    """
+    k = len(profile.lengths)
+    vec = np.zeros(_HEADER + 3 * k, np.float64)
+    vec[_H], vec[_HKV], vec[_D], vec[_BYTES] = shape.num_heads, shape.num_kv_heads, shape.head_dim, \
+        shape.dtype_bytes
+    vec[_LAYERS], vec[_TILE], vec[_SKIP] = shape.layers, profile.query_tile, float(profile.causal_skip)
+    vec[_LINK], vec[_HBM] = profile.link_gbps, profile.hbm_gbps
+    vec[_KERNEL], vec[_SEQ], vec[_COLL] = profile.kernel_overhead_us, profile.sequence_overhead_us, \
+        profile.collective_latency_us
+    vec[_PEAK] = profile.peak_tflops
+    vec[_TOKEN_FLOPS] = shape.token_flops() if with_tokens else 0.0
+    vec[_TOKEN_TFLOPS] = profile.peak_tflops
+    vec[_K] = k
+    vec[_HEADER:_HEADER + k] = np.log(np.asarray(profile.lengths, np.float64))
+    vec[_HEADER + k:_HEADER + 2 * k] = np.log(np.asarray(profile.forward_tflops, np.float64))
+    vec[_HEADER + 2 * k:] = np.log(np.asarray(profile.backward_tflops, np.float64))
+    return vec
+
+
+@njit(cache=True)
+def _curve_at(x, knots, values, peak):
+    """The curve at ``x = log(max(length, 1))``."""
+    y = np.interp(x, knots, values)
+    if knots.shape[0] > 1 and x < knots[0]:
+        y = values[0] + (values[1] - values[0]) / (knots[1] - knots[0]) * (x - knots[0])
+    return min(math.exp(y), peak)
+
+
+@njit(cache=True)
+def _curve_one(length, knots, values, peak):
+    return _curve_at(math.log(max(length, 1.0)), knots, values, peak)
+
+
+@njit(cache=True)
+def curve_tflops(lengths, knots, values, peak):
+    """Achieved TFLOP/s at each of ``lengths`` (float64 1-D), from the curve's logarithms (knots, values).
+
+    Log-log interpolation; below the first knot the first segment's power law continues, above the last the
+    last value holds; never above ``peak``.
+    """
+    out = np.empty(lengths.shape[0], np.float64)
+    for i in range(lengths.shape[0]):
+        out[i] = _curve_one(lengths[i], knots, values, peak)
+    return out
+
+
+@njit(cache=True)
+def _pair_seconds_one(pairs, eq_len, heads, head_dim, backward, knots, values, peak):
+    if pairs <= 0:
+        return 0.0
+    flops = 4.0 * pairs * heads * head_dim * (BWD_FLOPS if backward else 1.0)
+    return flops / (_curve_one(eq_len, knots, values, peak) * 1e12)
+
+
+@njit(cache=True)
+def pair_seconds(pairs, eq_len, heads, head_dim, backward, knots, values, peak):
+    """Kernel time of sequences computing ``pairs`` query-key pairs at equivalent length ``eq_len`` (1-D)."""
+    out = np.empty(pairs.shape[0], np.float64)
+    for i in range(pairs.shape[0]):
+        out[i] = _pair_seconds_one(pairs[i], eq_len[i], heads, head_dim, backward, knots, values, peak)
+    return out
+
+
+@njit(cache=True)
+def _shard_seconds_both(start, length, model, knots, fwd_curve, bwd_curve):
+    """Projected forward and backward kernel time of one shard (no call overhead), seconds.
+
+    Its query count is rounded up to whole tiles; it runs at the curve's throughput for its equivalent
+    length (``sqrt(2 W)`` when the kernel skips the masked triangle, else ``sqrt(W)`` of the rectangle).
+    """
+    tile = model[_TILE]
+    padded = math.ceil(max(float(length), 1.0) / tile) * tile
+    if model[_SKIP] > 0:
+        pairs = float(workload(start, np.int64(padded)))
+        eq_len = math.sqrt(2.0 * pairs)
+    else:
+        pairs = padded * (start + padded)
+        eq_len = math.sqrt(pairs)
+    if pairs <= 0:
+        return model[_SEQ] * 1e-6, model[_SEQ] * 1e-6
+    x = math.log(max(eq_len, 1.0))
+    flops = 4.0 * pairs * model[_H] * model[_D]
+    out_f = flops / (_curve_at(x, knots, fwd_curve, model[_PEAK]) * 1e12) + model[_SEQ] * 1e-6
+    out_b = flops * BWD_FLOPS / (_curve_at(x, knots, bwd_curve, model[_PEAK]) * 1e12) + model[_SEQ] * 1e-6
+    return out_f, out_b
+
+
+@njit(cache=True)
+def step_seconds(doc, start, length, rank, cp, model):
+    """Projected step time (seconds) of one plan: auto comm, local shards overlapping the exchange.
+
+    ``doc, start, length, rank``: the plan's shard arrays (int64, any order); ``model``: ``model_vector``.
+    """
+    k = np.int64(model[_K])
+    knots = model[_HEADER:_HEADER + k]
+    fwd_curve = model[_HEADER + k:_HEADER + 2 * k]
+    bwd_curve = model[_HEADER + 2 * k:_HEADER + 3 * k]
+    kv_row = 2.0 * model[_HKV] * model[_D] * model[_BYTES]
+    q_row = model[_H] * model[_D] * model[_BYTES]
+    hbm = model[_HBM] * 1e9
+    num_shards = doc.shape[0]
+    tokens = np.zeros(cp, np.int64)
+    for i in range(num_shards):
+        tokens[rank[i]] += length[i]
+    slot = _allgather_contributions(doc, start, rank, length, cp).max()
+    sent = _exact_need_sent(doc, start, length, rank, cp)
+    received = _exact_need_received(doc, start, length, rank, cp)
+    busiest = max(sent.max(), received.max())
+    use_a2a = busiest < (cp - 1) * slot
+    if use_a2a:
+        moved = busiest
+    else:
+        moved = (cp - 1) * slot
+    comm = 0.0
+    if moved > 0:
+        comm = moved * kv_row / (model[_LINK] * 1e9) + model[_COLL] * 1e-6
+
+    # local shards: the whole key prefix on the shard's own rank
+    num_docs = 0
+    for i in range(num_shards):
+        num_docs = max(num_docs, doc[i] + 1)
+    first_start = np.full(num_docs, np.iinfo(np.int64).max, np.int64)
+    first_rank = np.full(num_docs, -1, np.int64)
+    for i in range(num_shards):
+        if start[i] < first_start[doc[i]]:
+            first_start[doc[i]] = start[i]
+            first_rank[doc[i]] = rank[i]
+    switch = np.full(num_docs, np.iinfo(np.int64).max, np.int64)
+    for i in range(num_shards):
+        if rank[i] != first_rank[doc[i]]:
+            switch[doc[i]] = min(switch[doc[i]], start[i])
+    # per rank and part (0 local, 1 remote): forward, backward kernel seconds, query rows, key rows, busy
+    kern_f = np.zeros((2, cp), np.float64)
+    kern_b = np.zeros((2, cp), np.float64)
+    rows = np.zeros((2, cp), np.float64)
+    keys = np.zeros((2, cp), np.float64)
+    busy = np.zeros((2, cp), np.float64)
+    for i in range(num_shards):
+        part = 0 if rank[i] == first_rank[doc[i]] and start[i] + length[i] <= switch[doc[i]] else 1
+        r = rank[i]
+        fwd, bwd = _shard_seconds_both(start[i], length[i], model, knots, fwd_curve, bwd_curve)
+        kern_f[part, r] += fwd
+        kern_b[part, r] += bwd
+        rows[part, r] += length[i]
+        keys[part, r] += start[i] + length[i]
+        busy[part, r] = 1.0
+    overhead = model[_KERNEL] * 1e-6
+    worst_f = 0.0
+    worst_b = 0.0
+    for r in range(cp):
+        send = float(sent[r]) if use_a2a else float(slot)
+        recv = float(received[r]) if use_a2a else float(cp * slot)
+        local_f = kern_f[0, r] + overhead * busy[0, r]
+        remote_f = kern_f[1, r] + overhead * busy[1, r]
+        local_b = kern_b[0, r] + overhead * busy[0, r]
+        remote_b = kern_b[1, r] + overhead * busy[1, r]
+        local_copy = 2.0 * (rows[0, r] * q_row + keys[0, r] * kv_row) / hbm
+        remote_copy = 2.0 * (rows[1, r] * q_row + keys[1, r] * kv_row
+                             + busy[1, r] * (tokens[r] + recv) * kv_row) / hbm
+        other = 2.0 * (send * kv_row + 2.0 * tokens[r] * q_row) / hbm
+        token_time = tokens[r] * model[_TOKEN_FLOPS] / (model[_TOKEN_TFLOPS] * 1e12)
+        # forward: local first (overlapping the exchange), then remote; backward: remote, then local
+        fwd = (local_f + remote_f) + (local_copy + remote_copy + other) \
+            + max(comm - (local_f + local_copy), 0.0)
+        bwd = (remote_b + local_b) + (remote_copy + local_copy + other) \
+            + max(comm - (local_b + local_copy), 0.0)
+        worst_f = max(worst_f, fwd + token_time / 3.0)
+        worst_b = max(worst_b, bwd + 2.0 * token_time / 3.0)
+    return (worst_f + worst_b) * model[_LAYERS]
+
+
+@functools.lru_cache(maxsize=16)
+def cached_model(profile: str | None, num_heads: int, num_kv_heads: int, head_dim: int,
+                 layers: int, with_tokens: bool = False) -> np.ndarray:
+    """``model_vector`` of a profile file (None: the default profile) and a model shape; do not modify."""
+    from flashcp.bench.profile import load_profile
+
+    shape = ObjectiveShape(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, layers=layers)
+    return model_vector(load_profile(profile), shape, with_tokens=with_tokens)
+
+
+def plan_step_seconds(plan, model: np.ndarray) -> float:
+    """:func:`step_seconds` of a :class:`~flashcp.planner.plan.SequencePlan`."""
+    return float(step_seconds(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, plan.cp,
+                              model))
+
+
+@njit(cache=True)
+def batch_step_seconds(shard_offsets, doc, start, length, rank, cp, model):
+    """:func:`step_seconds` of every row of flat plans (``shard_offsets`` (rows + 1,)). Shape (rows,)."""
+    rows = shard_offsets.shape[0] - 1
+    out = np.empty(rows, np.float64)
+    for row in range(rows):
+        lo = shard_offsets[row]
+        hi = shard_offsets[row + 1]
+        out[row] = step_seconds(doc[lo:hi], start[lo:hi], length[lo:hi], rank[lo:hi], cp, model)
+    return out
