@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# flashcp bench on one GPU, in one short session (about 2-3 minutes on an H200; no flash-attn needed):
+# flashcp bench on one GPU, in one short run (about 2-3 minutes on an H200; no flash-attn needed):
 #   1. --calibrate: time the attention kernel (torch_varlen, or flash_attn when installed) at 128..32K tokens,
 #      forward and backward, plus one call's overhead and the copy bandwidth -> bench/out/profile-gpu.json;
 #   2. --measured: the latency scenario (paper Figures 5-7) with every rank's attention timed on the GPU,

@@ -6,6 +6,7 @@ Modules, one job each:
 - ``projection``: per-rank latency of one layer under a plan (attention, comm, copies, overlap, ring);
 - ``measure`` / ``calibrate``: timing the real kernels on a device, and a profile from those timings;
 - ``systems`` / ``sequences``: the compared systems, planning for them, where sequences come from;
-- ``quality``, ``speed``, ``runtime_cpu``, ``latency``: the four scenarios;
+- ``quality``, ``speed``, ``runtime_cpu``, ``latency``: the four scenarios of a plain run; ``ring_cost``: the
+  ring baselines by the cost model, run when ``--scenario`` names it;
 - ``suite``: the run's configuration and the scenarios in order; ``report`` and ``plots``: its output.
 """

@@ -1,38 +1,127 @@
 """Scenario 1, plan quality: every strategy on every source and CP size, with the cost model's metrics.
 
-Per (source, cp, strategy), over the same packed sequences, the planner's own summary
-(``flashcp.planner.pipeline.summarize``, what ``plan.json`` stores): imbalance ratio (mean, p50, max), the
-all-gather comm saving against a full-KV all-gather (paper Eq. 5, ``cost.comm_saving``) and the exact-need
-saving against what a rank receives in that all-gather (``cost.exact_need_saving``); plus shards per
-sequence and mean shard length (tokens per shard; short shards make slow kernels).
+Per (source, cp, strategy), over the same packed sequences, planned in one batch by
+``flashcp.planner.pipeline.plan_rows`` (what ``flashcp plan`` runs; every plan validated), the planner's own
+summary (``pipeline.summarize``, what ``plan.json`` stores): imbalance ratio (mean, p50, max), the all-gather
+comm saving against a full-KV all-gather (paper Eq. 5, ``cost.comm_saving``) and the exact-need saving against
+what a rank receives in that all-gather (``cost.exact_need_saving``; ``received_pct`` is its complement, lower
+is better). Beside them: shards per sequence and per rank, mean shard length (short shards make slow kernels),
+the mean projected step time of one layer (``flashcp.planner.objective``: default H100 profile, H = H_kv = 32,
+D = 128, auto comm, local shards overlapping the exchange; with ``price_tokens`` also the per-token layers)
+and the seconds spent planning the row (a shared machine: compare within one run only).
+
+A strategy spec may carry a target, ``flashcp+@1.05``, and parameters after a colon, separated by ``;``:
+``magi:chunk_size=2048``, ``flashcp2:effort=4``, ``flashcp2:effort=2;token_slack=0.05``.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
 from flashcp.bench.systems import PlanBook
 
-__all__ = ["plan_quality"]
+__all__ = ["parse_strategy", "plan_quality", "quality_targets"]
+
+TARGET_CUTS = {16: {"wlb": 0.6, "prolong": 0.5}, 8: {"wlb": 0.9, "prolong": 0.9}}
+"""cp -> source -> the largest receive ``flashcp2`` may have, as a share of ``flashcp+``'s (issue 13)."""
+
+
+def _value(text: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_strategy(spec: str) -> tuple[str, str, dict]:
+    """``(spec, strategy name, resolved parameters)`` of ``name[@target][:key=value;...]``.
+
+    ValueError (one sentence) for an unknown strategy, parameter or bad value.
+    """
+    from flashcp.planner.strategies import get_strategy, resolve_params
+
+    head, _, rest = spec.partition(":")
+    name, _, target = head.partition("@")
+    overrides = {}
+    for item in filter(None, rest.split(";")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"strategy '{spec}': expected key=value after ':', got '{item}'")
+        overrides[key.strip().replace("-", "_")] = _value(value.strip())
+    try:
+        target_imbalance = float(target) if target else None
+    except ValueError:
+        raise ValueError(f"strategy '{spec}': the target after '@' must be a number, got '{target}'") from None
+    return spec, name, resolve_params(get_strategy(name), target_imbalance, **overrides)
 
 
 def plan_quality(book: PlanBook, sources, strategies: list[str], cps: list[int], context_len: int,
-                 num_seqs: int) -> dict:
-    """Rows of plan metrics, one per (source, cp, strategy); see the module docstring."""
-    from flashcp.planner.pipeline import summarize
+                 num_seqs: int, price_tokens: bool = False) -> dict:
+    """Rows of plan metrics, one per (source, cp, strategy spec); see the module docstring."""
+    from flashcp.planner.objective import batch_step_seconds, cached_model
+    from flashcp.planner.pipeline import plan_rows, summarize
 
+    specs = [parse_strategy(s) for s in strategies]
+    model = cached_model(None, 32, 32, 128, 1, price_tokens)
     rows = []
     for source in sources:
         c = source.dataset_context_len or context_len
+        sequences = book.sequences(source, num_seqs, c)
+        offsets = np.r_[0, np.cumsum([s.size for s in sequences])].astype(np.int64)
+        lens = np.concatenate(sequences).astype(np.int64)
         for cp in cps:
-            for strategy in strategies:
-                plans = book.plans(source, num_seqs, c, strategy, cp)
-                metrics = [p.metrics() for p in plans]
-                summary = summarize(np.array([m.imbalance for m in metrics]),
-                                    np.array([m.ag_comm_tokens for m in metrics], dtype=np.int64),
-                                    np.array([m.a2a_comm_tokens for m in metrics], dtype=np.int64), c, cp)
-                shards = np.array([p.num_shards for p in plans])
-                rows.append({"source": source.label, "context_len": c, "cp": cp, "strategy": strategy,
-                             "num_seqs": len(plans), **summary, "shards_mean": float(shards.mean()),
-                             "shard_len_mean": float(c * len(plans) / shards.sum())})
-    return {"rows": rows}
+            for spec, name, params in specs:
+                started = time.perf_counter()
+                planned = plan_rows(offsets, lens, cp, name, params)
+                seconds = time.perf_counter() - started
+                summary = summarize(planned.imbalance, planned.ag_comm_tokens, planned.a2a_comm_tokens, c, cp)
+                steps = batch_step_seconds(planned.shard_offsets, planned.shard_doc, planned.shard_start,
+                                           planned.shard_len, planned.shard_rank, cp, model)
+                shards = np.diff(planned.shard_offsets)
+                rows.append({"source": source.label, "context_len": c, "cp": cp, "strategy": spec,
+                             "params": params, "num_seqs": len(sequences), **summary,
+                             "received_pct": 100 * (1 - summary["a2a_saving_mean"]),
+                             "shards_mean": float(shards.mean()), "shards_per_rank": float(shards.mean() / cp),
+                             "shard_len_mean": float(c * len(sequences) / shards.sum()),
+                             "step_ms": 1e3 * float(steps.mean()), "step_ms_all": (1e3 * steps).tolist(),
+                             "seconds": seconds})
+    return {"rows": rows, "price_tokens": price_tokens, "targets": quality_targets(rows)}
+
+
+def quality_targets(rows: list[dict]) -> list[dict]:
+    """The default strategy ``flashcp2``'s targets against every other strategy of its (source, cp) row.
+
+    Max imbalance at most 1.01; receive below ``magi``, ``ptrr``, ``flashcp`` and ``flashcp+``; projected step
+    time at or below every other strategy's; receive at most a share (``TARGET_CUTS``) of ``flashcp+``'s.
+    """
+    by = {(r["source"], r["cp"], r["strategy"]): r for r in rows}
+    targets = []
+
+    def add(met: bool, text: str) -> None:
+        targets.append({"met": bool(met), "target": text})
+
+    for (source, cp, strategy), r in sorted(by.items()):
+        if strategy != "flashcp2":
+            continue
+        add(r["imbalance_max"] <= 1.01, f"{source} cp{cp} flashcp2 max imbalance {r['imbalance_max']:.4f} <= 1.01")
+        for (other_source, other_cp, other), o in sorted(by.items()):
+            if (other_source, other_cp) != (source, cp) or other == strategy:
+                continue
+            if other in ("magi", "ptrr", "flashcp", "flashcp+"):
+                add(r["received_pct"] < o["received_pct"], f"{source} cp{cp} receive {r['received_pct']:.1f}% < "
+                    f"{other} {o['received_pct']:.1f}%")
+            mine, theirs = np.array(r["step_ms_all"]), np.array(o["step_ms_all"])
+            slower = int((mine > theirs * (1 + 1e-12)).sum())
+            add(r["step_ms"] <= o["step_ms"], f"{source} cp{cp} step {r['step_ms']:.3f} ms <= {other} "
+                f"{o['step_ms']:.3f} ms (slower on {slower} of {mine.size} sequences)")
+        plus = by.get((source, cp, "flashcp+"))
+        factor = TARGET_CUTS.get(cp, {}).get(source)
+        if plus and factor:
+            add(r["received_pct"] <= factor * plus["received_pct"], f"{source} cp{cp} receive "
+                f"{r['received_pct']:.1f}% <= {factor} x flashcp+ {plus['received_pct']:.1f}% = "
+                f"{factor * plus['received_pct']:.1f}%")
+    return targets

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 __all__ = ["paper_comparison", "print_report"]
@@ -43,30 +44,71 @@ def _pct(x: float) -> str:
 
 def _quality(console: Console, quality: dict) -> None:
     rows = quality["rows"]
-    table = _table(f"Plan quality ({rows[0]['num_seqs']} sequences per source)", "source", "C", "cp",
-                   "strategy", "imbal mean", "p50", "max", "all-gather saving", "exact-need saving",
-                   "shards/seq", "mean shard len")
+    priced = "per-token layers priced" if quality.get("price_tokens") else "attention and exchange"
+    table = _table(f"Plan quality ({rows[0]['num_seqs']} sequences per source; exact-need received: the busiest "
+                   "rank's receive as a share of a full K/V all-gather's; step ms: projected, one layer, "
+                   f"H100 H=32 D=128, {priced})", "source", "C", "cp", "strategy", "imbal mean", "p50", "max",
+                   "all-gather saving", "exact-need received", "shards/rank", "mean shard len", "step ms",
+                   "plan s")
+    table.columns[3].min_width = max(len(r["strategy"]) for r in rows)  # specs in full, never cut
+    last = None
     for r in rows:
+        if last is not None and (r["source"], r["cp"]) != last:
+            table.add_section()
+        last = (r["source"], r["cp"])
         table.add_row(r["source"], str(r["context_len"]), str(r["cp"]), r["strategy"],
-                      f"{r['imbalance_mean']:.3f}", f"{r['imbalance_p50']:.3f}", f"{r['imbalance_max']:.3f}",
-                      _pct(r["ag_saving_mean"]), _pct(r["a2a_saving_mean"]),
-                      f"{r['shards_mean']:.1f}", f"{r['shard_len_mean']:.0f}")
+                      f"{r['imbalance_mean']:.4f}", f"{r['imbalance_p50']:.4f}", f"{r['imbalance_max']:.4f}",
+                      _pct(r["ag_saving_mean"]), f"{r['received_pct']:.1f}%", f"{r['shards_per_rank']:.1f}",
+                      f"{r['shard_len_mean']:.0f}", f"{r['step_ms']:.3f}", f"{r['seconds']:.2f}")
+    _show(console, table)
+
+
+def _ring_cost(console: Console, ring_cost: dict) -> None:
+    rows = ring_cost["rows"]
+    table = _table(f"Ring baselines by the cost model ({rows[0]['num_seqs']} sequences per source; largest over "
+                   "ranks, mean over sequences; merged/T: query rows merged by log-sum-exp per local token; "
+                   "keys/T: keys read per local token; K/V in/C: K/V tokens received per forward pass over C)",
+                   "source", "C", "cp", "system", "layout+comm", "imbalance", "calls", "seqs", "merged/T",
+                   "keys/T", "K/V in/C")
+    last = None
+    for r in rows:
+        if last is not None and (r["source"], r["cp"]) != last:
+            table.add_section()
+        last = (r["source"], r["cp"])
+        table.add_row(r["source"], str(r["context_len"]), str(r["cp"]), r["system"], f"{r['layout']}+{r['comm']}",
+                      f"{r['imbalance']:.3f}", f"{r['calls']:.1f}", f"{r['sequences']:.1f}", f"{r['merged']:.2f}",
+                      f"{r['gathered']:.2f}", f"{r['recv_over_c']:.3f}")
     _show(console, table)
 
 
 def _speed(console: Console, speed: dict) -> None:
     rows = speed["rows"]
     table = _table(f"Planner speed ({rows[0]['source']}, C={rows[0]['context_len']}, cp {rows[0]['cp']}, "
-                   "one core)", "strategy", "Numba seq/s (per sequence)", "Numba seq/s (batch, validated)",
-                   "Python seq/s", "speedup", "same plans")
+                   f"{rows[0]['num_seqs']} sequences, one core of {speed.get('cpus', '?')} visible; batch and Python: "
+                   "per CPU-second, wall clock in brackets)", "strategy", "Numba seq/s (per sequence)",
+                   "batch kernel seq/s", "batch + check seq/s", "Python seq/s", "speedup (per sequence / batch)",
+                   "same plans")
+    table.columns[0].min_width = max(len(r["strategy"]) for r in rows)  # specs in full, never cut
     for r in rows:
-        python, batch = r["python_seqs_per_s"], r["batch_seqs_per_s"]
-        table.add_row(r["strategy"], f"{r['numba_seqs_per_s']:.0f}",
-                      "n/a" if batch is None else f"{batch:.0f}",
-                      "n/a" if python is None else f"{python:.2f} ({r['python_seqs']} seqs)",
-                      "n/a" if python is None else f"{r['speedup']:.0f}x",
+        python = r["python_seqs_per_s"]
+        table.add_row(r["strategy"], f"{r['numba_seqs_per_s']:,.0f}",
+                      f"{r['kernel_seqs_per_cpu_s']:,.0f} ({r['kernel_seqs_per_s']:,.0f})",
+                      f"{r['batch_seqs_per_cpu_s']:,.0f} ({r['batch_seqs_per_s']:,.0f})",
+                      "n/a" if python is None else f"{r['python_seqs_per_cpu_s']:,.2f} ({python:,.2f}; "
+                      f"{r['python_seqs']} seqs)",
+                      "n/a" if python is None else f"{r['speedup']:,.0f}x / {r['kernel_speedup']:,.0f}x",
                       "n/a" if r["python_matches"] is None else ("yes" if r["python_matches"] else "NO"))
     _show(console, table)
+
+
+def _end_to_end(console: Console, e2e: dict) -> None:
+    console.print(f"Planner speed end to end: synth --no-tokens {e2e['num_seqs']:,} x {e2e['context_len']:,} "
+                  f"{escape(e2e['source'])}: {e2e['synth_s']:.1f} s, {e2e['bytes'] / 2 ** 20:.1f} MiB")
+    for p in e2e["plans"]:
+        console.print(f"  plan --cp {e2e['cp']} --strategy {p['strategy']} --workers {p['workers']}: "
+                      f"{p['seconds']:.1f} s ({p['seqs_per_s']:,.0f} seq/s end to end; read, plan, validate, "
+                      f"baselines on every {p['baselines_every']}th, write)")
+    console.print(f"  verify ({e2e['verified_plans']} plans): {e2e['verify_s']:.1f} s")
 
 
 def _runtime(console: Console, runtime: dict) -> None:
@@ -90,6 +132,13 @@ def _runtime(console: Console, runtime: dict) -> None:
         console.print(f"  {what}, fastest first, projected (CPU-calibrated model): "
                       f"{' < '.join(ranking['projected_order'])}")
         console.print(f"  {what}: {verdict}; rank correlation {ranking['spearman']:.2f}")
+    ring = runtime.get("ring", {})
+    if ring.get("ring_over_full"):
+        console.print("  step time, ring / full comm on the same layout: " + ", ".join(
+            f"{layout} {ratio:.2f}x" for layout, ratio in ring["ring_over_full"].items()))
+    for system, over in ring.get("system_over", {}).items():
+        if over:
+            console.print(f"  {system} step time over: " + ", ".join(f"{k} {v:.2f}x" for k, v in over.items()))
     console.print(f"  rank correlation over all cases {runtime['spearman_all_cases']:.2f}")
     console.print(f"  the CPU-calibrated model accounts for {100 * runtime['projected_share']:.0f}% of the "
                   "measured step time of the collective cases; the remainder is not modelled")
@@ -170,7 +219,8 @@ def print_report(results: dict, console: Console) -> None:
     """Print every scenario present in ``results``, then the paper comparison, the targets and the notes."""
     console.print(f"[bold]flashcp bench[/] {results['flashcp_version']} (torch {results['torch']}); "
                   f"profile: {results['profile']['name']}", markup=True)
-    sections = {"quality": _quality, "speed": _speed, "runtime": _runtime, "latency": _latency}
+    sections = {"quality": _quality, "ring-cost": _ring_cost, "speed": _speed, "end_to_end": _end_to_end,
+                "runtime": _runtime, "latency": _latency}
     for name, show in sections.items():
         if results.get(name):
             show(console, results[name])
@@ -183,6 +233,10 @@ def print_report(results: dict, console: Console) -> None:
             detail = f"; misses: {', '.join(t['misses'])}" if t["misses"] else ""
             console.print(f"target: {t['target']}: {status} (min {t['min_speedup']:.3f}x, mean "
                           f"{t['mean_speedup']:.3f}x){detail}", markup=True)
+    quality = results.get("quality")
+    for t in quality.get("targets", []) if quality else []:
+        console.print(f"target: {escape(t['target'])}: {'[green]met[/]' if t['met'] else '[red]not met[/]'}",
+                      markup=True)
     runtime = results.get("runtime")
     if runtime:
         for key, what in RANKINGS:

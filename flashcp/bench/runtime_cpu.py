@@ -208,7 +208,7 @@ def runtime_cpu(book: PlanBook, source, systems: list[System], cp: int, context_
             strategies.append((strategy, {key: float(np.mean([r[key] for r in mine]))
                                           for key in ("step_ms", "projected_ms")}))
     return {"cpu_profile": model.to_json(), "source": source.label, "context_len": context_len, "cp": cp,
-            "num_heads": shape.num_heads,
+            "num_heads": shape.num_heads, "ring": _ring_ratios(rows),
             "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "dtype": "float32",
             "backend": "reference", "num_seqs": len(sequences), "reps": reps, "baseline": base["case"],
             "rows": rows, "strategy_ranking": _ranking(strategies), "system_ranking": _ranking(named),
@@ -219,6 +219,23 @@ def runtime_cpu(book: PlanBook, source, systems: list[System], cp: int, context_
             else None,
             "spearman_all_cases": _spearman([r["step_ms"] for r in rows], [r["projected_ms"] for r in rows]),
             "wall_seconds": time.perf_counter() - started}
+
+
+def _ring_ratios(rows: list[dict]) -> dict:
+    """Measured step time with ring comm over ``full`` on the same layout, and each ring system's over others.
+
+    The others: the paper's systems (``ring_cost.SYSTEMS``) present among the cases.
+    """
+    from flashcp.bench.ring_cost import SYSTEMS
+
+    ms = {(r["strategy"], r["comm"]): r["step_ms"] for r in rows}
+    same_layout = {s: ms[(s, "ring")] / ms[(s, "full")] for s, c in ms if c == "ring" and (s, "full") in ms}
+    over = {}
+    for baseline in (("ring", "ring"), ("perdoc", "ring")):
+        if baseline in ms:
+            over[SYSTEMS[baseline]] = {SYSTEMS[k]: ms[baseline] / ms[k] for k in SYSTEMS
+                                       if k in ms and k != baseline}
+    return {"ring_over_full": same_layout, "system_over": over}
 
 
 def _projected_ms(cases, shape: ModelShape, profile: HardwareProfile) -> float:

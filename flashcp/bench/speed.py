@@ -1,23 +1,33 @@
 """Scenario 2, planner speed: sequences per second of each strategy's Numba kernels and its Python reference.
 
-All run in one process, one core, on the same sequences: ``plan_sequence`` one sequence at a time, the
-batch pipeline ``plan_rows`` (one kernel call over all sequences, plans validated and metrics computed as
-``flashcp plan`` does), and the plain-Python reference. The Numba kernels are compiled (or loaded from the
-cache) on a first sequence that is not timed. The plain-Python references live in ``tests/naive.py``, so
-that column exists only in a source checkout; it runs until ``python_budget_s`` is spent (at least one
-sequence) and the bench checks that the reference's shards equal the kernel's.
+All run in one process, one core, on the same sequences: ``plan_sequence`` one sequence at a time; the batch
+kernel over all sequences (the call ``pipeline.plan_rows`` makes), alone and with the batch validator that
+recomputes every plan's metrics (together what ``flashcp plan`` runs per file); and the plain-Python reference.
+Batch and reference rates are given per CPU-second of this process (what one core spent, whatever else the
+machine runs) and per wall-clock second. The Numba kernels are compiled (or loaded from the cache) on a first
+sequence that is not timed. The plain-Python references live in ``tests/naive.py``, so that column exists only
+in a source checkout; it runs on the first ``reference_seqs`` sequences, or until ``python_budget_s`` is spent
+(at least one sequence), and the bench checks that the reference's shards equal the kernel's.
+
+Optionally, end to end: a lengths-only dataset of ``e2e_seqs`` sequences is synthesised in a temporary folder
+and planned with ``plan_dataset`` (read, plan, validate, baselines, write) per strategy and worker count, then
+verified.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from flashcp.bench.systems import PlanBook, plan_for
+from flashcp.bench.systems import PlanBook
 
-__all__ = ["naive_planner", "planner_speed"]
+__all__ = ["end_to_end", "naive_planner", "planner_speed"]
 
 
 def naive_planner(strategy: str):
@@ -29,51 +39,132 @@ def naive_planner(strategy: str):
     return getattr(naive, "naive_" + strategy.replace("+", "_plus"), None)
 
 
-def _as_rows(plan) -> list[tuple[int, int, int, int]]:
-    return sorted(zip(plan.shard_doc.tolist(), plan.shard_start.tolist(), plan.shard_len.tolist(),
-                      plan.shard_rank.tolist()))
+class _Timer:
+    """Wall and CPU seconds of a block (CPU: this process, user + system)."""
+
+    def __enter__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = max(time.perf_counter() - self.wall, 1e-9)
+        self.cpu = max(time.process_time() - self.cpu, 1e-9)
 
 
-def _batch_rate(strategy: str, sequences, cp: int) -> float:
-    """Sequences/s of ``pipeline.plan_rows`` (the batch kernel plus its validation) on all ``sequences``."""
-    from flashcp.planner.pipeline import plan_rows
+def _kernel(strategy, params: dict, offsets, lens, cp: int):
+    """The batch kernel ``pipeline.plan_rows`` runs for ``strategy``: flat ``(offsets, doc, start, len, rank)``."""
+    from flashcp.planner import _batch, _search
+    from flashcp.planner.strategies import kernel_args
 
-    offsets = np.r_[0, np.cumsum([s.size for s in sequences])].astype(np.int64)
-    lens = np.concatenate(sequences).astype(np.int64)
-    plan_rows(offsets[:2], lens[:offsets[1]], cp, strategy)  # compile or load outside the timing
-    started = time.perf_counter()
-    plan_rows(offsets, lens, cp, strategy)
-    return len(sequences) / max(time.perf_counter() - started, 1e-9)
+    if strategy.code >= _search.MAGI:
+        return _search.plan_batch(offsets, lens, cp, strategy.code, *kernel_args(strategy, params))
+    return _batch.plan_batch(offsets, lens, cp, strategy.code, float(params.get("target_imbalance", 1.0)))
+
+
+def _checker(params: dict):
+    """The validator ``pipeline.plan_rows`` runs after the kernel: ``check(offsets, lens, *flat_plans, cp)``."""
+    from flashcp.planner import _batch, _search
+
+    slack = float(params.get("token_slack", 0.0))
+    if slack > 0:
+        check_slack: Any = _search.check_batch_slack  # a Numba dispatcher
+        return lambda *args: check_slack(*args, slack)
+    check: Any = _batch.check_batch  # a Numba dispatcher
+    return check
+
+
+def _batch_timing(strategy, params: dict, offsets, lens, cp: int) -> tuple[_Timer, _Timer, tuple]:
+    """Timers of the batch kernel and of the validator over all rows, and the kernel's flat plans."""
+    check = _checker(params)
+    first = _kernel(strategy, params, offsets[:2], lens, cp)  # compile or load outside the timing
+    check(offsets[:2], lens, *first, cp)
+    with _Timer() as kernel_t:
+        out = _kernel(strategy, params, offsets, lens, cp)
+    with _Timer() as check_t:
+        errors, *_ = check(offsets, lens, *out, cp)
+    if errors.any():
+        raise AssertionError(f"{strategy.name}: the batch kernel made an invalid plan of row "
+                             f"{int(np.flatnonzero(errors)[0])}")
+    return kernel_t, check_t, out
 
 
 def planner_speed(book: PlanBook, source, strategies: list[str], cp: int, context_len: int, num_seqs: int,
-                  python_budget_s: float = 5.0) -> dict:
-    """Rows ``{strategy, numba_seqs_per_s, batch_seqs_per_s, python_seqs_per_s, speedup, python_matches}``."""
+                  python_budget_s: float = 5.0, reference_seqs: int | None = None) -> dict:
+    """Rows per strategy spec: per-sequence, batch (kernel; kernel + check) and Python rates; see the module.
+
+    ``reference_seqs`` runs the Python reference on exactly that many sequences instead of for
+    ``python_budget_s`` seconds.
+    """
+    from flashcp.bench.quality import parse_strategy
+    from flashcp.planner.strategies import get_strategy, resolve_params
+
     c = source.dataset_context_len or context_len
     sequences = book.sequences(source, num_seqs, c)
+    offsets = np.r_[0, np.cumsum([s.size for s in sequences])].astype(np.int64)
+    lens = np.concatenate(sequences).astype(np.int64)
     rows = []
-    for strategy in strategies:
-        plan_for(strategy, sequences[0], cp)  # compile or load the kernels outside the timing
+    for spec, name, params in (parse_strategy(s) for s in strategies):
+        strategy = get_strategy(name)
+        strategy.plan(sequences[0], cp, **params)  # compile or load the kernels outside the timing
         started = time.perf_counter()
-        plans = [plan_for(strategy, doc_lens, cp) for doc_lens in sequences]
+        for doc_lens in sequences:
+            strategy.plan(doc_lens, cp, **params)
         numba_rate = len(sequences) / max(time.perf_counter() - started, 1e-9)
-        row = {"source": source.label, "context_len": c, "cp": cp, "strategy": strategy,
-               "num_seqs": len(sequences), "numba_seqs_per_s": numba_rate, "batch_seqs_per_s": None,
-               "python_seqs_per_s": None, "python_seqs": 0, "speedup": None, "python_matches": None}
-        if strategy != "ring":
-            row["batch_seqs_per_s"] = _batch_rate(strategy, sequences, cp)
-        reference = naive_planner(strategy)
+        kernel_t, check_t, out = _batch_timing(strategy, params, offsets, lens, cp)
+        n = len(sequences)
+        row = {"source": source.label, "context_len": c, "cp": cp, "strategy": spec, "num_seqs": n,
+               "numba_seqs_per_s": numba_rate,
+               "kernel_seqs_per_cpu_s": n / kernel_t.cpu, "kernel_seqs_per_s": n / kernel_t.wall,
+               "batch_seqs_per_cpu_s": n / (kernel_t.cpu + check_t.cpu),
+               "batch_seqs_per_s": n / (kernel_t.wall + check_t.wall),
+               "python_seqs_per_s": None, "python_seqs_per_cpu_s": None, "python_seqs": 0, "speedup": None,
+               "kernel_speedup": None, "python_matches": None}
+        reference = naive_planner(name) if params == resolve_params(strategy) else None
         if reference is not None:
             matches, done = True, 0
-            started = time.perf_counter()
-            for doc_lens, plan in zip(sequences, plans):
-                shards = reference([int(n) for n in doc_lens], cp)
-                matches &= sorted(shards) == _as_rows(plan)
-                done += 1
-                if time.perf_counter() - started > python_budget_s:
-                    break
-            python_rate = done / max(time.perf_counter() - started, 1e-9)
-            row.update(python_seqs_per_s=python_rate, python_seqs=done, speedup=numba_rate / python_rate,
+            limit = n if reference_seqs is None else min(reference_seqs, n)
+            with _Timer() as python_t:
+                for i in range(limit):
+                    shards = reference(lens[offsets[i]:offsets[i + 1]].tolist(), cp)
+                    lo, hi = out[0][i], out[0][i + 1]
+                    matches &= sorted(shards) == sorted(zip(*(a[lo:hi].tolist() for a in out[1:])))
+                    done += 1
+                    if reference_seqs is None and time.perf_counter() - python_t.wall > python_budget_s:
+                        break
+            row.update(python_seqs_per_s=done / python_t.wall, python_seqs_per_cpu_s=done / python_t.cpu,
+                       python_seqs=done, speedup=numba_rate * python_t.wall / done,
+                       kernel_speedup=row["kernel_seqs_per_cpu_s"] * python_t.cpu / done,
                        python_matches=bool(matches))
         rows.append(row)
-    return {"rows": rows}
+    return {"rows": rows, "cpus": os.cpu_count()}
+
+
+def end_to_end(spec: str, cp: int, context_len: int, num_seqs: int, strategies: list[str],
+               workers: list[int], seed: int) -> dict:
+    """Seconds of ``synth --no-tokens``, ``plan`` per strategy and worker count, and ``verify``.
+
+    The dataset: ``num_seqs`` sequences of distribution ``spec``, in a temporary folder.
+    """
+    from flashcp.data.synth import synth_dataset
+    from flashcp.planner.pipeline import plan_dataset
+    from flashcp.planner.verify import verify_dataset
+
+    with tempfile.TemporaryDirectory(prefix="flashcp-speed-") as tmp:
+        root = Path(tmp) / "data"
+        started = time.perf_counter()
+        synth_dataset(root, dist=spec, num_seqs=num_seqs, context_len=context_len, seed=seed, with_tokens=False)
+        result: dict = {"source": spec, "cp": cp, "context_len": context_len, "num_seqs": num_seqs,
+                        "synth_s": time.perf_counter() - started,
+                        "bytes": sum(f.stat().st_size for f in (root / "data").iterdir()), "plans": []}
+        for name in strategies:
+            for count in workers:
+                started = time.perf_counter()
+                meta = plan_dataset(root, cp, name, workers=count, force=True, name=f"w{count}-{name}")
+                elapsed = time.perf_counter() - started
+                result["plans"].append({"strategy": name, "workers": count, "seconds": elapsed,
+                                        "seqs_per_s": num_seqs / elapsed,
+                                        "baselines_every": meta["summary"]["baselines_every_nth_sequence"]})
+        started = time.perf_counter()
+        report = verify_dataset(root)
+        result.update(verify_s=time.perf_counter() - started, verified_plans=len(report.plans))
+    return result

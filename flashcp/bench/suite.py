@@ -10,6 +10,7 @@ import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -17,16 +18,19 @@ from flashcp import __version__
 from flashcp.bench.latency import latency_scenario
 from flashcp.bench.profile import HardwareProfile
 from flashcp.bench.projection import ModelShape
-from flashcp.bench.quality import plan_quality
+from flashcp.bench.quality import parse_strategy, plan_quality
+from flashcp.bench.ring_cost import ring_cost
 from flashcp.bench.runtime_cpu import cpu_cases, runtime_cpu
 from flashcp.bench.sequences import SequenceSource, open_source
-from flashcp.bench.speed import planner_speed
-from flashcp.bench.systems import PlanBook, available_strategies, default_systems, improved_strategy
+from flashcp.bench.speed import end_to_end, planner_speed
+from flashcp.bench.systems import PlanBook, System, available_strategies, default_systems, improved_strategy
 
-__all__ = ["SCENARIOS", "BenchConfig", "bench_config", "run_bench"]
+__all__ = ["EXTRA_SCENARIOS", "SCENARIOS", "BenchConfig", "bench_config", "run_bench"]
 
 SCENARIOS = ("quality", "speed", "runtime", "latency")
-"""Scenario names in run order: plan quality, planner speed, CPU runtime, projected latency."""
+"""The scenarios a plain run runs, in order: plan quality, planner speed, CPU runtime, projected latency."""
+EXTRA_SCENARIOS = ("ring-cost",)
+"""Scenarios run only when ``--scenario`` names them: the ring baselines by the cost model."""
 DEFAULT_DISTS = ("wlb", "prolong", "pile")
 
 
@@ -40,6 +44,10 @@ class BenchConfig:
     """Which of SCENARIOS to run."""
     cps: tuple[int, ...] = (4, 8)
     """CP sizes for plan quality and latency."""
+    strategies: tuple[str, ...] | None = None
+    """Strategy specs for plan quality (``flashcp+@1.05``, ``flashcp2:effort=4``); None: every strategy."""
+    price_tokens: bool = False
+    """Plan quality's projected step time also prices the per-token layers (plans made with token slack)."""
     heads: tuple[int, ...] = (16, 32)
     """Attention heads for the latency projection (head dim 128, bf16)."""
     context_len: int = 131072
@@ -52,6 +60,14 @@ class BenchConfig:
     """Sequences timed per strategy for planner speed."""
     python_budget_s: float = 10.0
     """Seconds the Python reference planners may take per strategy."""
+    reference_seqs: int | None = None
+    """Sequences the Python reference plans per strategy (instead of ``python_budget_s``)."""
+    e2e_seqs: int = 0
+    """Planner speed end to end: sequences of a lengths-only dataset to synthesise, plan and verify (0: none)."""
+    e2e_strategies: tuple[str, ...] = ("flashcp", "flashcp+")
+    """Strategies planned end to end."""
+    workers: tuple[int, ...] = (1, 2)
+    """Worker counts of the end-to-end ``plan``."""
     runtime_context_len: int = 8192
     """Context length of the CPU runtime scenario."""
     runtime_cp: int = field(default_factory=lambda: max(2, min(4, os.cpu_count() or 2)))
@@ -62,8 +78,13 @@ class BenchConfig:
     """Timed steps per case (after one warm-up)."""
     runtime_systems_only: bool = False
     """Time only the bench's systems on CPU, not every strategy with every comm mode."""
+    runtime_cases: tuple[str, ...] | None = None
+    """``strategy/comm`` cases of the CPU runtime scenario (``ring/ring``, ``perdoc/full``...); None: the
+    bench's systems with ``--quick``, else every strategy with every comm mode."""
     runtime_heads: int = 4
-    """Heads (query and key/value) of the CPU runtime scenario."""
+    """Query heads of the CPU runtime scenario."""
+    runtime_kv_heads: int | None = None
+    """Key/value heads of the CPU runtime scenario (None: as many as query heads)."""
     runtime_head_dim: int = 32
     """Head dim of the CPU runtime scenario."""
     seed: int = 0
@@ -80,13 +101,34 @@ class BenchConfig:
     """Notes gathered while configuring (shown with the results)."""
 
     def __post_init__(self):
-        unknown = set(self.scenarios) - set(SCENARIOS)
+        unknown = set(self.scenarios) - set(SCENARIOS + EXTRA_SCENARIOS)
         if unknown:
-            raise ValueError(f"unknown scenario {sorted(unknown)[0]!r}: choose from {', '.join(SCENARIOS)}")
+            raise ValueError(f"unknown scenario {sorted(unknown)[0]!r}: choose from "
+                             f"{', '.join(SCENARIOS + EXTRA_SCENARIOS)}")
         if not self.sources:
             raise ValueError("no sources: give DATA or --dist")
         if min(self.cps) < 1 or min(self.heads) < 1 or self.num_seqs < 1 or self.runtime_cp < 1:
             raise ValueError("cp sizes, head counts and sequence counts must be positive")
+        from flashcp.planner.strategies import get_strategy
+        from flashcp.runtime.meta import COMM_MODES
+
+        for case in self.runtime_cases or ():
+            strategy, sep, comm = case.partition("/")
+            if not sep or comm not in (*COMM_MODES, "auto"):
+                raise ValueError(f"runtime case '{case}': expected STRATEGY/COMM with COMM one of "
+                                 f"{', '.join(COMM_MODES)}, auto")
+            if strategy not in available_strategies():
+                raise ValueError(f"runtime case '{case}': unknown strategy '{strategy}'")
+        kv_heads = self.runtime_kv_heads or self.runtime_heads
+        if self.runtime_heads % kv_heads:
+            raise ValueError(f"runtime heads ({self.runtime_heads}) must be a multiple of runtime key/value "
+                             f"heads ({kv_heads})")
+        if self.e2e_seqs and Path(self.sources[0]).is_dir():
+            raise ValueError("the end-to-end planner speed synthesises a distribution: give --dist, not DATA")
+        for name in self.e2e_strategies if self.e2e_seqs else ():
+            get_strategy(name)
+        for spec in self.strategies or ():
+            parse_strategy(spec)  # a bad spec fails here, before any scenario runs
 
 
 def bench_config(*, quick: bool, data: str | None = None, dists: tuple[str, ...] | None = None,
@@ -129,16 +171,32 @@ def run_bench(config: BenchConfig, profile: HardwareProfile, log=print) -> dict:
         results["seconds"][name] = time.perf_counter() - t0
 
     if "quality" in config.scenarios:
-        timed("quality", lambda: plan_quality(book, sources, strategies, list(config.cps), config.context_len,
-                                              config.num_seqs))
+        specs = list(config.strategies or strategies)
+        timed("quality", lambda: plan_quality(book, sources, specs, list(config.cps), config.context_len,
+                                              config.num_seqs, config.price_tokens))
+    if "ring-cost" in config.scenarios:
+        timed("ring-cost", lambda: ring_cost(book, sources, strategies, list(config.cps), config.context_len,
+                                             config.num_seqs, config.seed))
     if "speed" in config.scenarios:
-        timed("speed", lambda: planner_speed(book, sources[0], strategies, max(config.cps),
-                                             config.context_len, config.speed_seqs, config.python_budget_s))
+        timed("speed", lambda: planner_speed(book, sources[0], list(config.strategies or strategies),
+                                             max(config.cps), config.context_len, config.speed_seqs,
+                                             config.python_budget_s, config.reference_seqs))
+        if config.e2e_seqs:
+            timed("end_to_end", lambda: end_to_end(sources[0].spec, max(config.cps), config.context_len,
+                                                   config.e2e_seqs, list(config.e2e_strategies),
+                                                   list(config.workers), config.seed))
     if "runtime" in config.scenarios:
         ring = any(s.comm == "ring" for s in systems)
         # --quick times the bench's systems only; the full run every strategy with every comm mode
-        cases = systems if config.runtime_systems_only else cpu_cases(strategies, ring, improved_strategy())
-        shape = ModelShape(num_heads=config.runtime_heads, num_kv_heads=config.runtime_heads,
+        if config.runtime_cases:
+            cases = [System(label=key, strategy=key.partition("/")[0], comm=key.partition("/")[2], overlap=True)
+                     for key in config.runtime_cases]
+        elif config.runtime_systems_only:
+            cases = systems
+        else:
+            cases = cpu_cases(strategies, ring, improved_strategy())
+        shape = ModelShape(num_heads=config.runtime_heads,
+                           num_kv_heads=config.runtime_kv_heads or config.runtime_heads,
                            head_dim=config.runtime_head_dim, dtype_bytes=4)
         timed("runtime", lambda: runtime_cpu(book, _runtime_source(sources), cases, config.runtime_cp,
                                              config.runtime_context_len, shape, config.runtime_seqs,

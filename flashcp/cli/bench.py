@@ -32,20 +32,46 @@ def _names(value: str | None) -> tuple[str, ...] | None:
 @click.argument("data", required=False, type=click.Path(file_okay=False))
 @click.option("--quick", is_flag=True, help="Small CI-sized run (well under 2 minutes on 2 CPU cores).")
 @click.option("--scenario", "scenarios", metavar="LIST",
-              help="Comma-separated subset of quality,speed,runtime,latency (default: all; none with "
-                   "--calibrate alone).")
+              help="Comma-separated subset of quality,speed,runtime,latency (default: these four; none with "
+                   "--calibrate alone), or ring-cost (the ring baselines by the cost model; only when named).")
 @click.option("--dist", "dists", metavar="LIST",
               help="Length distributions: wlb, prolong, pile or JSON files (default: all three, or only DATA "
                    "when DATA is given).")
 @click.option("--cp", "cps", metavar="LIST", help="CP sizes (default 4,8).")
+@click.option("--strategies", metavar="LIST",
+              help="Strategies for plan quality, each NAME[@TARGET][:KEY=VALUE;...], e.g. "
+                   "'flashcp+@1.05,flashcp2:effort=4' (default: every strategy).")
+@click.option("--price-tokens", is_flag=True,
+              help="Plan quality's step ms also prices the per-token layers (to compare token-slack plans).")
 @click.option("--heads", metavar="LIST", help="Attention heads for the latency projection (default 16,32).")
 @click.option("--context-len", type=click.IntRange(min=16), help="Context length of distributions "
               "(default 131072; DATA keeps its own).")
 @click.option("--seqs", type=click.IntRange(min=1), help="Sequences per source (default 32, quick 4).")
+@click.option("--speed-seqs", type=click.IntRange(min=1), help="Sequences timed per strategy for planner "
+              "speed (default 64, quick 8).")
+@click.option("--reference-seqs", type=click.IntRange(min=1), help="Sequences the Python reference plans per "
+              "strategy (default: as many as fit in 10 s, quick 1 s).")
+@click.option("--e2e-seqs", type=click.IntRange(min=0), help="Planner speed end to end: synthesise, plan and "
+              "verify a lengths-only dataset of this many sequences (default 0: skip).")
+@click.option("--e2e-strategies", metavar="LIST", help="Strategies planned end to end (default flashcp,flashcp+).")
+@click.option("--workers", metavar="LIST", help="Worker counts of the end-to-end plan (default 1,2).")
 @click.option("--runtime-context-len", type=click.IntRange(min=16),
               help="Context length of the CPU runtime scenario (default 8192, quick 4096).")
 @click.option("--runtime-cp", type=click.IntRange(min=1),
               help="Gloo ranks of the CPU runtime scenario (default: one per core, 2 to 4).")
+@click.option("--runtime-cases", metavar="LIST",
+              help="STRATEGY/COMM cases of the CPU runtime scenario, e.g. 'llama3/full,ring/ring,perdoc/ring' "
+                   "(default: the bench's systems with --quick, else every strategy with every comm mode).")
+@click.option("--runtime-seqs", type=click.IntRange(min=1), help="Sequences of the CPU runtime scenario "
+              "(default 2, quick 1).")
+@click.option("--runtime-reps", type=click.IntRange(min=1), help="Timed steps per case of the CPU runtime "
+              "scenario, after one warm-up (default 3, quick 1).")
+@click.option("--runtime-heads", type=click.IntRange(min=1), help="Query heads of the CPU runtime scenario "
+              "(default 4).")
+@click.option("--runtime-kv-heads", type=click.IntRange(min=1), help="Key/value heads of the CPU runtime "
+              "scenario (default: as many as query heads).")
+@click.option("--runtime-head-dim", type=click.IntRange(min=1), help="Head dim of the CPU runtime scenario "
+              "(default 32).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the packed sequences.")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
               help="Hardware profile JSON (default: H100 SXM NVLink from public specs).")
@@ -61,10 +87,12 @@ def _names(value: str | None) -> tuple[str, ...] | None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every number to this file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Write the figure-style charts to this PNG.")
-def command(data, quick, scenarios, dists, cps, heads, context_len, seqs, runtime_context_len, runtime_cp,
-            seed, profile_path, calibrate, profile_out, measured, measure_budget, device, json_path,
-            plot_path):
-    """Compare CP strategies: plan quality, planner speed, CPU runtime and projected step latency.
+def command(data, quick, scenarios, dists, cps, strategies, price_tokens, heads, context_len, seqs, speed_seqs,
+            reference_seqs, e2e_seqs, e2e_strategies, workers,
+            runtime_context_len, runtime_cp, runtime_cases, runtime_seqs, runtime_reps, runtime_heads,
+            runtime_kv_heads, runtime_head_dim, seed, profile_path, calibrate, profile_out, measured, measure_budget,
+            device, json_path, plot_path):
+    """Compare CP strategies: plan quality, planner speed, CPU runtime and projected step latency (and ring-cost).
 
     DATA is a dataset folder (its sequences are benched instead of the default distributions). Latency
     numbers are PROJECTED from a hardware profile unless --measured times attention on a GPU.
@@ -87,8 +115,16 @@ def command(data, quick, scenarios, dists, cps, heads, context_len, seqs, runtim
         raise click.BadParameter("--plot needs the latency scenario", param_hint="--plot")
     try:
         config = bench_config(quick=quick, data=data, dists=_names(dists), scenarios=chosen,
-                              cps=_ints(cps, "--cp"), heads=_ints(heads, "--heads"), context_len=context_len,
-                              num_seqs=seqs, runtime_context_len=runtime_context_len, runtime_cp=runtime_cp,
+                              cps=_ints(cps, "--cp"), strategies=_names(strategies),
+                              price_tokens=price_tokens or None, heads=_ints(heads, "--heads"),
+                              context_len=context_len,
+                              num_seqs=seqs, speed_seqs=speed_seqs, reference_seqs=reference_seqs,
+                              e2e_seqs=e2e_seqs, e2e_strategies=_names(e2e_strategies),
+                              workers=_ints(workers, "--workers"), runtime_context_len=runtime_context_len,
+                              runtime_cp=runtime_cp,
+                              runtime_cases=_names(runtime_cases), runtime_seqs=runtime_seqs,
+                              runtime_reps=runtime_reps, runtime_heads=runtime_heads,
+                              runtime_kv_heads=runtime_kv_heads, runtime_head_dim=runtime_head_dim,
                               seed=seed, measured=measured, measure_budget_s=measure_budget, device=device)
     except ValueError as e:
         raise FlashcpError(str(e)) from None

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import click
 
 from flashcp.cli.console import console, emit_json, error, info, progress, set_json_output, warn
-from flashcp.data.pack import PackConfig, run_pack
+from flashcp.data.pack import PackConfig, PackResult, run_pack
 from flashcp.data.packing import OVERFLOWS
 from flashcp.data.tokenizer import BUILTINS, DEFAULT_TOKENIZER
 from flashcp.errors import FlashcpError
@@ -50,9 +51,15 @@ def _default_workers() -> int:
 @click.option("--row-group-rows", type=int, default=0,
               help="Sequences per Parquet row group [default: ~4M tokens].")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (text on stderr).")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Run here, or on a Ray cluster (the same bytes; needs pip install 'flashcp[ray]').")
+@click.option("--ray-address", default=None, metavar="ADDRESS",
+              help="With --engine ray: join the cluster at ADDRESS ('auto': the running one) instead of "
+                   "starting Ray on this machine with --workers CPUs.")
 def command(inputs: tuple[str, ...], output: Path, context_len: int, tokenizer: str, text_field: str,
             overflow: str, workers: int | None, include: tuple[str, ...], exclude: tuple[str, ...], eos: bool,
-            strict: bool, force: bool, rows_per_file: int, row_group_rows: int, as_json: bool = False) -> None:
+            strict: bool, force: bool, rows_per_file: int, row_group_rows: int, as_json: bool = False,
+            engine: str = "local", ray_address: str | None = None) -> None:
     """Pack INPUT files (JSONL, JSONL.gz, Parquet, plain text; folders and globs of them) into a dataset.
 
     Documents are tokenized, EOS is appended, and they fill sequences of exactly --context-len tokens in
@@ -67,9 +74,14 @@ def command(inputs: tuple[str, ...], output: Path, context_len: int, tokenizer: 
                             rows_per_file=rows_per_file, row_group_rows=row_group_rows, force=force)
     except ValueError as e:
         raise FlashcpError(str(e)) from None
+    if ray_address is not None and engine != "ray":
+        raise FlashcpError("--ray-address needs --engine ray")
     try:
-        with progress("packing sequences", None) as advance:
-            result = run_pack(config, on_rows=advance)
+        if engine == "ray":
+            result = _run_on_ray(config, ray_address, workers)
+        else:
+            with progress("packing sequences", None) as advance:
+                result = run_pack(config, on_rows=advance)
     except KeyboardInterrupt:
         error(f"interrupted; run the same command again to resume the pack in {output}")
         raise SystemExit(130) from None
@@ -98,3 +110,19 @@ def command(inputs: tuple[str, ...], output: Path, context_len: int, tokenizer: 
          f"{counts['documents_truncated']:,} truncated, {counts['documents_dropped_empty']:,} empty; "
          f"{counts['tokens_dropped_tail']:,} tokens ({counts['documents_dropped_tail']:,} documents) in the "
          "last, partial sequence dropped")
+
+
+def _run_on_ray(config: PackConfig, address: str | None, workers: int | None) -> PackResult:
+    """``run_pack`` with the Ray engine, on the cluster at ``address`` or on one started here."""
+    from flashcp.engines.ray_cluster import ray_session, require_ray
+
+    require_ray()
+    from flashcp.engines.ray_pack import RayPackEngine
+
+    started = time.perf_counter()
+    with ray_session(address, workers) as ray:
+        engine = RayPackEngine(workers)
+        info(f"Ray: {engine.cpus} CPUs of {len(ray.nodes())} node(s) in use, ready in "
+             f"{time.perf_counter() - started:.1f} s", level=2)
+        with progress("packing sequences", None) as advance:
+            return run_pack(config, on_rows=advance, engine=engine)

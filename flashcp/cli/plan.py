@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 from rich.table import Table
 
 from flashcp.cli.console import console, emit_json, info, progress, set_json_output
 from flashcp.data.dataset import Dataset
+from flashcp.errors import FlashcpError
 from flashcp.planner.pipeline import plan_dataset
 from flashcp.planner.strategies import DEFAULT_STRATEGY, STRATEGIES
 
@@ -54,20 +58,37 @@ def summary_table(title: str, rows: dict[str, dict]) -> Table:
 @click.option("--name", default=None, help="Plan folder name [default: cp{N}-{strategy}].")
 @click.option("--force", is_flag=True, help="Replace an existing plan of the same name.")
 @click.option("--json", "as_json", is_flag=True, help="Print plan.json and the time on stdout (text on stderr).")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Plan here, or one Ray task per data file (the same bytes; needs pip install 'flashcp[ray]').")
+@click.option("--ray-address", default=None, metavar="ADDRESS",
+              help="With --engine ray: join the cluster at ADDRESS ('auto': the running one) instead of "
+                   "starting Ray on this machine with --workers CPUs.")
 def command(data: str, cp: int, strategy: str, target_imbalance: float | None, objective: str | None,
             profile: str | None, effort: str | None, token_slack: float | None, chunk_size: int | None,
-            workers: int, name: str | None, force: bool, as_json: bool = False) -> None:
+            workers: int, name: str | None, force: bool, as_json: bool = False, engine: str = "local",
+            ray_address: str | None = None) -> None:
     """Plan every sequence of DATA for CP size N; every plan is validated before it is written."""
     set_json_output(as_json)
     started = time.perf_counter()
     dataset = Dataset(data)
-    with progress(f"planning cp{cp} {strategy}", dataset.num_sequences) as advance:
+    if ray_address is not None and engine != "ray":
+        raise FlashcpError("--ray-address needs --engine ray")
+    with ExitStack() as stack:
+        run_jobs: Callable | None = None
+        if engine == "ray":
+            from flashcp.engines.ray_cluster import ray_session
+            from flashcp.engines.ray_plan import run_jobs as ray_run_jobs
+
+            run_jobs = ray_run_jobs
+            explicit = click.get_current_context().get_parameter_source("workers") != ParameterSource.DEFAULT
+            stack.enter_context(ray_session(ray_address, workers if explicit else None))  # default: all cores
+        advance = stack.enter_context(progress(f"planning cp{cp} {strategy}", dataset.num_sequences))
         overrides = {"objective": objective, "profile": str(Path(profile).resolve()) if profile else None,
                      "effort": int(effort) if effort and effort.isdigit() else effort, "chunk_size": chunk_size,
                      "token_slack": token_slack}
         meta = plan_dataset(data, cp, strategy, target_imbalance=target_imbalance, workers=workers,
                             force=force, name=name, progress=advance, on_note=info,
-                            overrides={k: v for k, v in overrides.items() if v is not None})
+                            overrides={k: v for k, v in overrides.items() if v is not None}, run_jobs=run_jobs)
     elapsed = time.perf_counter() - started
     if as_json:
         emit_json({"dataset": str(dataset.root), "plan": meta, "seconds": elapsed})

@@ -25,6 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -43,7 +44,7 @@ from flashcp.data.tokenizer import (
 from flashcp.errors import FlashcpError
 from flashcp.fileio import sha256_file
 
-__all__ = ["PackConfig", "PackResult", "file_layout", "run_pack"]
+__all__ = ["PackConfig", "PackEngine", "PackResult", "file_layout", "run_pack"]
 
 ROW_GROUP_TOKENS = 1 << 22
 """Default row group: about 4M tokens (16 MiB of int32 ids before compression)."""
@@ -344,6 +345,17 @@ class _PackRun:
         return counts
 
 
+class PackEngine(Protocol):
+    """Another way to run the two heavy steps of a pack (hashing the inputs, tokenizing and packing)."""
+
+    def hash_inputs(self, inputs: list[InputFile]) -> list[dict]:
+        """The identity's ``inputs`` entries, as ``_hash_inputs`` makes them."""
+
+    def pack_run(self, config: PackConfig, encoder: Encoder, pool: None, inputs: list[InputFile],
+                 out: OutputFolder, identity: dict, identity_sha256: str, on_rows: Callable[[int], None]):
+        """An object like ``_PackRun``: ``run()``, then ``last_file``, ``input_documents``, ``final_counts``."""
+
+
 def _hash_inputs(inputs: list[InputFile]) -> list[dict]:
     entries = []
     for input_file in inputs:
@@ -356,31 +368,33 @@ def _hash_inputs(inputs: list[InputFile]) -> list[dict]:
     return entries
 
 
-def run_pack(config: PackConfig, *, on_rows: Callable[[int], None] = lambda n: None) -> PackResult:
+def run_pack(config: PackConfig, *, on_rows: Callable[[int], None] = lambda n: None,
+             engine: PackEngine | None = None) -> PackResult:
     """Pack ``config.inputs`` into the dataset folder ``config.output`` and return what was done.
 
     Resumes an interrupted pack with the same identity; returns at once when the folder already holds this
     dataset. Raises FlashcpError (one sentence) for anything wrong with the inputs, the tokenizer or the
     output folder; a failed run leaves no partial dataset behind. ``on_rows(n)`` is told of every n
     sequences written. With ``workers`` > 1 the workers are started with "spawn", so a script calling this
-    needs the usual ``if __name__ == "__main__":`` guard.
+    needs the usual ``if __name__ == "__main__":`` guard. ``engine`` replaces the local hashing and
+    tokenize-and-pack pass (``flashcp.engines.ray_pack``); set-up, resume and the manifest stay these.
     """
     started = time.perf_counter()
-    pool = _start_pool(config) if config.workers > 1 else None
+    pool = _start_pool(config) if config.workers > 1 and engine is None else None
     try:
-        return _run_pack(config, pool, on_rows, started)
+        return _run_pack(config, pool, on_rows, started, engine)
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _run_pack(config: PackConfig, pool: ProcessPoolExecutor | None, on_rows: Callable[[int], None],
-              started: float) -> PackResult:
+              started: float, engine: PackEngine | None = None) -> PackResult:
     spec = resolve_tokenizer(config.tokenizer)
     encoder = Encoder(spec, append_eos=config.append_eos)
     inputs, warnings = discover_inputs(config.inputs, include=config.include, exclude=config.exclude,
                                        skip=(config.output,))
-    input_entries = _hash_inputs(inputs)
+    input_entries = engine.hash_inputs(inputs) if engine else _hash_inputs(inputs)
     empty = [str(i.path) for i in inputs if i.bytes == 0]
     if empty:
         warnings.append(f"{len(empty)} input file(s) are empty and hold no documents ({empty[0]}"
@@ -407,7 +421,8 @@ def _run_pack(config: PackConfig, pool: ProcessPoolExecutor | None, on_rows: Cal
     resumed_tokens = sum(p.file.tokens for p in out.parts)
     try:
         out.write_state(identity_sha256, identity)  # from now on the folder is recognisably this pack's
-        run = _PackRun(config, encoder, pool, inputs, out, identity, identity_sha256, on_rows)
+        run = (engine.pack_run if engine else _PackRun)(config, encoder, pool, inputs, out, identity,
+                                                        identity_sha256, on_rows)
         run.run()
         files = [p.file for p in out.parts] + ([run.last_file] if run.last_file else [])
         num_sequences = sum(f.rows for f in files)

@@ -32,8 +32,10 @@ __all__ = [
     "FORMATS",
     "SKIP_REASONS",
     "InputFile",
+    "bad_record_error",
     "discover_inputs",
     "iter_records",
+    "parse_jsonl_line",
 ]
 
 FORMATS = {".jsonl.gz": "jsonl.gz", ".jsonl": "jsonl", ".parquet": "parquet", ".txt": "text"}
@@ -191,24 +193,7 @@ def _jsonl_records(index: int, input_file: InputFile, field: str, start: int,
             for line_no, line in enumerate(f):
                 if line_no < start or not line.strip():
                     continue
-                kind, text = DOC, None
-                try:
-                    obj = json.loads(line)
-                except UnicodeDecodeError:
-                    kind = _INVALID_UTF8
-                except ValueError:
-                    kind = _INVALID_JSON
-                else:
-                    if not isinstance(obj, dict):
-                        kind = _INVALID_JSON
-                    elif (value := obj.get(field)) is None:
-                        kind = _MISSING_FIELD
-                    elif not isinstance(value, str):
-                        kind = _NOT_TEXT
-                    elif not value.isascii() and not _encodable(value):
-                        kind = _INVALID_UTF8  # lone surrogates from \ud800-style escapes
-                    else:
-                        text = value
+                kind, text = parse_jsonl_line(line, field)
                 if kind != DOC and strict:
                     raise _bad(kind, input_file, f"line {line_no + 1}", field)
                 yield index, line_no, kind, text
@@ -216,6 +201,32 @@ def _jsonl_records(index: int, input_file: InputFile, field: str, start: int,
         raise FlashcpError(f"input {input_file.path} is not a readable gzip file ({e})") from None
     except OSError as e:
         raise FlashcpError(f"cannot read input {input_file.path}: {e.strerror or e}") from None
+
+
+def parse_jsonl_line(line: bytes, field: str) -> tuple[int, str | None]:
+    """``(kind, text)`` of one non-blank JSONL line: ``(DOC, text)`` or a skip reason code and None."""
+    try:
+        obj = json.loads(line)
+    except UnicodeDecodeError:
+        return _INVALID_UTF8, None
+    except ValueError:
+        return _INVALID_JSON, None
+    if not isinstance(obj, dict):
+        return _INVALID_JSON, None
+    if (value := obj.get(field)) is None:
+        return _MISSING_FIELD, None
+    if not isinstance(value, str):
+        return _NOT_TEXT, None
+    if not value.isascii() and not _encodable(value):
+        return _INVALID_UTF8, None  # lone surrogates from \ud800-style escapes
+    return DOC, value
+
+
+def bad_record_error(kind: int, input_file: InputFile, record_index: int, field: str) -> FlashcpError:
+    """The error ``--strict`` raises for bad record ``record_index`` of ``input_file`` (as the readers word it)."""
+    where = {"parquet": f"row {record_index}", "text": "(plain text)"}.get(input_file.format,
+                                                                          f"line {record_index + 1}")
+    return _bad(kind, input_file, where, field)
 
 
 def _encodable(text: str) -> bool:

@@ -274,7 +274,8 @@ def _concat(parts: list[PlannedRows]) -> PlannedRows:
 def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
                  target_imbalance: float | None = None, workers: int = 1, force: bool = False,
                  name: str | None = None, progress: Callable[[int], None] | None = None,
-                 on_note: Callable[[str], None] | None = None, overrides: dict | None = None) -> dict:
+                 on_note: Callable[[str], None] | None = None, overrides: dict | None = None,
+                 run_jobs: Callable | None = None) -> dict:
     """Plan every sequence of the dataset at ``root`` and write ``plans/<name>/``; returns its plan.json.
 
     ``name`` defaults to ``cp{N}-{strategy}`` and must be a plain folder name. An existing plan of that name
@@ -283,6 +284,8 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
     ``progress(rows)`` is called as rows finish; ``on_note(sentence)`` hears of staging folders of killed runs
     that were cleaned up. ``overrides`` set the strategy's other parameters (``chunk_size``, ``effort``,
     ``profile``, ...). The returned dict carries the baselines' summaries under ``summary["baselines"]``.
+    ``run_jobs(jobs, workers, progress)`` runs the per-file jobs elsewhere (``flashcp.engines.ray_plan``) and
+    returns their results in order; by default they run here or in local worker processes.
     """
     dataset = Dataset(root)
     if target_imbalance is not None and not (math.isfinite(target_imbalance) and target_imbalance >= 1):
@@ -321,7 +324,7 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
                                      strategy=chosen.name, params=params, context_len=dataset.context_len,
                                      baseline_step=step, staging=str(staging)))
                 first_row += data_file.rows
-            results = _run_jobs(jobs, workers, progress)
+            results = (run_jobs or _run_jobs)(jobs, workers, progress)
             summary = _summary(results, dataset.context_len, cp, step)
             meta = write_plan_json(staging, dataset=dataset, strategy=chosen.name, params=params, cp=cp,
                                    plan_files=[r.plan_file for r in results], summary=summary, name=name)

@@ -1,0 +1,54 @@
+"""``flashcp plan --engine ray``: one Ray task per data file, running the local planner's own per-file job.
+
+``flashcp.planner.pipeline`` builds the jobs, stages and publishes the plan; only where the jobs run changes.
+Every job reads its data file, plans and validates every row, and writes its plan file into the staging folder
+(which must be on a filesystem every Ray node shares), so the plan's bytes are the local ones by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from flashcp.engines.ray_cluster import require_ray
+from flashcp.engines.ray_pack import get_result
+from flashcp.errors import FlashcpError
+
+__all__ = ["run_jobs"]
+
+
+def run_jobs(jobs: list, workers: int, progress: Callable[[int], None] | None) -> list:
+    """Run ``pipeline._plan_file`` on every job as a Ray task; the results in job order.
+
+    ``workers`` is not used: the cluster's CPUs set how many jobs run at once.
+    """
+    from flashcp.planner.pipeline import BASELINES, _plan_file, plan_rows
+
+    ray = require_ray()
+    if jobs:
+        # compile (and cache) the kernels here once, so that the workers on this node load them instead of
+        # each compiling them at the same time
+        job = jobs[0]
+        offsets, lens = np.array([0, job.context_len], np.int64), np.array([job.context_len], np.int64)
+        plan_rows(offsets, lens, job.cp, job.strategy, job.params)
+        for name in BASELINES:
+            plan_rows(offsets, lens, job.cp, name)
+    plan_file = ray.remote(num_cpus=1)(_plan_file)
+    refs = [plan_file.remote(job) for job in jobs]
+    results = []
+    try:
+        for job, ref in zip(jobs, refs):
+            results.append(get_result(ray, ref))
+            if not (Path(job.staging) / results[-1].plan_file["path"]).is_file():
+                raise FlashcpError(f"a Ray worker wrote a plan file where the driver cannot see it; the dataset "
+                                   f"folder {job.root} must be on a filesystem every Ray node shares")
+            if progress:
+                progress(int(results[-1].metrics[0].size))
+    except BaseException:
+        for ref in refs:
+            ray.cancel(ref)
+        ray.wait(refs, num_returns=len(refs), timeout=60)
+        raise
+    return results
