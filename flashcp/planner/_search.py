@@ -16,7 +16,7 @@ from flashcp.planner._kernels import _finish, _quotas, flashcp_kernel, llama3_ke
 from flashcp.planner._peers import magi_kernel, ptrr_kernel
 from flashcp.planner._plus import flashcp_plus_kernel
 from flashcp.planner.cost import _allgather_contributions, _exact_need_received, _rank_workloads, workload
-from flashcp.planner.objective import one_shard_seconds, rank_floor, shard_seconds, step_seconds, step_seconds_of
+from flashcp.planner.objective import one_shard_seconds, shard_seconds, step_seconds_of
 
 __all__ = ["FLASHCP2", "MAGI", "PTRR", "check_batch_slack", "flashcp2_kernel", "local_search", "needs_compile",
            "plan_batch", "plan_one", "slack_tokens"]
@@ -138,8 +138,15 @@ def local_search(doc, start, length, rank, cp, model, target, budget, window):
     moves repeats while it improves,
     until ``budget`` objective evaluations are spent.
     """
-    # every shard's kernel seconds, re-priced only for the shards a move touches
     sec_f, sec_b = shard_seconds(start, length, model)
+    return _local_search_priced(doc, start, length, rank, cp, model, target, budget, window, sec_f, sec_b)
+
+
+@njit(cache=True)
+def _local_search_priced(doc, start, length, rank, cp, model, target, budget, window, sec_f, sec_b):
+    """``local_search`` given every shard's kernel seconds (``shard_seconds``; updated in place): the
+    portfolio has them from pricing its best candidate."""
+    # every shard's kernel seconds, re-priced only for the shards a move touches
     work = _rank_workloads(start, length, rank, cp)
     best = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, -1)
     received = _exact_need_received(doc, start, length, rank, cp).max()
@@ -243,7 +250,7 @@ def affinity_kernel(lens, cp, chunk, tolerance):
     one contiguous piece and receives only the prefix before it. Quotas: when no rank has room for a chunk,
     the least-loaded rank with room takes its head and the rest goes on (as in ``magi``).
     """
-    return _affinity_assign(lens, cp, _affinity_chunks(lens, chunk), tolerance)
+    return _affinity_assign(lens, cp, _affinity_chunks(lens, chunk), tolerance, np.inf)
 
 
 @njit(cache=True)
@@ -275,7 +282,10 @@ def _affinity_chunks(lens, chunk):
 
 
 @njit(cache=True)
-def _affinity_assign(lens, cp, chunks, tolerance):
+def _affinity_assign(lens, cp, chunks, tolerance, limit):
+    """``affinity_kernel`` on cut ``chunks``; no shards (empty arrays) when the ranks' workloads miss
+    imbalance ``limit``, known before the pieces are sorted and merged (a shard's workload is the sum of its
+    pieces', so the plan's imbalance is the one of ``load``)."""
     cdoc, cstart, clen, cwork, total, order = chunks
     num_chunks = cdoc.shape[0]
     quotas = _quotas(lens.sum(), cp)
@@ -328,6 +338,8 @@ def _affinity_assign(lens, cp, chunks, tolerance):
             load[best] += workload(pos, take)
             tokens[best] += take
             pos += take
+    if _imbalance_of(load, cp) > limit:
+        return pdoc[:0], pstart[:0], plen[:0], prank[:0]
     return _finish(pdoc, pstart, plen, prank, count, lens)
 
 
@@ -338,14 +350,15 @@ def _chunk_of(lens, cp, split):
 
 
 @njit(cache=True)
-def _candidate(lens, cp, c, num, cut):
+def _candidate(lens, cp, c, num, cut, limit):
     """Portfolio candidate ``c``: ``num`` chunked assignments of ``AFFINITY``, then ``flashcp``, ``magi`` at
     ``(C // N) // 8``, ``llama3``, then ``magi`` at each of ``PORTFOLIO_SPLITS``. ``cut``:
-    ``_affinity_chunks`` at each of ``SPLITS``."""
+    ``_affinity_chunks`` at each of ``SPLITS``. A chunked assignment that misses imbalance ``limit`` comes
+    back empty."""
     if c < num:
         split = AFFINITY[c][0]
         return _affinity_assign(lens, cp, cut[0] if split == 4 else cut[1] if split == 8 else cut[2],
-                                AFFINITY[c][1])
+                                AFFINITY[c][1], limit)
     if c == num:
         return flashcp_kernel(lens, cp, 1.05)
     if c == num + 1:
@@ -359,7 +372,8 @@ def _candidate(lens, cp, c, num, cut):
 def flashcp2_kernel(lens, cp, target, effort, model, slack):
     """Portfolio of candidate plans, the best under the step time, then local search (see strategies.py)."""
     best_doc, best_start, best_len, best_rank = flashcp_plus_kernel(lens, cp, target)
-    best_time = step_seconds(best_doc, best_start, best_len, best_rank, cp, model)
+    best_f, best_b = shard_seconds(best_start, best_len, model)
+    best_time = step_seconds_of(best_doc, best_start, best_len, best_rank, cp, model, best_f, best_b, -1)
     # the imbalance every candidate must meet: the target, or flashcp+'s own when it misses the target
     limit = max(target, _imbalance(best_start, best_len, best_rank, cp))
     plus_time = best_time
@@ -374,15 +388,23 @@ def flashcp2_kernel(lens, cp, target, effort, model, slack):
     if effort > 1:
         count += len(PORTFOLIO_SPLITS)
     for c in range(count):
-        doc, start, length, rank = _candidate(lens, cp, c, num, cut)
+        doc, start, length, rank = _candidate(lens, cp, c, num, cut, limit)
+        if doc.shape[0] == 0:  # a chunked assignment over the limit
+            continue
         work = _rank_workloads(start, length, rank, cp)
         if _imbalance_of(work, cp) > limit:  # cheap test first
             continue
-        # the busiest rank's own time bounds the step time from below: skip what cannot win
-        floor = rank_floor(doc, start, length, rank, cp, model, np.argmax(work))
+        # the busiest rank's own time bounds the step time from below (``rank_floor``): skip what cannot
+        # win; its shards' seconds then serve the step time too
+        busiest = np.argmax(work)
+        sec_f = np.zeros(doc.shape[0], np.float64)
+        sec_b = np.zeros(doc.shape[0], np.float64)
+        _price_shards(start, length, rank, model, sec_f, sec_b, busiest, True)
+        floor = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, busiest)
         if floor > plus_time or floor >= best_time * (1.0 + RECEIVE_TIE):
             continue
-        t = step_seconds(doc, start, length, rank, cp, model)
+        _price_shards(start, length, rank, model, sec_f, sec_b, busiest, False)
+        t = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, -1)
         if t > plus_time or t >= best_time * (1.0 + RECEIVE_TIE):
             continue
         received = _exact_need_received(doc, start, length, rank, cp).max()
@@ -391,14 +413,24 @@ def flashcp2_kernel(lens, cp, target, effort, model, slack):
                                                      received == best_received and t >= best_time):
             continue
         best_doc, best_start, best_len, best_rank, best_time = doc, start, length, rank, t
+        best_f, best_b = sec_f, sec_b
         best_received = received
     if effort > 0:
         start = best_start.copy()
         length = best_len.copy()
-        local_search(best_doc, start, length, best_rank, cp, model, limit, effort * EVALS_PER_EFFORT,
-                     slack_tokens(slack, lens.sum(), cp))
+        _local_search_priced(best_doc, start, length, best_rank, cp, model, limit, effort * EVALS_PER_EFFORT,
+                             slack_tokens(slack, lens.sum(), cp), best_f, best_b)
         return _finish(best_doc, start, length, best_rank, best_doc.shape[0], lens)
     return best_doc, best_start, best_len, best_rank
+
+
+@njit(cache=True)
+def _price_shards(start, length, rank, model, sec_f, sec_b, of_rank, on_rank):
+    """Kernel seconds (``one_shard_seconds``) of the shards on rank ``of_rank`` (``on_rank``) or of all the
+    others, written into ``sec_f``/``sec_b``: ``shard_seconds``'s values, in two passes."""
+    for i in range(start.shape[0]):
+        if (rank[i] == of_rank) == on_rank:
+            sec_f[i], sec_b[i] = one_shard_seconds(start[i], length[i], model)
 
 
 @njit(cache=True)
