@@ -47,29 +47,50 @@ def _doc_offsets(lens):
 
 @njit(cache=True)
 def _finish(pdoc, pstart, plen, prank, count, lens):
-    """Sort pieces by (rank, position in the sequence), drop empty ones, merge touching ones of one doc."""
+    """Sort pieces by (rank, position in the sequence), drop empty ones, merge touching ones of one doc.
+
+    Pieces never overlap, so the order is unique: a counting sort by rank, then each rank's pieces sorted by
+    position (as ``position * count + piece`` values, so the piece comes back from the value).
+    """
     offsets = _doc_offsets(lens)
-    context_len = offsets[-1]
     keep = 0
+    num_ranks = 0
     for i in range(count):
         if plen[i] > 0:
             keep += 1
-    keys = np.empty(keep, np.int64)
-    index = np.empty(keep, np.int64)
-    j = 0
+            num_ranks = max(num_ranks, prank[i] + 1)
+    first = np.zeros(num_ranks + 1, np.int64)
     for i in range(count):
         if plen[i] > 0:
-            keys[j] = prank[i] * context_len + offsets[pdoc[i]] + pstart[i]
-            index[j] = i
-            j += 1
-    order = np.argsort(keys)
+            first[prank[i] + 1] += 1
+    for r in range(num_ranks):
+        first[r + 1] += first[r]
+    fill = first[:num_ranks].copy()
+    packed = np.empty(keep, np.int64)
+    for i in range(count):
+        if plen[i] > 0:
+            packed[fill[prank[i]]] = (offsets[pdoc[i]] + pstart[i]) * count + i
+            fill[prank[i]] += 1
+    for r in range(num_ranks):
+        lo = first[r]
+        hi = first[r + 1]
+        if hi - lo > 16:
+            packed[lo:hi].sort()
+            continue
+        for j in range(lo + 1, hi):  # insertion sort of a few pieces
+            value = packed[j]
+            k = j - 1
+            while k >= lo and packed[k] > value:
+                packed[k + 1] = packed[k]
+                k -= 1
+            packed[k + 1] = value
     out_doc = np.empty(keep, np.int64)
     out_start = np.empty(keep, np.int64)
     out_len = np.empty(keep, np.int64)
     out_rank = np.empty(keep, np.int64)
     m = 0
     for j in range(keep):
-        i = index[order[j]]
+        i = packed[j] % count
         if (m > 0 and out_rank[m - 1] == prank[i] and out_doc[m - 1] == pdoc[i]
                 and out_start[m - 1] + out_len[m - 1] == pstart[i]):
             out_len[m - 1] += plen[i]
