@@ -50,7 +50,7 @@ def _finish(pdoc, pstart, plen, prank, count, lens):
     """Sort pieces by (rank, position in the sequence), drop empty ones, merge touching ones of one doc.
 
     Pieces never overlap, so the order is unique: a counting sort by rank, then each rank's pieces sorted by
-    position (as ``position * count + piece`` values, so the piece comes back from the value).
+    position (as ``position << bits | piece`` values, so the piece comes back from the value).
     """
     offsets = _doc_offsets(lens)
     keep = 0
@@ -66,10 +66,14 @@ def _finish(pdoc, pstart, plen, prank, count, lens):
     for r in range(num_ranks):
         first[r + 1] += first[r]
     fill = first[:num_ranks].copy()
+    bits = 1
+    while (1 << bits) < count:
+        bits += 1
+    mask = (1 << bits) - 1
     packed = np.empty(keep, np.int64)
     for i in range(count):
         if plen[i] > 0:
-            packed[fill[prank[i]]] = (offsets[pdoc[i]] + pstart[i]) * count + i
+            packed[fill[prank[i]]] = ((offsets[pdoc[i]] + pstart[i]) << bits) | i
             fill[prank[i]] += 1
     for r in range(num_ranks):
         lo = first[r]
@@ -90,7 +94,7 @@ def _finish(pdoc, pstart, plen, prank, count, lens):
     out_rank = np.empty(keep, np.int64)
     m = 0
     for j in range(keep):
-        i = packed[j] % count
+        i = packed[j] & mask
         if (m > 0 and out_rank[m - 1] == prank[i] and out_doc[m - 1] == pdoc[i]
                 and out_start[m - 1] + out_len[m - 1] == pstart[i]):
             out_len[m - 1] += plen[i]
