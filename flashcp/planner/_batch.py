@@ -26,7 +26,7 @@ from flashcp.planner._kernels import (
     ring_kernel,
 )
 from flashcp.planner._plus import flashcp_plus_kernel
-from flashcp.planner.cost import _allgather_contributions, _exact_need_received, _rank_workloads
+from flashcp.planner.cost import _allgather_contributions, _exact_need_received, _order_of, _rank_workloads
 
 # error codes of check_batch; flashcp.planner.pipeline turns them into sentences
 OK, NO_SHARDS, BAD_LENGTH, BAD_RANK, BAD_DOC, BAD_COVERAGE, BAD_QUOTA = range(7)
@@ -154,7 +154,7 @@ def _check_row(lens, doc, start, length, rank, cp):
     position = np.empty(num_shards, np.int64)
     for i in range(num_shards):
         position[i] = offsets[doc[i]] + start[i]
-    order = np.argsort(position)
+    order = _order_of(position)  # positions are unique in a valid plan; a repeated one fails below either way
     expected = 0
     for j in range(num_shards):
         i = order[j]
