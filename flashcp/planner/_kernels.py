@@ -108,6 +108,20 @@ def _finish(pdoc, pstart, plen, prank, count, lens):
 
 
 @njit(cache=True)
+def _finish_within(pdoc, pstart, plen, prank, count, lens, cp, limit):
+    """``_finish``, or no shards (empty arrays) when the ranks' workloads miss imbalance ``limit``: known
+    before sorting, as a shard's workload is the sum of its pieces'."""
+    if limit < np.inf:
+        work = np.zeros(cp, np.int64)
+        for i in range(count):
+            if plen[i] > 0:
+                work[prank[i]] += workload(pstart[i], plen[i])
+        if _ratio(work.max(), work.sum(), cp) > limit:
+            return pdoc[:0], pstart[:0], plen[:0], prank[:0]
+    return _finish(pdoc, pstart, plen, prank, count, lens)
+
+
+@njit(cache=True)
 def _zigzag_sizes(sizes, cp, early, late):
     """Per-Doc chunk sizes of documents of the given ``sizes`` (in order), written into ``early``/``late``.
 
@@ -183,6 +197,12 @@ def _emit_span(offsets, doc, pos, end, rank, pdoc, pstart, plen, prank, count):
 
 @njit(cache=True)
 def llama3_kernel(lens, cp):
+    return llama3_within(lens, cp, np.inf)
+
+
+@njit(cache=True)
+def llama3_within(lens, cp, limit):
+    """``llama3_kernel``, no shards when it misses imbalance ``limit`` (``_finish_within``)."""
     offsets = _doc_offsets(lens)
     quotas = _quotas(offsets[-1], cp)
     capacity = lens.shape[0] + 2 * cp + 1
@@ -198,7 +218,7 @@ def llama3_kernel(lens, cp):
         size = quotas[rank] // 2 if k < cp else quotas[rank] - quotas[rank] // 2
         doc, count = _emit_span(offsets, doc, pos, pos + size, rank, pdoc, pstart, plen, prank, count)
         pos += size
-    return _finish(pdoc, pstart, plen, prank, count, lens)
+    return _finish_within(pdoc, pstart, plen, prank, count, lens, cp, limit)
 
 
 @njit(cache=True)
@@ -365,6 +385,12 @@ def _alg1_whole_doc(lens, cp, quotas, order, num_perdoc, work, tokens, pdoc, pst
 
 @njit(cache=True)
 def flashcp_kernel(lens, cp, target):
+    return flashcp_within(lens, cp, target, np.inf)
+
+
+@njit(cache=True)
+def flashcp_within(lens, cp, target, limit):
+    """``flashcp_kernel``, no shards when it misses imbalance ``limit`` (``_finish_within``)."""
     num_docs = lens.shape[0]
     quotas = _quotas(lens.sum(), cp)
     order = _descending_order(lens)
@@ -391,5 +417,5 @@ def flashcp_kernel(lens, cp, target):
         count = _alg1_whole_doc(lens, cp, quotas, order, num_perdoc, work, tokens, pdoc, pstart, plen, prank,
                                 count)
         if _ratio(work.max(), work.sum(), cp) <= target or num_perdoc == num_docs:
-            return _finish(pdoc, pstart, plen, prank, count, lens)
+            return _finish_within(pdoc, pstart, plen, prank, count, lens, cp, limit)
     return _finish(pdoc, pstart, plen, prank, 0, lens)  # unreachable

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from flashcp.planner._kernels import _doc_offsets, _finish, _quotas
+from flashcp.planner._kernels import _doc_offsets, _finish, _finish_within, _quotas
 from flashcp.planner.cost import workload
 
 
@@ -94,6 +94,12 @@ def _place(offsets, pos, end, preferred, quotas, tokens, load, weight, cp, pdoc,
 @njit(cache=True)
 def magi_kernel(lens, cp, chunk):
     """MagiAttention's MinHeap dispatch over ``chunk``-token chunks of the sequence."""
+    return magi_within(lens, cp, chunk, np.inf)
+
+
+@njit(cache=True)
+def magi_within(lens, cp, chunk, limit):
+    """``magi_kernel``, no shards when it misses imbalance ``limit`` (``_finish_within``)."""
     offsets, starts, work = _chunks(lens, chunk)
     quotas = _quotas(offsets[-1], cp)
     num_chunks = work.shape[0]
@@ -119,7 +125,7 @@ def magi_kernel(lens, cp, chunk):
                     best = r
         count = _place(offsets, starts[i], starts[i + 1], best, quotas, tokens, load, -1, cp, pdoc, pstart,
                        plen, prank, count)
-    return _finish(pdoc, pstart, plen, prank, count, lens)
+    return _finish_within(pdoc, pstart, plen, prank, count, lens, cp, limit)
 
 
 @njit(cache=True)

@@ -12,10 +12,10 @@ import numpy as np
 from numba import njit, typeof, types
 
 from flashcp.planner._batch import BAD_QUOTA, _check_row
-from flashcp.planner._kernels import _finish, _quotas, flashcp_kernel, llama3_kernel
-from flashcp.planner._peers import magi_kernel, ptrr_kernel
+from flashcp.planner._kernels import _finish, _quotas, flashcp_within, llama3_within
+from flashcp.planner._peers import magi_kernel, magi_within, ptrr_kernel
 from flashcp.planner._plus import flashcp_plus_kernel
-from flashcp.planner.cost import _allgather_contributions, _exact_need_received, _rank_workloads, workload
+from flashcp.planner.cost import _allgather_contributions, _exact_need_received, _order_of, _rank_workloads, workload
 from flashcp.planner.objective import one_shard_seconds, shard_seconds, step_seconds_of
 
 __all__ = ["FLASHCP2", "MAGI", "PTRR", "check_batch_slack", "flashcp2_kernel", "local_search", "needs_compile",
@@ -278,7 +278,8 @@ def _affinity_chunks(lens, chunk):
             total += cwork[k]
             end -= take
             k += 1
-    return cdoc, cstart, clen, cwork, total, np.argsort(-cwork, kind="mergesort")
+    # by decreasing workload, ties by index (a stable sort)
+    return cdoc, cstart, clen, cwork, total, _order_of(cwork.max() - cwork if num_chunks else cwork)
 
 
 @njit(cache=True)
@@ -353,19 +354,19 @@ def _chunk_of(lens, cp, split):
 def _candidate(lens, cp, c, num, cut, limit):
     """Portfolio candidate ``c``: ``num`` chunked assignments of ``AFFINITY``, then ``flashcp``, ``magi`` at
     ``(C // N) // 8``, ``llama3``, then ``magi`` at each of ``PORTFOLIO_SPLITS``. ``cut``:
-    ``_affinity_chunks`` at each of ``SPLITS``. A chunked assignment that misses imbalance ``limit`` comes
-    back empty."""
+    ``_affinity_chunks`` at each of ``SPLITS``. A candidate that misses imbalance ``limit`` comes back
+    empty."""
     if c < num:
         split = AFFINITY[c][0]
         return _affinity_assign(lens, cp, cut[0] if split == 4 else cut[1] if split == 8 else cut[2],
                                 AFFINITY[c][1], limit)
     if c == num:
-        return flashcp_kernel(lens, cp, 1.05)
+        return flashcp_within(lens, cp, 1.05, limit)
     if c == num + 1:
-        return magi_kernel(lens, cp, _chunk_of(lens, cp, 8))
+        return magi_within(lens, cp, _chunk_of(lens, cp, 8), limit)
     if c == num + 2:
-        return llama3_kernel(lens, cp)
-    return magi_kernel(lens, cp, _chunk_of(lens, cp, PORTFOLIO_SPLITS[c - num - 3]))
+        return llama3_within(lens, cp, limit)
+    return magi_within(lens, cp, _chunk_of(lens, cp, PORTFOLIO_SPLITS[c - num - 3]), limit)
 
 
 @njit(cache=True)
@@ -389,7 +390,7 @@ def flashcp2_kernel(lens, cp, target, effort, model, slack):
         count += len(PORTFOLIO_SPLITS)
     for c in range(count):
         doc, start, length, rank = _candidate(lens, cp, c, num, cut, limit)
-        if doc.shape[0] == 0:  # a chunked assignment over the limit
+        if doc.shape[0] == 0:  # over the limit
             continue
         work = _rank_workloads(start, length, rank, cp)
         if _imbalance_of(work, cp) > limit:  # cheap test first

@@ -132,7 +132,7 @@ def _allgather_contributions(shard_doc, shard_start, shard_rank, shard_len, cp):
 
 @njit(cache=True)
 def _order_of(key):
-    """``np.argsort(key)`` of int64 keys, up to the order of equal keys (here: by index).
+    """``np.argsort(key, kind="mergesort")`` of int64 keys (stable: equal keys by index).
 
     Sorts ``key << bits | index`` values, which is faster than sorting indices; ``np.argsort`` when a key is
     negative or too large for that.
@@ -147,7 +147,7 @@ def _order_of(key):
         top = max(top, key[i])
         low = min(low, key[i])
     if low < 0 or top >= (1 << (62 - bits)):
-        return np.argsort(key)
+        return np.argsort(key, kind="mergesort")
     packed = np.empty(n, np.int64)
     for i in range(n):
         packed[i] = (key[i] << bits) | i
