@@ -163,6 +163,39 @@ def test_affinity_equals_reference(case, chunk, tolerance):
     assert list(zip(*(a.tolist() for a in got))) == naive_affinity(lens, cp, chunk, tolerance)
 
 
+@examples(40)
+@given(sequences(), st.sampled_from([256, 1000]), st.sampled_from([1.0, 1.01, 1.2, np.inf]))
+def test_candidates_within_a_limit_are_the_kernels_or_empty(case, chunk, limit):
+    """The portfolio's ``*_within`` kernels return the plain kernel's plan when it meets the imbalance limit
+    and no shards otherwise."""
+    from flashcp.planner._kernels import flashcp_kernel, flashcp_within, llama3_kernel, llama3_within
+    from flashcp.planner._peers import magi_kernel, magi_within
+
+    lens, cp = case
+    lens = np.asarray(lens, np.int64)
+    pairs = [(flashcp_kernel(lens, cp, 1.05), flashcp_within(lens, cp, 1.05, limit)),
+             (magi_kernel(lens, cp, chunk), magi_within(lens, cp, chunk, limit)),
+             (llama3_kernel(lens, cp), llama3_within(lens, cp, limit)),
+             (_search.affinity_kernel(lens, cp, chunk, 0.03),
+              _search._affinity_assign(lens, cp, _search._affinity_chunks(lens, chunk), 0.03, limit))]
+    for plain, within in pairs:
+        if _search._imbalance(plain[1], plain[2], plain[3], cp) <= limit:
+            assert all(np.array_equal(a, b) for a, b in zip(plain, within, strict=True))
+        else:
+            assert all(a.size == 0 for a in within)
+
+
+def test_order_of_is_a_stable_argsort():
+    from flashcp.planner.cost import _order_of
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 2, 17, 300):
+        for high in (3, 1 << 20, 1 << 61):
+            key = rng.integers(-2 if high == 3 else 0, high, n).astype(np.int64)
+            assert np.array_equal(_order_of(key), np.argsort(key, kind="mergesort"))
+
+
+
 @pytest.mark.parametrize("dist", ["wlb", "prolong"])
 def test_flashcp2_never_slower_than_flashcp_plus(dist):
     from flashcp.data.synth import load_distribution, pack_lengths
