@@ -373,7 +373,10 @@ def _candidate(lens, cp, c, num, cut, limit):
 def flashcp2_kernel(lens, cp, target, effort, model, slack):
     """Portfolio of candidate plans, the best under the step time, then local search (see strategies.py)."""
     best_doc, best_start, best_len, best_rank = flashcp_plus_kernel(lens, cp, target)
-    best_f, best_b = shard_seconds(best_start, best_len, model)
+    memo = _new_memo()
+    best_f = np.empty(best_doc.shape[0], np.float64)
+    best_b = np.empty(best_doc.shape[0], np.float64)
+    _price_shards(best_start, best_len, best_rank, model, best_f, best_b, -1, False, memo)
     best_time = step_seconds_of(best_doc, best_start, best_len, best_rank, cp, model, best_f, best_b, -1)
     # the imbalance every candidate must meet: the target, or flashcp+'s own when it misses the target
     limit = max(target, _imbalance(best_start, best_len, best_rank, cp))
@@ -400,11 +403,11 @@ def flashcp2_kernel(lens, cp, target, effort, model, slack):
         busiest = np.argmax(work)
         sec_f = np.zeros(doc.shape[0], np.float64)
         sec_b = np.zeros(doc.shape[0], np.float64)
-        _price_shards(start, length, rank, model, sec_f, sec_b, busiest, True)
+        _price_shards(start, length, rank, model, sec_f, sec_b, busiest, True, memo)
         floor = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, busiest)
         if floor > plus_time or floor >= best_time * (1.0 + RECEIVE_TIE):
             continue
-        _price_shards(start, length, rank, model, sec_f, sec_b, busiest, False)
+        _price_shards(start, length, rank, model, sec_f, sec_b, busiest, False, memo)
         t = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, -1)
         if t > plus_time or t >= best_time * (1.0 + RECEIVE_TIE):
             continue
@@ -426,12 +429,35 @@ def flashcp2_kernel(lens, cp, target, effort, model, slack):
 
 
 @njit(cache=True)
-def _price_shards(start, length, rank, model, sec_f, sec_b, of_rank, on_rank):
+def _price_shards(start, length, rank, model, sec_f, sec_b, of_rank, on_rank, memo):
     """Kernel seconds (``one_shard_seconds``) of the shards on rank ``of_rank`` (``on_rank``) or of all the
-    others, written into ``sec_f``/``sec_b``: ``shard_seconds``'s values, in two passes."""
+    others, written into ``sec_f``/``sec_b``: ``shard_seconds``'s values, in two passes.
+
+    ``memo`` (``_new_memo``) keeps the seconds of recently priced (start, length) pairs: candidates of one
+    sequence share many shards (whole documents, the same chunks), and a hit returns the same values.
+    """
+    keys, seconds = memo
+    mask = keys.shape[0] - 1
     for i in range(start.shape[0]):
         if (rank[i] == of_rank) == on_rank:
-            sec_f[i], sec_b[i] = one_shard_seconds(start[i], length[i], model)
+            s = start[i]
+            n = length[i]
+            slot = (s * 40503 + n) & mask
+            if keys[slot, 0] == s and keys[slot, 1] == n:
+                sec_f[i] = seconds[slot, 0]
+                sec_b[i] = seconds[slot, 1]
+                continue
+            sec_f[i], sec_b[i] = one_shard_seconds(s, n, model)
+            keys[slot, 0] = s
+            keys[slot, 1] = n
+            seconds[slot, 0] = sec_f[i]
+            seconds[slot, 1] = sec_b[i]
+
+
+@njit(cache=True)
+def _new_memo():
+    """An empty ``_price_shards`` memo: 1024 slots of (start, length) and their two seconds."""
+    return np.full((1024, 2), -1, np.int64), np.empty((1024, 2), np.float64)
 
 
 @njit(cache=True)
