@@ -93,7 +93,7 @@ def command(data: str, cp: int, strategy: str, target_imbalance: float | None, o
     if as_json:
         emit_json({"dataset": str(dataset.root), "plan": meta, "seconds": elapsed})
     summary = meta["summary"]
-    params = ", ".join(f"{k}={v}" for k, v in meta["params"].items())
+    params = ", ".join(f"{k}={v}" for k, v in meta["params"].items() if v is not None)
     info(f"wrote {dataset.root}/plans/{meta['name']}/ ({len(meta['plan_files'])} plan file(s), "
          f"{summary['sequences']:,} sequences, all validated) in {elapsed:.1f}s")
     step = summary["baselines_every_nth_sequence"]
