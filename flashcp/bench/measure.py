@@ -126,7 +126,8 @@ def attention_curve(lengths, shape: ModelShape, device: torch.device, dtype: tor
     projection adds it back per shard. ``dense`` counts every pair of the ``length x length`` square, for
     kernels that do not skip the masked triangle.
     """
-    forward, backward = [], []
+    forward: list[float] = []
+    backward: list[float] = []
     for length in lengths:
         batch = max(1, total_tokens // length)
         n = batch * length

@@ -355,12 +355,16 @@ def _run_jobs(jobs: list[_FileJob], workers: int,
 
 
 def _summary(results: list[_FileResult], context_len: int, cp: int, step: int) -> dict:
-    summary = summarize(*(np.concatenate(x) for x in zip(*(r.metrics for r in results))), context_len, cp)
+    def joined(metrics: list) -> dict:
+        imbalance, ag, a2a = (np.concatenate(x) for x in zip(*metrics))
+        return summarize(imbalance, ag, a2a, context_len, cp)
+
+    summary = joined([r.metrics for r in results])
     baselines = {}
     for name in BASELINES:
         got = [r.baselines[name] for r in results if name in r.baselines]
         if got:
-            baselines[name] = summarize(*(np.concatenate(x) for x in zip(*got)), context_len, cp)
+            baselines[name] = joined(got)
     summary["baselines"] = baselines
     summary["baselines_every_nth_sequence"] = step
     return summary
