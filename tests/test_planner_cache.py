@@ -36,6 +36,6 @@ def test_no_compile_notice_once_the_kernels_are_compiled():
     code = get_strategy("llama3").code
     offsets, lens = np.array([0, 3], np.int64), np.array([3, 5, 8], np.int64)
     plans = _batch.plan_batch(offsets, lens, 2, code, 1.0)
-    errors = _batch.check_batch(offsets, lens, *plans, 2)[0]
+    errors = _batch.check_batch(offsets, lens, *plans, 2, 0.0)[0]
     assert errors.tolist() == [0]
     assert not _batch.needs_compile(code)

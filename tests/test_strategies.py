@@ -237,7 +237,7 @@ def _broken_plans():
 def test_check_batch_agrees_with_validate(label, lens, arrays, code):
     offsets = np.array([0, len(lens)])
     shard_offsets = np.array([0, arrays[0].size])
-    errors, *_ = _batch.check_batch(offsets, np.asarray(lens, np.int64), shard_offsets, *arrays, 2)
+    errors, *_ = _batch.check_batch(offsets, np.asarray(lens, np.int64), shard_offsets, *arrays, 2, 0.0)
     assert errors[0] == code, label
     plan = SequencePlan.from_arrays(*arrays, cp=2)
     if code == _batch.OK:

@@ -63,14 +63,11 @@ def _kernel(strategy, params: dict, offsets, lens, cp: int):
 
 def _checker(params: dict):
     """The validator ``pipeline.plan_rows`` runs after the kernel: ``check(offsets, lens, *flat_plans, cp)``."""
-    from flashcp.planner import _batch, _search
+    from flashcp.planner import _batch
 
     slack = float(params.get("token_slack", 0.0))
-    if slack > 0:
-        check_slack: Any = _search.check_batch_slack  # a Numba dispatcher
-        return lambda *args: check_slack(*args, slack)
     check: Any = _batch.check_batch  # a Numba dispatcher
-    return check
+    return lambda *args: check(*args, slack)
 
 
 def _batch_timing(strategy, params: dict, offsets, lens, cp: int) -> tuple[_Timer, _Timer, tuple]:

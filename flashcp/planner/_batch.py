@@ -63,7 +63,7 @@ def needs_compile(code: int) -> bool:
         return False
     vector = typeof(np.zeros(1, np.int64))
     wanted: list[tuple[Any, tuple]] = [(_plan_batch, (vector, vector, types.int64, types.literal(code), types.float64)),
-              (check_batch, (vector,) * 7 + (types.int64,))]
+              (check_batch, (vector,) * 7 + (types.int64, types.float64))]
     try:
         for dispatcher, signature in wanted:
             cache = dispatcher._cache
@@ -174,11 +174,31 @@ def _check_row(lens, doc, start, length, rank, cp):
 
 
 @njit(cache=True)
-def check_batch(row_offsets, doc_lens, shard_offsets, doc, start, length, rank, cp):
+def slack_tokens(share, context_len, cp):
+    """Tokens a rank may be off its quota under token slack ``share``: ``floor(share * C / N)``."""
+    return np.int64(np.floor(share * context_len / cp))
+
+
+@njit(cache=True)
+def _check_window(lens, length, rank, cp, window):
+    """OK when every rank's tokens are within ``window`` of its quota, else BAD_QUOTA."""
+    quotas = _quotas(lens.sum(), cp)
+    tokens = np.zeros(cp, np.int64)
+    for i in range(length.shape[0]):
+        tokens[rank[i]] += length[i]
+    for q in range(cp):
+        if abs(tokens[q] - quotas[q]) > window:
+            return BAD_QUOTA
+    return OK
+
+
+@njit(cache=True)
+def check_batch(row_offsets, doc_lens, shard_offsets, doc, start, length, rank, cp, slack):
     """Check every row's plan (coverage, equal tokens) and recompute its metrics with the cost model.
 
-    Returns (error code per row, imbalance, all-gather critical path, exact-need critical path); metrics of
-    a row with an error are left at 0.
+    With token ``slack`` > 0 (0.0: exact quotas) a rank may hold ``slack_tokens(slack, C, N)`` tokens more or
+    fewer than its quota. Returns (error code per row, imbalance, all-gather critical path, exact-need critical path);
+    metrics of a row with an error are left at 0.
     """
     rows = row_offsets.shape[0] - 1
     errors = np.zeros(rows, np.int64)
@@ -194,6 +214,8 @@ def check_batch(row_offsets, doc_lens, shard_offsets, doc, start, length, rank, 
         n = length[lo:hi]
         r = rank[lo:hi]
         errors[row] = _check_row(lens, d, s, n, r, cp)
+        if errors[row] == BAD_QUOTA and slack > 0:  # every other check passed; the quotas get the window
+            errors[row] = _check_window(lens, n, r, cp, slack_tokens(slack, lens.sum(), cp))
         if errors[row] != OK:
             continue
         work = _rank_workloads(s, n, r, cp)

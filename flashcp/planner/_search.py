@@ -11,14 +11,14 @@ from typing import Any
 import numpy as np
 from numba import njit, typeof, types
 
-from flashcp.planner._batch import BAD_QUOTA, _check_row
+from flashcp.planner._batch import slack_tokens
 from flashcp.planner._kernels import _finish, _quotas, flashcp_within, llama3_within
 from flashcp.planner._peers import magi_kernel, magi_within, ptrr_kernel
 from flashcp.planner._plus import flashcp_plus_kernel
-from flashcp.planner.cost import _allgather_contributions, _exact_need_received, _order_of, _rank_workloads, workload
+from flashcp.planner.cost import _exact_need_received, _order_of, _rank_workloads, workload
 from flashcp.planner.objective import one_shard_seconds, shard_seconds, step_seconds_of
 
-__all__ = ["FLASHCP2", "MAGI", "PTRR", "check_batch_slack", "flashcp2_kernel", "local_search", "needs_compile",
+__all__ = ["FLASHCP2", "MAGI", "PTRR", "flashcp2_kernel", "local_search", "needs_compile",
            "plan_batch", "plan_one", "slack_tokens"]
 
 MAGI, PTRR, FLASHCP2 = 5, 6, 7
@@ -117,12 +117,6 @@ def _restore(a, b, c, d, saved, sec_f, sec_b):
         if i >= 0:
             sec_f[i] = saved[0, k]
             sec_b[i] = saved[1, k]
-
-
-@njit(cache=True)
-def slack_tokens(share, context_len, cp):
-    """Tokens a rank may be off its quota under token slack ``share``: ``floor(share * C / N)``."""
-    return np.int64(np.floor(share * context_len / cp))
 
 
 @njit(cache=True)
@@ -513,40 +507,3 @@ def needs_compile() -> bool:
         return signature not in dispatcher.overloads and key not in cache._cache_file._load_index()
     except Exception:  # numba internals moved: say nothing rather than something wrong
         return False
-
-
-@njit(cache=True)
-def check_batch_slack(row_offsets, doc_lens, shard_offsets, doc, start, length, rank, cp, slack):
-    """``_batch.check_batch`` with token slack: a rank may hold ``slack_tokens(slack, C, N)`` tokens more or
-    fewer than its quota. Returns (error code per row, imbalance, all-gather path, exact-need path)."""
-    rows = row_offsets.shape[0] - 1
-    errors = np.zeros(rows, np.int64)
-    imbalance = np.zeros(rows, np.float64)
-    ag = np.zeros(rows, np.int64)
-    a2a = np.zeros(rows, np.int64)
-    for row in range(rows):
-        lens = doc_lens[row_offsets[row]:row_offsets[row + 1]]
-        lo = shard_offsets[row]
-        hi = shard_offsets[row + 1]
-        d = doc[lo:hi]
-        s = start[lo:hi]
-        n = length[lo:hi]
-        r = rank[lo:hi]
-        errors[row] = _check_row(lens, d, s, n, r, cp)
-        if errors[row] == BAD_QUOTA:  # every other check passed; the quotas get the window
-            context_len = lens.sum()
-            quotas = _quotas(context_len, cp)
-            window = slack_tokens(slack, context_len, cp)
-            tokens = np.zeros(cp, np.int64)
-            for i in range(d.shape[0]):
-                tokens[r[i]] += n[i]
-            errors[row] = 0
-            for q in range(cp):
-                if abs(tokens[q] - quotas[q]) > window:
-                    errors[row] = BAD_QUOTA
-        if errors[row] != 0:
-            continue
-        imbalance[row] = _imbalance(s, n, r, cp)
-        ag[row] = _allgather_contributions(d, s, r, n, cp).max()
-        a2a[row] = _exact_need_received(d, s, n, r, cp).max()
-    return errors, imbalance, ag, a2a

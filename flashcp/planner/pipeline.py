@@ -130,12 +130,8 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
         target = float(params.get("target_imbalance", 1.0))
         offsets, doc, start, length, rank = _batch.plan_batch(row_offsets, doc_lens, cp, chosen.code, target)
     slack = float(params.get("token_slack", 0.0))
-    if slack > 0:
-        errors, imbalance, ag, a2a = _search.check_batch_slack(row_offsets, doc_lens, offsets, doc, start, length,
-                                                               rank, cp, slack)
-    else:
-        errors, imbalance, ag, a2a = _batch.check_batch(row_offsets, doc_lens, offsets, doc, start, length,
-                                                        rank, cp)
+    errors, imbalance, ag, a2a = _batch.check_batch(row_offsets, doc_lens, offsets, doc, start, length, rank, cp,
+                                                    slack)
     if errors.any():
         bad = int(np.flatnonzero(errors)[0])
         raise PlanError(f"the {chosen.name} plan of {where}, row {bad}, {_ERROR_TEXT[int(errors[bad])]}")

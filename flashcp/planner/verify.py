@@ -18,7 +18,7 @@ import numpy as np
 from flashcp.data.dataset import REPLACE_OLD_DIR, Dataset
 from flashcp.errors import FlashcpError
 from flashcp.fileio import sha256_file
-from flashcp.planner import _batch, _search
+from flashcp.planner import _batch
 from flashcp.planner.pipeline import check_rows, describe_error
 from flashcp.planner.store import PLAN_JSON, PLANS_DIR, PlanStore
 
@@ -159,10 +159,8 @@ def _verify_plan(dataset: Dataset, store: PlanStore, doc_lens, progress, fast: b
         slack = float(store.meta.get("params", {}).get("token_slack", 0.0) or 0.0)
         arrays = (offsets, lens, flat["shard_offsets"], flat["shard_doc"], flat["shard_start"], flat["shard_len"],
                   flat["shard_rank"], store.cp)
-        if slack > 0:  # a plan made with token slack: ranks within its window of their quotas
-            errors, imbalance, ag, a2a = _search.check_batch_slack(*arrays, slack)
-        else:
-            errors, imbalance, ag, a2a = _batch.check_batch(*arrays)
+        # a plan made with token slack: ranks within its window of their quotas
+        errors, imbalance, ag, a2a = _batch.check_batch(*arrays, slack)
         if errors.any():
             bad = int(np.flatnonzero(errors)[0])
             raise FlashcpError(f"{where}, row {bad}: the plan {describe_error(int(errors[bad]))}")
