@@ -1,35 +1,68 @@
-"""Where compiled planner kernels go, and the one-line notice of a first compile."""
+"""Where compiled kernels are cached, how they are named, and the one-line notice of a first compile."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
+from numba.core import bytecode
 
-from flashcp.planner import _batch, _numba_cache
+from flashcp import _numba
+from flashcp.planner import _batch
 from flashcp.planner.strategies import get_strategy
 
 
-def test_a_writable_package_or_user_cache_is_left_to_numba(tmp_path):
-    assert _numba_cache.fallback_cache_dir(tmp_path / "pkg", tmp_path / "user") is None
+def test_function_numbers_are_random_so_two_processes_never_share_a_name():
+    ids = [next(bytecode.FunctionIdentity._unique_ids) for _ in range(1000)]
+    assert isinstance(bytecode.FunctionIdentity._unique_ids, _numba._RandomIds)
+    assert len(set(ids)) == len(ids)
+    assert all(1 << 62 <= i < 1 << 63 for i in ids)
 
 
-def test_read_only_package_and_home_fall_back_to_a_temporary_folder(tmp_path, monkeypatch):
-    read_only = {tmp_path / "pkg" / "__pycache__", tmp_path / "user"}
-    monkeypatch.setattr(_numba_cache, "_writable", lambda folder: folder not in read_only)
-    folder = _numba_cache.fallback_cache_dir(tmp_path / "pkg", tmp_path / "user")
-    assert folder is not None and folder.name.startswith("flashcp-numba-cache-")
-    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
-    monkeypatch.setattr(_numba_cache, "_user_cache_dir", lambda: tmp_path / "user")
-    monkeypatch.setattr(_numba_cache, "__file__", str(tmp_path / "pkg" / "_numba_cache.py"))
-    import numba
+def test_every_kernel_module_is_in_the_cache_key():
+    names = {p.relative_to(_numba.PACKAGE).as_posix() for p in _numba.kernel_sources()}
+    assert {"planner/_kernels.py", "planner/_search.py", "planner/cost.py", "planner/objective.py",
+            "data/synth.py", "engines/_layout.py"} <= names
+    # a kernel module is one that takes njit from flashcp._numba, never from numba itself
+    for path in _numba.PACKAGE.rglob("*.py"):
+        assert "from numba import njit" not in path.read_text(), path
 
-    before = numba.config.CACHE_DIR
+
+def test_kernels_cache_in_the_keyed_folder():
+    folder = _numba.cache_folder()
+    assert folder.name.endswith(_numba.cache_key())
+    assert (folder / _numba.MARKER).is_file()
+    cache_path = _batch.check_batch._cache._cache_path
+    assert cache_path == str(folder / "planner")
+
+
+def test_a_changed_kernel_source_changes_the_key(tmp_path, monkeypatch):
+    package = tmp_path / "flashcp"
+    (package / "planner").mkdir(parents=True)
+    kernel = package / "planner" / "k.py"
+    kernel.write_text("from flashcp._numba import njit\n")
+    (package / "other.py").write_text("x = 1\n")
+    monkeypatch.setattr(_numba, "PACKAGE", package)
+    _numba.cache_key.cache_clear()
     try:
-        _numba_cache.use_writable_cache()
-        assert os.environ["NUMBA_CACHE_DIR"] == str(folder) == numba.config.CACHE_DIR
+        first = _numba.cache_key()
+        (package / "other.py").write_text("x = 2\n")  # not a kernel module: same key
+        _numba.cache_key.cache_clear()
+        assert _numba.cache_key() == first
+        kernel.write_text("from flashcp._numba import njit\n# changed\n")
+        _numba.cache_key.cache_clear()
+        assert _numba.cache_key() != first
     finally:
-        numba.config.CACHE_DIR = before
+        _numba.cache_key.cache_clear()
+
+
+def test_older_keys_are_removed_only_when_flashcp_made_them(tmp_path):
+    pycache = tmp_path / "__pycache__"
+    current, old, foreign = pycache / "numba-new", pycache / "numba-old", pycache / "numba-users"
+    for folder in (current, old, foreign):
+        folder.mkdir(parents=True)
+    (old / _numba.MARKER).write_text("")
+    (foreign / "notes.txt").write_text("mine")
+    _numba._remove_older_keys(current)
+    assert current.is_dir() and not old.exists() and (foreign / "notes.txt").read_text() == "mine"
 
 
 def test_no_compile_notice_once_the_kernels_are_compiled():

@@ -33,8 +33,8 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
-from numba import njit
 
+from flashcp._numba import njit
 from flashcp.data.dataset import DataFile, data_table, write_data_file, write_manifest
 from flashcp.errors import FlashcpError
 from flashcp.fileio import sha256_file

@@ -7,7 +7,8 @@ that one's.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from flashcp._numba import njit
 
 FILL, OPEN_STARTS, SPLIT, TRUNCATED, TOKENS_TRUNCATED = range(5)
 """Fields of the packer state array."""

@@ -13,9 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from numba import literally, njit, typeof, types
+from numba import literally, typeof, types
 from numba.extending import overload
 
+from flashcp._numba import njit
 from flashcp.planner._kernels import (
     _doc_offsets,
     _quotas,

@@ -16,8 +16,8 @@ Shared building blocks:
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from flashcp._numba import njit
 from flashcp.planner.cost import workload
 
 

@@ -8,8 +8,8 @@ that must produce identical plans; ``tests/test_peers.py`` checks ``ptrr`` again
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from flashcp._numba import njit
 from flashcp.planner._kernels import _doc_offsets, _finish, _finish_within, _quotas
 from flashcp.planner.cost import workload
 

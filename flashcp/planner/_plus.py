@@ -7,8 +7,8 @@ popped documents) live in ``early``/``late`` (rows in document order) and are em
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from flashcp._numba import njit
 from flashcp.planner._kernels import (
     _argmin_work,
     _descending_order,

@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit, typeof, types
+from numba import typeof, types
 
+from flashcp._numba import njit
 from flashcp.planner._batch import slack_tokens
 from flashcp.planner._kernels import _finish, _quotas, flashcp_within, llama3_within
 from flashcp.planner._peers import magi_kernel, magi_within, ptrr_kernel

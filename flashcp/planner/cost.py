@@ -38,7 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
+
+from flashcp._numba import njit
 
 __all__ = [
     "PlanMetrics",

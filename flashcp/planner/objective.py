@@ -33,8 +33,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
+from flashcp._numba import njit
 from flashcp.planner.cost import auto_comm_a2a, workload
 
 __all__ = ["BWD_FLOPS", "ObjectiveShape", "batch_step_seconds", "cached_model", "curve_tflops", "model_vector",

@@ -1,0 +1,192 @@
+"""Numba set-up for every flashcp kernel: machine code that is safe to cache on disk and to load back.
+
+Every module that defines kernels imports ``njit`` from here instead of from numba; importing this module
+does two things before any kernel is defined.
+
+**Names that cannot collide across processes.** Numba names a compiled function by its qualified name, its
+argument types and a number from a per-process counter (``FunctionIdentity._unique_ids``, counting from 1),
+and marks it ``linkonce_odr``: when two modules linked together define the same name, LLVM keeps one body.
+That is safe inside one process, where the counter makes names unique, but not across the on-disk cache:
+numba's own sort closures all share one qualified name (``numba.misc.quicksort.make_quicksort_impl.<locals>
+.run_quicksort1``), so ``np.argsort`` compiled as number 35 in one process and ``ndarray.sort`` compiled as
+number 35 in another get the same name with different bodies. A kernel compiled in the second process that
+calls a cached kernel of the first links both, and one of them runs the other's sort. Reproduction (numba
+0.68, before this module): with an empty cache, ``flashcp plan DATA --cp 8 --strategy flashcp`` (caches
+``check_batch``, whose plan check sorts positions with ``ndarray.sort``), then ``flashcp plan DATA --cp 8``
+(compiles ``flashcp2``, whose kernels call ``np.argsort``): the second process's plan check sorts with
+``argsort``'s body and rejects every correct plan ("does not cover every token"); calling the cached
+``check_batch`` first and the fresh ``flashcp2`` kernel second instead segfaults. The counter is replaced
+by random 62-bit numbers (from ``os.urandom``, so forked workers differ too): names then never repeat,
+whatever ran in which process. numba issue 10486 describes the same hazard.
+
+**A cache that cannot serve old code.** Numba keys a cached kernel by the source file of that kernel only, so
+a kernel whose callee in another file changed (an upgraded checkout) would load stale machine code. Here
+every kernel is cached in one folder named by a hash of the source of every flashcp module that defines
+kernels (the modules that import this one) and of the Python, numba, llvmlite and numpy versions, so any
+change compiles afresh into a new folder. Kernels may read module globals only from such modules (numba
+freezes globals at compile time). The folder is, in order of preference:
+``$NUMBA_CACHE_DIR/flashcp-<key>`` when the user set ``NUMBA_CACHE_DIR``; ``flashcp/__pycache__/numba-<key>``
+beside the package when it is writable (where older keys of the same checkout are removed; each such folder
+holds a marker file flashcp wrote, and nothing without it is touched); the user's cache folder
+(``~/.cache/flashcp/numba-<key>``); else a per-user folder under the system's temporary folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import warnings
+from functools import cache
+from pathlib import Path
+
+import llvmlite
+import numba
+import numpy as np
+from numba.core import bytecode, caching
+
+__all__ = ["cache_folder", "kernel_sources", "njit"]
+
+PACKAGE = Path(__file__).resolve().parent
+"""The flashcp package folder: kernels defined in files below it use flashcp's cache folder."""
+MARKER = "flashcp-kernel-cache"
+"""A file flashcp writes into every cache folder it makes, so that it only ever removes its own."""
+_KERNEL_IMPORT = "from flashcp._numba import njit"
+
+
+class _RandomIds:
+    """Endless random 62-bit numbers: numba's function numbers, unique across processes (and forks)."""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        return secrets.randbits(62) | (1 << 62)  # same digit count for every name
+
+
+def _use_random_function_ids() -> None:
+    identity = getattr(bytecode, "FunctionIdentity", None)
+    if identity is None or not isinstance(getattr(identity, "_unique_ids", None), (itertools.count, _RandomIds)):
+        # numba changed how it numbers functions; plan validation still refuses a plan a clash would spoil
+        warnings.warn(f"numba {numba.__version__} numbers compiled functions in a way flashcp does not know; "
+                      "kernels loaded from the cache may clash", RuntimeWarning, stacklevel=2)
+        return
+    identity._unique_ids = _RandomIds()
+
+
+def kernel_sources() -> list[Path]:
+    """The flashcp source files that define kernels (they import ``njit`` from this module), sorted."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError:
+            continue
+        if _KERNEL_IMPORT in text:
+            found.append(path)
+    return found
+
+
+@cache
+def cache_key() -> str:
+    """Hash of every kernel source file and of the versions that shape machine code (16 hex digits)."""
+    digest = hashlib.sha256()
+    for part in (sys.version, numba.__version__, llvmlite.__version__, np.__version__):
+        digest.update(part.encode() + b"\0")
+    for path in kernel_sources():
+        digest.update(path.relative_to(PACKAGE).as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()[:16]
+
+
+def _usable(folder: Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+        marker = folder / MARKER
+        if not marker.exists():
+            marker.write_text("compiled flashcp kernels; safe to delete\n")
+    except OSError:
+        return False
+    return True
+
+
+def _user_cache_root() -> Path | None:
+    try:
+        if sys.platform == "darwin":
+            return Path.home() / "Library" / "Caches" / "flashcp"
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flashcp"
+    except (RuntimeError, KeyError):  # no home folder
+        return None
+
+
+def _remove_older_keys(folder: Path) -> None:
+    """Remove the in-package cache folders of other keys that flashcp made (marker file inside)."""
+    for other in folder.parent.glob("numba-*"):
+        if other != folder and other.is_dir() and not other.is_symlink() and (other / MARKER).is_file():
+            shutil.rmtree(other, ignore_errors=True)
+
+
+@cache
+def cache_folder() -> Path:
+    """The folder every flashcp kernel is cached in (made on first use; see the module docstring)."""
+    key = cache_key()
+    user_dir = os.environ.get("NUMBA_CACHE_DIR")
+    if user_dir:
+        folder = Path(user_dir) / f"flashcp-{key}"
+        if _usable(folder):
+            return folder
+    folder = PACKAGE / "__pycache__" / f"numba-{key}"
+    if _usable(folder):
+        _remove_older_keys(folder)
+        return folder
+    root = _user_cache_root()
+    if root is not None and _usable(root / f"numba-{key}"):
+        return root / f"numba-{key}"
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return Path(tempfile.gettempdir()) / f"flashcp-numba-{uid}" / f"numba-{key}"
+
+
+class _KernelCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
+    """Numba cache locator for kernels defined in flashcp's own files: ``cache_folder()/<subpackage>``."""
+
+    def __init__(self, py_func, py_file):
+        self._py_file = py_file
+        self._lineno = py_func.__code__.co_firstlineno
+        relative = Path(py_file).resolve().parent.relative_to(PACKAGE)
+        self._cache_path = str(cache_folder().joinpath(*relative.parts))
+
+    def get_cache_path(self):
+        return self._cache_path
+
+    def get_source_stamp(self):
+        # the folder is keyed by every kernel source already; the stamp only has to be constant
+        return cache_key()
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        try:
+            Path(py_file).resolve().relative_to(PACKAGE)
+        except (ValueError, OSError):
+            return None  # not flashcp's: numba's own locators decide
+        return super().from_function(py_func, py_file)
+
+
+def _use_kernel_cache_locator() -> None:
+    impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # _CacheImpl in older numba
+    locators = impl._locator_classes
+    if _KernelCacheLocator not in locators:
+        locators.insert(0, _KernelCacheLocator)
+
+
+_use_random_function_ids()
+_use_kernel_cache_locator()
+
+
+def njit(*args, **kwargs):
+    """``numba.njit`` for flashcp kernels (this module's set-up has run before any of them is defined)."""
+    return numba.njit(*args, **kwargs)
