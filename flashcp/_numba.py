@@ -47,7 +47,8 @@ from pathlib import Path
 import llvmlite
 import numba
 import numpy as np
-from numba.core import bytecode, caching
+from numba.core import bytecode, caching, types
+from numba.core.registry import CPUDispatcher
 
 __all__ = ["cache_folder", "kernel_sources", "njit"]
 
@@ -187,6 +188,30 @@ _use_random_function_ids()
 _use_kernel_cache_locator()
 
 
-def njit(*args, **kwargs):
-    """``numba.njit`` for flashcp kernels (this module's set-up has run before any of them is defined)."""
-    return numba.njit(*args, **kwargs)
+class _KernelDispatcher(CPUDispatcher):
+    """A dispatcher that compiles one specialisation per argument types, whatever constants a caller passes.
+
+    Numba types a constant argument of a call from compiled code as a literal (``Literal[int](0)``) and
+    compiles the callee, with every kernel below it, once per distinct constant: ``move_head`` was compiled
+    six times, and a third of the planner's compile time went to such copies. Literal arguments are widened
+    here before the callee is compiled; code that needs a literal asks for it with ``numba.literally`` or an
+    ``@overload``, which this does not touch.
+    """
+
+    def get_call_template(self, args, kws):
+        return super().get_call_template(tuple(types.unliteral(a) for a in args),
+                                         {k: types.unliteral(v) for k, v in kws.items()})
+
+
+def njit(func=None, *, cache: bool = True, **options):
+    """``numba.njit`` for flashcp kernels: cached (see the module docstring), no literal specialisations."""
+
+    def wrap(py_func):
+        if numba.config.DISABLE_JIT:
+            return py_func
+        dispatcher = _KernelDispatcher(py_func=py_func, locals={}, targetoptions={"nopython": True, **options})
+        if cache:
+            dispatcher.enable_caching()
+        return dispatcher
+
+    return wrap if func is None else wrap(func)

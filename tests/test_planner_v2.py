@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from flashcp.bench.profile import load_profile
 from flashcp.bench.projection import ModelShape, project_step
-from flashcp.planner import _search
+from flashcp.planner import _batch, _search
 from flashcp.planner._peers import ptrr_process_times
 from flashcp.planner.objective import cached_model, plan_step_seconds
 from flashcp.planner.plan import SequencePlan
@@ -301,7 +301,7 @@ def test_local_search_equals_reference_and_moves():
 
 def test_needs_compile_is_false_once_compiled():
     plan_sequence("magi", [5, 6, 7], 2)
-    assert not _search.needs_compile()
+    assert not _batch.needs_compile("magi")
 
 
 # --- token slack

@@ -53,12 +53,10 @@ class _Timer:
 
 def _kernel(strategy, params: dict, offsets, lens, cp: int):
     """The batch kernel ``pipeline.plan_rows`` runs for ``strategy``: flat ``(offsets, doc, start, len, rank)``."""
-    from flashcp.planner import _batch, _search
+    from flashcp.planner import _batch
     from flashcp.planner.strategies import kernel_args
 
-    if strategy.code >= _search.MAGI:
-        return _search.plan_batch(offsets, lens, cp, strategy.code, *kernel_args(strategy, params))
-    return _batch.plan_batch(offsets, lens, cp, strategy.code, float(params.get("target_imbalance", 1.0)))
+    return _batch.plan_batch(offsets, lens, cp, strategy.name, **kernel_args(strategy, params))
 
 
 def _checker(params: dict):

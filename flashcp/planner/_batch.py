@@ -3,8 +3,10 @@
 Sequences come as flat arrays: ``row_offsets`` (rows + 1,) indexes ``doc_lens`` by row. Plans come back the
 same way: ``shard_offsets`` (rows + 1,) indexes the flat shard arrays.
 
-``plan_batch`` is compiled once per strategy code (the code is a compile-time literal), and each compilation
-holds only that strategy's kernel: a first ``flashcp plan --strategy flashcp`` does not compile ``flashcp+``.
+``plan_batch`` is the one entry point of every strategy. It is compiled once per strategy name (a
+compile-time literal), and each compilation links only that strategy's kernel, found in the registry
+(``flashcp.planner.strategies.STRATEGIES``: its ``kernel`` and ``kernel_params``): a first
+``flashcp plan --strategy flashcp`` does not compile ``flashcp2``.
 """
 
 from __future__ import annotations
@@ -17,54 +19,61 @@ from numba import literally, typeof, types
 from numba.extending import overload
 
 from flashcp._numba import njit
-from flashcp.planner._kernels import (
-    _doc_offsets,
-    _quotas,
-    _ratio,
-    flashcp_kernel,
-    llama3_kernel,
-    perdoc_kernel,
-    ring_kernel,
-)
-from flashcp.planner._plus import flashcp_plus_kernel
+from flashcp.planner._kernels import _doc_offsets, _quotas, _ratio
 from flashcp.planner.cost import _allgather_contributions, _exact_need_received, _order_of, _rank_workloads
 
 # error codes of check_batch; flashcp.planner.pipeline turns them into sentences
 OK, NO_SHARDS, BAD_LENGTH, BAD_RANK, BAD_DOC, BAD_COVERAGE, BAD_QUOTA = range(7)
 
+KERNEL_PARAMS = ("target", "chunk", "effort", "model", "slack")
+"""What ``plan_batch`` passes on, in this order; a strategy's kernel takes ``(lens, cp)`` and the ones its
+registry entry names (``Strategy.kernel_params``)."""
 
-KERNELS = {0: llama3_kernel, 1: perdoc_kernel, 2: flashcp_kernel, 3: flashcp_plus_kernel, 4: ring_kernel}
-"""Strategy code -> kernel ``(lens, cp[, target]) -> (doc, start, len, rank)``: what ``plan_batch`` plans."""
-TAKES_TARGET = (2, 3)
-"""Codes whose kernel takes the target imbalance."""
+_CALLS: dict[tuple[str, ...], Callable[[Any], Callable]] = {
+    (): lambda kernel: lambda lens, cp, strategy, target, chunk, effort, model, slack: kernel(lens, cp),
+    ("target",):
+        lambda kernel: lambda lens, cp, strategy, target, chunk, effort, model, slack: kernel(lens, cp, target),
+    ("chunk",):
+        lambda kernel: lambda lens, cp, strategy, target, chunk, effort, model, slack: kernel(lens, cp, chunk),
+    ("target", "effort", "model", "slack"):
+        lambda kernel: lambda lens, cp, strategy, target, chunk, effort, model, slack: kernel(
+            lens, cp, target, effort, model, slack),
+}
+"""How a kernel is called, by the parameters it takes: a strategy needs a new row here only when its kernel
+takes a new combination of ``KERNEL_PARAMS``."""
 
 
-def _plan_one(lens, cp, code, target):
-    """Plan one sequence with the strategy ``code`` (compiled code only; see ``_plan_one_impl``)."""
+def _plan_one(lens, cp, strategy, target, chunk, effort, model, slack):
+    """Plan one sequence with the named strategy (compiled code only; see ``_plan_one_impl``)."""
     raise NotImplementedError("compiled code only")
 
 
 @overload(_plan_one)
-def _plan_one_impl(lens, cp, code, target):
-    # Only a literal code is typed, so that a compilation links the one kernel it names.
-    if not isinstance(code, types.IntegerLiteral) or code.literal_value not in KERNELS:
+def _plan_one_impl(lens, cp, strategy, target, chunk, effort, model, slack):
+    # Only a literal name is typed, so that a compilation links the one kernel it names. The registry is
+    # read at compile time; its module is part of the kernel cache key (flashcp._numba).
+    if not isinstance(strategy, types.StringLiteral):
         return None
-    kernel = KERNELS[code.literal_value]
-    if code.literal_value in TAKES_TARGET:
-        return lambda lens, cp, code, target: kernel(lens, cp, target)
-    return lambda lens, cp, code, target: kernel(lens, cp)
+    from flashcp.planner.strategies import STRATEGIES
+
+    entry = STRATEGIES.get(strategy.literal_value)
+    if entry is None:
+        return None
+    return _CALLS[entry.kernel_params](entry.kernel)
 
 
-def needs_compile(code: int) -> bool:
-    """Whether planning with strategy ``code`` has to compile kernels (no cached machine code yet).
+_VECTOR = typeof(np.zeros(1, np.int64))
+_SIGNATURE_TAIL = (types.float64, types.int64, types.int64, typeof(np.zeros(1, np.float64)), types.float64)
 
-    Reads numba's cache index; answers False when it cannot tell (or ``code`` is not planned here).
+
+def needs_compile(strategy: str) -> bool:
+    """Whether planning with ``strategy`` has to compile kernels (no cached machine code yet).
+
+    Reads numba's cache index; answers False when it cannot tell.
     """
-    if code not in KERNELS:
-        return False
-    vector = typeof(np.zeros(1, np.int64))
-    wanted: list[tuple[Any, tuple]] = [(_plan_batch, (vector, vector, types.int64, types.literal(code), types.float64)),
-              (check_batch, (vector,) * 7 + (types.int64, types.float64))]
+    wanted: list[tuple[Any, tuple]] = [
+        (_plan_batch, (_VECTOR, _VECTOR, types.int64, types.literal(strategy), *_SIGNATURE_TAIL)),
+        (check_batch, (_VECTOR,) * 7 + (types.int64, types.float64))]
     try:
         for dispatcher, signature in wanted:
             cache = dispatcher._cache
@@ -79,27 +88,40 @@ def needs_compile(code: int) -> bool:
 @njit(cache=True)
 def _grown(values, size, capacity):
     out = np.empty(capacity, np.int64)
-    out[:size] = values[:size]
+    for i in range(size):
+        out[i] = values[i]
     return out
 
 
-_entry_points: dict[int, Callable] = {}
+@njit(cache=True)
+def _append(out, size, values):
+    for i in range(values.shape[0]):
+        out[size + i] = values[i]
 
 
-def plan_batch(row_offsets, doc_lens, cp, code, target):
-    """Plan every row with strategy ``code``; returns (shard_offsets, doc, start, len, rank).
+_entry_points: dict[str, Callable] = {}
+_NO_MODEL = np.zeros(1, np.float64)
 
-    ``row_offsets`` and ``doc_lens`` are contiguous int64 arrays. The compiled code of a strategy is called
-    directly once it is loaded: numba's own dispatch of a literal argument re-types the call (~20 ms).
+
+def plan_batch(row_offsets, doc_lens, cp, strategy: str, target: float = 1.0, chunk: int = 1, effort: int = 0,
+               model: np.ndarray | None = None, slack: float = 0.0):
+    """Plan every row with the named strategy; returns (shard_offsets, doc, start, len, rank).
+
+    ``row_offsets`` and ``doc_lens`` are contiguous int64 arrays; ``target`` .. ``slack`` are the strategy's
+    kernel parameters (``KERNEL_PARAMS``; those it does not take are ignored). The compiled code of a
+    strategy is called directly once it is loaded: numba's own dispatch of a literal argument re-types the
+    call (~20 ms).
     """
-    entry = _entry_points.get(code)
+    args = (int(cp), strategy, float(target), int(chunk), int(effort), _NO_MODEL if model is None else model,
+            float(slack))
+    entry = _entry_points.get(strategy)
     if entry is None or not _plain_int64(row_offsets) or not _plain_int64(doc_lens):
-        result = _plan_batch(row_offsets, doc_lens, cp, code, target)
-        signature = next((s for s in _plan_batch.overloads if s[3] == types.literal(code)), None)
-        if signature is not None and signature[0] == signature[1] == typeof(np.zeros(1, np.int64)):
-            _entry_points[code] = _plan_batch.overloads[signature].entry_point
+        result = _plan_batch(row_offsets, doc_lens, *args)
+        signature = next((s for s in _plan_batch.overloads if s[3] == types.literal(strategy)), None)
+        if signature is not None and signature[0] == signature[1] == _VECTOR:
+            _entry_points[strategy] = _plan_batch.overloads[signature].entry_point
         return result
-    return entry(row_offsets, doc_lens, int(cp), int(code), float(target))
+    return entry(row_offsets, doc_lens, *args)
 
 
 def _plain_int64(values) -> bool:
@@ -108,7 +130,7 @@ def _plain_int64(values) -> bool:
 
 
 @njit(cache=True)
-def _plan_batch(row_offsets, doc_lens, cp, code, target):
+def _plan_batch(row_offsets, doc_lens, cp, strategy, target, chunk, effort, model, slack):
     rows = row_offsets.shape[0] - 1
     shard_offsets = np.zeros(rows + 1, np.int64)
     capacity = 2 * doc_lens.shape[0] + 4 * cp * rows + 16
@@ -119,7 +141,7 @@ def _plan_batch(row_offsets, doc_lens, cp, code, target):
     size = 0
     for row in range(rows):
         lens = np.ascontiguousarray(doc_lens[row_offsets[row]:row_offsets[row + 1]])
-        doc, start, length, rank = _plan_one(lens, cp, literally(code), target)
+        doc, start, length, rank = _plan_one(lens, cp, literally(strategy), target, chunk, effort, model, slack)
         m = doc.shape[0]
         if size + m > capacity:
             # grow by the shards per row seen so far, projected over the remaining rows
@@ -128,10 +150,10 @@ def _plan_batch(row_offsets, doc_lens, cp, code, target):
             out_start = _grown(out_start, size, capacity)
             out_len = _grown(out_len, size, capacity)
             out_rank = _grown(out_rank, size, capacity)
-        out_doc[size:size + m] = doc
-        out_start[size:size + m] = start
-        out_len[size:size + m] = length
-        out_rank[size:size + m] = rank
+        _append(out_doc, size, doc)
+        _append(out_start, size, start)
+        _append(out_len, size, length)
+        _append(out_rank, size, rank)
         size += m
         shard_offsets[row + 1] = size
     return shard_offsets, out_doc[:size], out_start[:size], out_len[:size], out_rank[:size]

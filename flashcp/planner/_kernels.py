@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from flashcp._numba import njit
-from flashcp.planner.cost import workload
+from flashcp.planner._sort import sort_range
+from flashcp.planner.cost import _order_of, workload
 
 
 @njit(cache=True)
@@ -76,18 +77,7 @@ def _finish(pdoc, pstart, plen, prank, count, lens):
             packed[fill[prank[i]]] = ((offsets[pdoc[i]] + pstart[i]) << bits) | i
             fill[prank[i]] += 1
     for r in range(num_ranks):
-        lo = first[r]
-        hi = first[r + 1]
-        if hi - lo > 16:
-            packed[lo:hi].sort()
-            continue
-        for j in range(lo + 1, hi):  # insertion sort of a few pieces
-            value = packed[j]
-            k = j - 1
-            while k >= lo and packed[k] > value:
-                packed[k + 1] = packed[k]
-                k -= 1
-            packed[k + 1] = value
+        sort_range(packed, first[r], first[r + 1])
     out_doc = np.empty(keep, np.int64)
     out_start = np.empty(keep, np.int64)
     out_len = np.empty(keep, np.int64)
@@ -169,7 +159,7 @@ def _emit_zigzag(doc, first, early_row, late_row, cp, pdoc, pstart, plen, prank,
 @njit(cache=True)
 def _descending_order(lens):
     """Documents by decreasing length, ties by index."""
-    return np.argsort(-lens, kind="mergesort")
+    return _order_of(lens.max() - lens)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -403,7 +393,8 @@ def flashcp_within(lens, cp, target, limit):
     late = np.empty((num_docs, cp), np.int64)
     for num_perdoc in range(num_docs + 1):
         # Per-Doc sharding of the popped documents, dealt in document order
-        perdoc = np.sort(order[:num_perdoc])
+        perdoc = order[:num_perdoc].copy()
+        sort_range(perdoc, 0, num_perdoc)
         _zigzag_sizes(lens[perdoc], cp, early, late)
         work = np.zeros(cp, np.int64)
         tokens = np.zeros(cp, np.int64)

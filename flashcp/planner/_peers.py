@@ -11,7 +11,8 @@ import numpy as np
 
 from flashcp._numba import njit
 from flashcp.planner._kernels import _doc_offsets, _finish, _finish_within, _quotas
-from flashcp.planner.cost import workload
+from flashcp.planner._sort import last_at_or_before
+from flashcp.planner.cost import _order_of, workload
 
 
 @njit(cache=True)
@@ -29,7 +30,7 @@ def _chunk_pieces_workload(offsets, pos, end, doc):
 
 @njit(cache=True)
 def _emit(offsets, pos, end, rank, pdoc, pstart, plen, prank, count):
-    doc = np.searchsorted(offsets, pos, side="right") - 1
+    doc = last_at_or_before(offsets, pos)
     while pos < end:
         while offsets[doc + 1] <= pos:
             doc += 1
@@ -78,8 +79,7 @@ def _place(offsets, pos, end, preferred, quotas, tokens, load, weight, cp, pdoc,
             count = _emit(offsets, pos, pos + take, rank, pdoc, pstart, plen, prank, count)
             tokens[rank] += take
             if weight < 0:
-                load[rank] += _chunk_pieces_workload(offsets, pos, pos + take,
-                                                     np.searchsorted(offsets, pos, side="right") - 1)
+                load[rank] += _chunk_pieces_workload(offsets, pos, pos + take, last_at_or_before(offsets, pos))
             else:
                 load[rank] += weight
             pos += take
@@ -104,7 +104,7 @@ def magi_within(lens, cp, chunk, limit):
     quotas = _quotas(offsets[-1], cp)
     num_chunks = work.shape[0]
     # decreasing workload, ties: the later chunk first (MagiAttention reverses an ascending stable sort)
-    order = np.argsort(work * (num_chunks + 1) + np.arange(num_chunks))[::-1]
+    order = _order_of(work)[::-1]
     capacity = 2 * num_chunks + lens.shape[0] + 2 * cp + 4
     pdoc = np.empty(capacity, np.int64)
     pstart = np.empty(capacity, np.int64)
@@ -155,7 +155,7 @@ def ptrr_kernel(lens, cp, chunk):
     times = ptrr_process_times(lens, chunk)
     num_blocks = times.shape[0]
     # decreasing process time, ties: the earlier block first (torch's stable descending sort)
-    order = np.argsort(-times, kind="mergesort")
+    order = _order_of(times.max() - times)
     capacity = 2 * num_blocks + lens.shape[0] + 2 * cp + 4
     pdoc = np.empty(capacity, np.int64)
     pstart = np.empty(capacity, np.int64)

@@ -21,7 +21,7 @@ from flashcp.planner._kernels import (
     _zigzag_sizes,
     move_head,
 )
-from flashcp.planner.cost import workload
+from flashcp.planner.cost import _order_of, workload
 
 
 @njit(cache=True)
@@ -176,7 +176,7 @@ def _window_swaps(lens, cp, target, work, tokens, pdoc, pstart, plen, prank, cou
                 a = r
         if _ratio(work[a], total, cp) <= target:
             break
-        by_work = np.argsort(work, kind="mergesort")
+        by_work = _order_of(work)
         done = False
         for idx in range(cp):
             b = by_work[idx]

@@ -1,29 +1,23 @@
-"""Numba kernels of ``flashcp2`` (portfolio + local search under the step-time objective) and the batch
-planner of the strategies defined beyond ``_kernels``/``_plus`` (``magi``, ``ptrr``, ``flashcp2``).
+"""Numba kernels of ``flashcp2``: a portfolio of candidate plans and a local search under the step-time
+objective.
 
 Rules in flashcp/planner/strategies.py; ``tests/naive.py`` holds the plain-Python reference of the search.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
-from numba import typeof, types
 
 from flashcp._numba import njit
 from flashcp.planner._batch import slack_tokens
 from flashcp.planner._kernels import _finish, _quotas, flashcp_within, llama3_within
-from flashcp.planner._peers import magi_kernel, magi_within, ptrr_kernel
+from flashcp.planner._peers import magi_within
 from flashcp.planner._plus import flashcp_plus_kernel
 from flashcp.planner.cost import _exact_need_received, _order_of, _rank_workloads, workload
 from flashcp.planner.objective import one_shard_seconds, shard_seconds, step_seconds_of
 
-__all__ = ["FLASHCP2", "MAGI", "PTRR", "flashcp2_kernel", "local_search", "needs_compile",
-           "plan_batch", "plan_one", "slack_tokens"]
+__all__ = ["affinity_kernel", "flashcp2_kernel", "local_search", "slack_tokens"]
 
-MAGI, PTRR, FLASHCP2 = 5, 6, 7
-"""Strategy codes this module plans (registry ``Strategy.code``)."""
 SPLITS = (4, 8, 16)
 """Chunk sizes of the portfolio's chunked candidates, as fractions of a rank's quota: ``(C // N) // s``
 (2048, 1024 and 512 tokens at C = 131072, N = 16)."""
@@ -61,7 +55,9 @@ def _imbalance_of(work, cp):
 def _boundaries(doc, start, length):
     """Pairs ``(left, right)`` of shard indices that touch inside one document on different ranks."""
     n = doc.shape[0]
-    order = np.argsort(doc * (1 << 40) + start)
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    order = _order_of(doc * (start.max() + 1) + start)  # (doc, start) pairs are unique
     left = np.empty(n, np.int64)
     right = np.empty(n, np.int64)
     m = 0
@@ -453,58 +449,3 @@ def _price_shards(start, length, rank, model, sec_f, sec_b, of_rank, on_rank, me
 def _new_memo():
     """An empty ``_price_shards`` memo: 1024 slots of (start, length) and their two seconds."""
     return np.full((1024, 2), -1, np.int64), np.empty((1024, 2), np.float64)
-
-
-@njit(cache=True)
-def plan_one(lens, cp, code, target, chunk, effort, model, slack):
-    """One sequence with strategy ``code`` (MAGI, PTRR or FLASHCP2)."""
-    if code == MAGI:
-        return magi_kernel(lens, cp, chunk)
-    if code == PTRR:
-        return ptrr_kernel(lens, cp, chunk)
-    return flashcp2_kernel(lens, cp, target, effort, model, slack)
-
-
-@njit(cache=True)
-def plan_batch(row_offsets, doc_lens, cp, code, target, chunk, effort, model, slack):
-    """Plan every row; returns (shard_offsets, doc, start, len, rank) like ``_batch.plan_batch``."""
-    rows = row_offsets.shape[0] - 1
-    shard_offsets = np.zeros(rows + 1, np.int64)
-    capacity = 2 * doc_lens.shape[0] + 4 * cp * rows + 16
-    out = np.empty((4, capacity), np.int64)
-    size = 0
-    for row in range(rows):
-        lens = np.ascontiguousarray(doc_lens[row_offsets[row]:row_offsets[row + 1]])
-        doc, start, length, rank = plan_one(lens, cp, code, target, chunk, effort, model, slack)
-        m = doc.shape[0]
-        if size + m > out.shape[1]:
-            grown = np.empty((4, max(2 * out.shape[1], size + m, (size + m) * rows // (row + 1) + 16)),
-                             np.int64)
-            grown[:, :size] = out[:, :size]
-            out = grown
-        out[0, size:size + m] = doc
-        out[1, size:size + m] = start
-        out[2, size:size + m] = length
-        out[3, size:size + m] = rank
-        size += m
-        shard_offsets[row + 1] = size
-    return (shard_offsets, out[0, :size].copy(), out[1, :size].copy(), out[2, :size].copy(),
-            out[3, :size].copy())
-
-
-
-def needs_compile() -> bool:
-    """Whether planning with MAGI, PTRR or FLASHCP2 has to compile ``plan_batch`` (no cached machine code).
-
-    Reads numba's cache index like ``_batch.needs_compile``; False when it cannot tell.
-    """
-    vector = typeof(np.zeros(1, np.int64))
-    signature = (vector, vector, types.int64, types.int64, types.float64, types.int64, types.int64,
-                 typeof(np.zeros(1, np.float64)), types.float64)
-    dispatcher: Any = plan_batch  # numba internals, untyped
-    try:
-        cache = dispatcher._cache
-        key = cache._index_key(signature, dispatcher.targetctx.codegen())
-        return signature not in dispatcher.overloads and key not in cache._cache_file._load_index()
-    except Exception:  # numba internals moved: say nothing rather than something wrong
-        return False

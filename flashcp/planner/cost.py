@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flashcp._numba import njit
+from flashcp.planner._sort import sort_range, stable_order
 
 __all__ = [
     "PlanMetrics",
@@ -135,8 +136,8 @@ def _allgather_contributions(shard_doc, shard_start, shard_rank, shard_len, cp):
 def _order_of(key):
     """``np.argsort(key, kind="mergesort")`` of int64 keys (stable: equal keys by index).
 
-    Sorts ``key << bits | index`` values, which is faster than sorting indices; ``np.argsort`` when a key is
-    negative or too large for that.
+    Sorts ``key << bits | index`` values, which is faster than sorting indices; ``stable_order`` when a key
+    is negative or too large for that.
     """
     n = key.shape[0]
     bits = 1
@@ -148,11 +149,11 @@ def _order_of(key):
         top = max(top, key[i])
         low = min(low, key[i])
     if low < 0 or top >= (1 << (62 - bits)):
-        return np.argsort(key, kind="mergesort")
+        return stable_order(key)
     packed = np.empty(n, np.int64)
     for i in range(n):
         packed[i] = (key[i] << bits) | i
-    packed.sort()
+    sort_range(packed, 0, n)
     mask = (1 << bits) - 1
     for i in range(n):
         packed[i] &= mask

@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from flashcp.data.dataset import Dataset, numpy_values
 from flashcp.errors import FlashcpError, PlanError
-from flashcp.planner import _batch, _search
+from flashcp.planner import _batch
 from flashcp.planner.cost import comm_saving, exact_need_saving
 from flashcp.planner.plan import SequencePlan
 from flashcp.planner.polish import parse_effort, polish_plan
@@ -119,16 +119,12 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
     params = resolve_params(chosen) if params is None else params
     row_offsets = np.ascontiguousarray(row_offsets, dtype=np.int64)
     doc_lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
-    if chosen.code >= _search.MAGI:  # magi, ptrr, flashcp2
-        args = kernel_args(chosen, params)
-        offsets, doc, start, length, rank = _search.plan_batch(row_offsets, doc_lens, cp, chosen.code, *args)
-        ilp_seconds = parse_effort(params["effort"])[1] if "effort" in params else None
-        if ilp_seconds is not None:
-            offsets, doc, start, length, rank = _polish_rows(row_offsets, doc_lens, cp, args[-1], ilp_seconds,
-                                                             offsets, doc, start, length, rank)
-    else:
-        target = float(params.get("target_imbalance", 1.0))
-        offsets, doc, start, length, rank = _batch.plan_batch(row_offsets, doc_lens, cp, chosen.code, target)
+    args = kernel_args(chosen, params)
+    offsets, doc, start, length, rank = _batch.plan_batch(row_offsets, doc_lens, cp, chosen.name, **args)
+    ilp_seconds = parse_effort(params["effort"])[1] if "effort" in params else None
+    if ilp_seconds is not None:
+        offsets, doc, start, length, rank = _polish_rows(row_offsets, doc_lens, cp, args["model"], ilp_seconds,
+                                                         offsets, doc, start, length, rank)
     slack = float(params.get("token_slack", 0.0))
     errors, imbalance, ag, a2a = _batch.check_batch(row_offsets, doc_lens, offsets, doc, start, length, rank, cp,
                                                     slack)
@@ -290,8 +286,7 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
         chosen = get_strategy(strategy)
         params = resolve_params(chosen, target_imbalance, **(overrides or {}))
         check_shape(dataset.context_len, cp)
-        if chosen.code == _search.FLASHCP2:
-            kernel_args(chosen, params)  # reads the profile: a bad one fails before any work
+        kernel_args(chosen, params)  # reads the profile: a bad one fails before any work
     except ValueError as e:
         raise FlashcpError(str(e)) from None
     if workers < 1:
@@ -307,8 +302,7 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
 
     with PlanSlot(dataset, name, force=force) as slot:
         notes = list(slot.notes)
-        if any(_batch.needs_compile(get_strategy(s).code) for s in (chosen.name, *BASELINES)) or \
-                (chosen.code >= _search.MAGI and _search.needs_compile()):
+        if any(_batch.needs_compile(strategy_name) for strategy_name in (chosen.name, *BASELINES)):
             notes.append("compiling planner kernels, first run only")
         for note in notes:
             (on_note or (lambda message: None))(note)

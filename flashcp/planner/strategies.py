@@ -120,10 +120,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashcp.planner import _search
+from flashcp.planner import _batch
 from flashcp.planner._kernels import flashcp_kernel, llama3_kernel, perdoc_kernel, ring_kernel
 from flashcp.planner._peers import magi_kernel, ptrr_kernel
 from flashcp.planner._plus import flashcp_plus_kernel
+from flashcp.planner._search import flashcp2_kernel
 from flashcp.planner.plan import SequencePlan
 
 __all__ = ["DEFAULT_STRATEGY", "MAX_CONTEXT_LEN", "STRATEGIES", "Strategy", "get_strategy", "plan_sequence"]
@@ -144,15 +145,16 @@ class Strategy:
     """A named sharding strategy."""
 
     name: str
-    """Registry name, used in plan names (``cp8-<name>``)."""
-    code: int
-    """Integer id the batch kernel dispatches on."""
+    """Registry name, used in plan names (``cp8-<name>``); the batch kernel is compiled once per name."""
     defaults: dict
     """Parameters and their defaults (``target_imbalance`` for the flashcp family)."""
     description: str
     """One line for help texts."""
     kernel: Callable
-    """The per-sequence Numba kernel."""
+    """The per-sequence Numba kernel: ``kernel(lens, cp, *kernel_params) -> (doc, start, len, rank)``."""
+    kernel_params: tuple[str, ...] = ()
+    """What the kernel takes after ``(lens, cp)``, from ``_batch.KERNEL_PARAMS`` (``kernel_args`` builds
+    them from the parameters)."""
 
     def plan(self, doc_lens, cp: int, *, target_imbalance: float | None = None, **overrides) -> SequencePlan:
         """Plan one packed sequence: ``doc_lens`` (num_docs,) positive integers -> SequencePlan.
@@ -169,24 +171,25 @@ class Strategy:
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
-    Strategy(name="llama3", code=0, defaults={}, kernel=llama3_kernel,
+    Strategy(name="llama3", defaults={}, kernel=llama3_kernel,
              description="2N equal chunks of the whole sequence, zigzag over ranks"),
-    Strategy(name="perdoc", code=1, defaults={}, kernel=perdoc_kernel,
+    Strategy(name="perdoc", defaults={}, kernel=perdoc_kernel,
              description="every document in 2N chunks, zigzag over ranks"),
-    Strategy(name="flashcp", code=2, defaults={"target_imbalance": 1.05}, kernel=flashcp_kernel,
+    Strategy(name="flashcp", defaults={"target_imbalance": 1.05}, kernel=flashcp_kernel, kernel_params=("target",),
              description="the paper's Algorithm 1: whole docs, Whole-Doc heads, Per-Doc for the longest"),
-    Strategy(name="flashcp+", code=3, defaults={"target_imbalance": 1.01}, kernel=flashcp_plus_kernel,
+    Strategy(name="flashcp+", defaults={"target_imbalance": 1.01}, kernel=flashcp_plus_kernel,
+             kernel_params=("target",),
              description="Algorithm 1 + tail-anchored splits, token-aware greedy, levers, window swaps"),
-    Strategy(name="ring", code=4, defaults={}, kernel=ring_kernel,
+    Strategy(name="ring", defaults={}, kernel=ring_kernel,
              description="N contiguous equal chunks, chunk i on rank i (the Ring-Attn layout)"),
-    Strategy(name="magi", code=_search.MAGI, defaults={"chunk_size": 512}, kernel=magi_kernel,
+    Strategy(name="magi", defaults={"chunk_size": 512}, kernel=magi_kernel, kernel_params=("chunk",),
              description="MagiAttention's MinHeap dispatch of chunk_size-token chunks"),
-    Strategy(name="ptrr", code=_search.PTRR, defaults={"chunk_size": 128}, kernel=ptrr_kernel,
+    Strategy(name="ptrr", defaults={"chunk_size": 128}, kernel=ptrr_kernel, kernel_params=("chunk",),
              description="PyTorch's PTRR load balancer: blocks by process time, dealt in snake order"),
-    Strategy(name="flashcp2", code=_search.FLASHCP2,
+    Strategy(name="flashcp2",
              defaults={"target_imbalance": 1.01, "effort": 1, "objective": "time", "profile": None,
                        "num_heads": 32, "num_kv_heads": 32, "head_dim": 128, "layers": 1, "token_slack": 0.0},
-             kernel=_search.flashcp2_kernel,
+             kernel=flashcp2_kernel, kernel_params=("target", "effort", "model", "slack"),
              description="portfolio + local search under the projected step time, never slower than flashcp+"),
 )}
 
@@ -242,13 +245,17 @@ def objective_model(params: dict) -> np.ndarray:
                         int(params.get("layers", 1)), float(params.get("token_slack", 0.0)) > 0)
 
 
-def kernel_args(strategy: Strategy, params: dict) -> tuple:
-    """``(target, chunk, effort, model, token slack)`` for ``_search.plan_batch`` (MAGI, PTRR, FLASHCP2)."""
-    model = objective_model(params) if strategy.code == _search.FLASHCP2 else np.zeros(1, np.float64)
+def kernel_args(strategy: Strategy, params: dict) -> dict:
+    """The batch kernel's ``KERNEL_PARAMS`` (``target``, ``chunk``, ``effort``, ``model``, ``slack``).
+
+    Built from a strategy's parameters; the step-time model (and its profile file) only for a kernel taking it.
+    """
     from flashcp.planner.polish import parse_effort
 
-    return (float(params.get("target_imbalance", 1.0)), int(params.get("chunk_size", 1)),
-            parse_effort(params.get("effort", 0))[0], model, float(params.get("token_slack", 0.0)))
+    model = objective_model(params) if "model" in strategy.kernel_params else None
+    return {"target": float(params.get("target_imbalance", 1.0)), "chunk": int(params.get("chunk_size", 1)),
+            "effort": parse_effort(params.get("effort", 0))[0], "model": model,
+            "slack": float(params.get("token_slack", 0.0))}
 
 
 def check_shape(context_len: int, cp: int) -> None:
@@ -264,13 +271,12 @@ def check_shape(context_len: int, cp: int) -> None:
 
 
 def run_kernel(strategy: Strategy, lens: np.ndarray, cp: int, params: dict):
-    """Call the strategy's kernel on contiguous int64 ``lens``; returns the four shard arrays."""
-    if strategy.code >= _search.MAGI:  # one row of the batch kernel: one compiled entry point, not two
-        rows = np.array([0, lens.size], np.int64)
-        return _search.plan_batch(rows, lens, cp, strategy.code, *kernel_args(strategy, params))[1:]
-    if "target_imbalance" in strategy.defaults:
-        return strategy.kernel(lens, cp, float(params["target_imbalance"]))
-    return strategy.kernel(lens, cp)
+    """Plan contiguous int64 ``lens`` as one row of the batch kernel; returns the four shard arrays.
+
+    One compiled entry point per strategy, shared with ``pipeline.plan_rows``.
+    """
+    rows = np.array([0, lens.size], np.int64)
+    return _batch.plan_batch(rows, lens, cp, strategy.name, **kernel_args(strategy, params))[1:]
 
 
 def plan_sequence(strategy: str, doc_lens, cp: int, *, target_imbalance: float | None = None,
