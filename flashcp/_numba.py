@@ -43,6 +43,7 @@ import tempfile
 import warnings
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import llvmlite
 import numba
@@ -178,7 +179,7 @@ class _KernelCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheL
 
 
 def _use_kernel_cache_locator() -> None:
-    impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # _CacheImpl in older numba
+    impl: Any = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl")  # _CacheImpl: older numba
     locators = impl._locator_classes
     if _KernelCacheLocator not in locators:
         locators.insert(0, _KernelCacheLocator)
