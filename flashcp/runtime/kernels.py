@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from flashcp.errors import FlashcpError
 
 __all__ = ["BACKENDS", "GPU_BACKENDS", "BackendFallbackWarning", "BackendUnavailableError", "backend_available",
-           "lse_dtype", "resolve_backend", "varlen_attention", "varlen_attention_backward",
+           "lse_dtype", "resolve_backend", "unavailable_reason", "varlen_attention", "varlen_attention_backward",
            "varlen_attention_forward"]
 
 BACKENDS = ("fa3", "fa4", "flash_attn", "torch_varlen", "reference")
@@ -244,6 +244,12 @@ def _why_unavailable(backend: str, q: torch.Tensor, blockwise: bool = False) -> 
     return None
 
 
+def unavailable_reason(backend: str, q: torch.Tensor, blockwise: bool = False) -> str | None:
+    """None when ``backend`` can run on tensors like ``q`` (``blockwise``: the ring's entry points too), else
+    why not, in a few words (what ``resolve_backend`` says)."""
+    return _why_unavailable(backend, q, blockwise)
+
+
 def backend_available(backend: str, q: torch.Tensor, blockwise: bool = False) -> bool:
     """Whether ``backend`` can run on tensors like ``q`` (device, dtype, head dim, installed packages).
 
@@ -284,7 +290,7 @@ def resolve_backend(backend: str, q: torch.Tensor, blockwise: bool = False) -> s
             return name
         api = _load(name)
         if not (isinstance(api, _Unavailable) and not api.installed):
-            skipped.append(f"{name} ({why})")
+            skipped.append(why if why.startswith(name) else f"{name} ({why})")
     _warn_once(f"attention backend auto found no GPU kernel for {q.dtype} tensors with head dim {q.shape[-1]} on "
                f"{q.device} ({'; '.join(skipped) or 'none is installed'}): running the reference kernel, a Python "
                f"loop with a host sync per call (train in bfloat16 or float16 to use the GPU kernels)")
