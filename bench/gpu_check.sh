@@ -11,4 +11,4 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out=()
 if [[ -n "${OUT:-}" ]]; then out=(--out "$OUT"); fi
-exec timeout 470 python bench/gpu_check.py "${out[@]}" "$@"
+exec timeout 470 python bench/gpu_check.py ${out[@]+"${out[@]}"} "$@"
