@@ -238,7 +238,7 @@ def test_custom_op_parameters_come_from_the_schema(installed):
 def auto_choice(q, blockwise=False):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        choice = resolve_backend("auto", q, blockwise)
+        choice = resolve_backend("auto", q, blockwise=True) if blockwise else resolve_backend("auto", q)
     return choice, [str(w.message) for w in caught if issubclass(w.category, BackendFallbackWarning)]
 
 
@@ -339,10 +339,10 @@ def test_training_defaults_to_bfloat16_on_cuda():
     import importlib.util
     from pathlib import Path
 
-    from flashcp.train.loop import TrainOptions, default_dtype
+    from flashcp.train import loop
 
-    assert default_dtype("cuda:0") == "bfloat16" and default_dtype("cpu") == "float32"
-    assert TrainOptions(data="d", plan="p", steps=1).dtype is None  # resolved per device by run_training
+    assert loop.TrainOptions(data="d", plan="p", steps=1).dtype is None  # resolved per device by run_training
+    assert loop.default_dtype("cuda:0") == "bfloat16" and loop.default_dtype("cpu") == "float32"
     path = Path(__file__).resolve().parents[1] / "examples" / "train_tiny.py"
     spec = importlib.util.spec_from_file_location("train_tiny", path)
     train_tiny = importlib.util.module_from_spec(spec)

@@ -245,8 +245,10 @@ def _why_unavailable(backend: str, q: torch.Tensor, blockwise: bool = False) -> 
 
 
 def unavailable_reason(backend: str, q: torch.Tensor, blockwise: bool = False) -> str | None:
-    """None when ``backend`` can run on tensors like ``q`` (``blockwise``: the ring's entry points too), else
-    why not, in a few words (what ``resolve_backend`` says)."""
+    """Why ``backend`` cannot run on tensors like ``q``, in a few words; None when it can.
+
+    ``blockwise``: the ring's entry points too. The words are those ``resolve_backend`` says.
+    """
     return _why_unavailable(backend, q, blockwise)
 
 
