@@ -388,7 +388,7 @@ def varlen_attention(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Tens
 
 def _torch_varlen(varlen_attn, q_TPH, k_SKP, v_SKP, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                   scale: float) -> torch.Tensor:
-    params = inspect.signature(varlen_attn).parameters
+    params = _parameters(varlen_attn)
     kwargs: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     if k_SKP.shape[1] != q_TPH.shape[1] and "enable_gqa" in params:
         kwargs["enable_gqa"] = True

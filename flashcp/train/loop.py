@@ -67,7 +67,7 @@ class TrainOptions:
     comm: str = "auto"
     """K/V exchange: ``allgather``, ``a2a``, ``full`` or ``auto``."""
     backend: str = "auto"
-    """Attention kernels: ``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``."""
+    """Attention kernels: ``fa3``, ``fa4``, ``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0

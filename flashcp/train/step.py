@@ -55,7 +55,7 @@ class CPAttention:
     comm: str = "auto"
     """``allgather``, ``a2a``, ``full`` or ``auto``."""
     backend: str = "auto"
-    """``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``."""
+    """``fa3``, ``fa4``, ``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``."""
     stats: CommStats | None = None
     """Records every collective issued, or None."""
 
