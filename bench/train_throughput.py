@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     parser.add_argument("--comm", default="auto")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)

@@ -34,7 +34,9 @@ def parse_args():
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--backend", default="auto", help="flash_attn, torch_varlen, reference or auto")
+    parser.add_argument("--backend", default="auto", help="fa3, fa4, flash_attn, torch_varlen, reference or auto")
+    parser.add_argument("--dtype", default=None, choices=("float32", "float64", "bfloat16"),
+                        help="model dtype (default: bfloat16 on CUDA, float32 on CPU)")
     return parser.parse_args()
 
 
@@ -69,9 +71,10 @@ def main():
     torch.manual_seed(0)  # same initial weights on every rank
     cfg = TinyConfig(vocab_size=args.vocab, dim=args.dim, num_layers=args.layers, num_heads=args.heads,
                      num_kv_heads=args.kv_heads, ffn_dim=2 * args.dim)
-    model = TinyDecoder(cfg).to(device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if use_cuda else "float32"))
+    model = TinyDecoder(cfg).to(device, dtype)
     loader = CPLoader(args.data, args.plan, rank, world, shuffle=False)
-    token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
     for step, batch in zip(range(args.steps), loader):
         batch = batch.to(device)
@@ -97,7 +100,7 @@ def report(step, batch, loader, results, world, cfg, token_bytes):
     meta = batch.attn
     base_grads, full = results["full"][1], results["full"][2]
     print(f"step {step}: sequence {batch.row} of data file {batch.file_index}, {loader.context_len} tokens, "
-          f"{world} ranks, {cfg.num_layers} layers, K/V {token_bytes} B/token/layer (fp32); "
+          f"{world} ranks, {cfg.num_layers} layers, K/V {token_bytes} B/token/layer; "
           f"auto = {meta.auto_comm}")
     print(f"  {'mode':<10} {'loss':>8} {'max|dgrad|':>10} {'K/V in, fwd (B per rank)':>{11 * world}} "
           f"{'in, bwd (B per rank)':>{11 * world}} {'total B':>10} {'total/full':>10} "

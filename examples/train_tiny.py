@@ -32,10 +32,11 @@ def parse_args(argv=None) -> TrainOptions:
     parser.add_argument("data", help="dataset folder")
     parser.add_argument("--plan", required=True, help="plan name, e.g. cp2-flashcp")
     parser.add_argument("--comm", default="auto", choices=("auto", "allgather", "a2a", "full"))
-    parser.add_argument("--backend", default="auto", help="flash_attn, torch_varlen, reference or auto")
+    parser.add_argument("--backend", default="auto", help="fa3, fa4, flash_attn, torch_varlen, reference or auto")
     parser.add_argument("--steps", type=int, default=10, help="total optimizer steps (one sequence each)")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
+    parser.add_argument("--dtype", default=None, choices=tuple(DTYPES),
+                        help="parameter dtype (default: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--model", default="tiny", choices=MODELS,
                         help="tiny (flashcp.models.tiny) or a transformers architecture")
     parser.add_argument("--vocab", type=int, default=512)

@@ -49,21 +49,23 @@ def cp_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, 
         q_THD: this rank's queries, (T, H, D), in local layout order (its shards in plan row order).
         k_TKD: this rank's keys, (T, K, D), same dtype and device.
         v_TKD: this rank's values, (T, K, D).
-        meta: this rank's CPAttnMeta (``batch.attn``); moved to q's device once and cached.
+        meta: this rank's CPAttnMeta (``batch.attn``); its tensors for the comm mode used are moved to q's
+            device once (one copy) and cached.
         group: the CP process group whose ranks are the plan's ranks (None: the default group). Not needed
             when the plan has one rank or the chosen exchange moves nothing.
         comm: ``allgather``, ``a2a``, ``full``, ``ring`` or ``auto`` (``meta.auto_comm``, the same on every
             rank; never ``full`` or ``ring``, the baselines).
-        backend: ``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``.
+        backend: ``fa3``, ``fa4``, ``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``
+            (``flashcp.runtime.kernels``: ``auto`` warns once when it must run the reference kernel on a GPU).
         stats: a CommStats that records each collective issued, or None.
         softmax_scale: the factor on ``q . k`` before the softmax; None means ``1 / sqrt(D)``.
 
     Differentiable in q, k and v.
     """
-    meta = meta.to(q_THD.device)
-    _check_inputs(q_THD, k_TKD, v_TKD, meta)
     mode = meta.resolve_comm(comm)
-    backend = resolve_backend(backend, q_THD)
+    meta = meta.to(q_THD.device, comm=mode)
+    _check_inputs(q_THD, k_TKD, v_TKD, meta)
+    backend = resolve_backend(backend, q_THD, blockwise=mode == "ring")
     if mode == "ring":
         if meta.ring.active:
             _check_group(meta, group)
@@ -146,7 +148,7 @@ def attention_after_exchange(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: to
                              recv_RKD: torch.Tensor, meta: CPAttnMeta, comm: str = "auto",
                              backend: str = "auto", softmax_scale: float | None = None) -> torch.Tensor:
     """Compute a rank's ``out_THD`` from the receive buffer its ``comm`` exchange would deliver."""
-    meta = meta.to(q_THD.device)
+    meta = meta.to(q_THD.device, comm=meta.resolve_comm(comm))
     _check_inputs(q_THD, k_TKD, v_TKD, meta)
     exchange = meta.exchange(comm)
     backend = resolve_backend(backend, q_THD)

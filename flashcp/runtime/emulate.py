@@ -52,10 +52,10 @@ def emulate_cp_attention(q_CHD: torch.Tensor, k_CKD: torch.Tensor, v_CKD: torch.
     vs = [v_CKD[p] for p in positions]
     out = q_CHD.new_zeros(q_CHD.shape)
     if metas[0].resolve_comm(comm) == "ring":
-        backend = resolve_backend(backend, q_CHD)
+        backend = resolve_backend(backend, q_CHD, blockwise=True)
         blocks = [torch.stack((k, v)) for k, v in zip(ks, vs)]
         for r, meta in enumerate(metas):
-            ring = meta.to(q_CHD.device).ring
+            ring = meta.to(q_CHD.device, comm="ring").ring
             q_r = fold_softmax_scale(q_CHD[positions[r]], softmax_scale)
             out_r = ring_attention_from_blocks(q_r, blocks, ring, backend)
             out = out.index_put((positions[r],), out_r)

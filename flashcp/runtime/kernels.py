@@ -1,141 +1,339 @@
-"""Variable-length causal attention kernels: ``flash_attn``, ``torch_varlen`` and a pure-torch ``reference``.
+"""Variable-length causal attention kernels: FA3, FA4, FA2 (``flash_attn``), ``torch_varlen`` and ``reference``.
 
-This is the only module that imports ``flash_attn`` (lazily, on first use). Every backend computes the same
+This is the only module that imports flash-attention (lazily, on first use). Every backend computes the same
 thing: for each sequence ``i`` of a packed batch, the queries ``q[cu_q[i]:cu_q[i+1]]`` attend to the keys
 ``k[cu_k[i]:cu_k[i+1]]`` with a *bottom-right aligned* causal mask. A query shard ``[start, start+n)`` of a
 document therefore attends to the key prefix ``[0, start+n)``: query ``j`` sees keys ``0 .. start+j``. Every
 sequence needs at least as many keys as queries.
 
+Backends (``BACKENDS``):
+
+- ``fa3``: FlashAttention-3, ``flash_attn_interface`` built from flash-attention's ``hopper/`` folder;
+- ``fa4``: FlashAttention-4, ``flash_attn.cute`` (the ``flash-attn-4`` package), compute capability 9.0+;
+- ``flash_attn``: FlashAttention-2, ``flash_attn.flash_attn_varlen_func`` (``flash-attn`` 2.6 or newer for
+  block-wise attention);
+- ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` and its ``torch_attn`` ops;
+- ``reference``: ``scaled_dot_product_attention`` per sequence; any device and dtype (float64 included).
+
+A backend is *available* for some tensors when its package imports (an installed package that fails to import,
+for instance a wheel built for another torch, is unavailable with that reason), the tensors are on a CUDA
+device of a compute capability it supports, in float16 or bfloat16, with a head dim it handles. Head dims
+that are not a multiple of 8 are zero-padded to one, as flash-attn's own Python wrapper does (the kernels
+require it; the scale stays ``1/sqrt(D)`` of the real D). ``"auto"`` takes, on Hopper and newer, FA3 (9.x
+only) and FA4 when installed, then FA2, then torch_varlen; below Hopper FA2, then torch_varlen. It warns
+once (``BackendFallbackWarning``) when it skips an installed backend, and when no GPU kernel can run CUDA
+tensors (float32, say) and it must use the reference kernel, which loops over sequences in Python with a
+host sync per call. Requested by name, an unavailable backend raises ``BackendUnavailableError`` with the
+reason in one sentence. ``_device_capability`` is the one place that looks at the device.
+
 Block-wise attention (the ``ring`` comm mode) needs two more entry points, not differentiable themselves:
 ``varlen_attention_forward`` returns the output *and* its log-sum-exp, and may drop the causal mask (a query
 attends to every key of its sequence); ``varlen_attention_backward`` computes dq, dk, dv of one block from
 the *merged* output and log-sum-exp of all blocks, so that per-block gradients add up to the exact gradient
-(``P = exp(S - lse)``, ``dS = P * (dO V^T - rowsum(dO * O))``). The backends use flash_attn's
-``_flash_attn_varlen_backward`` and torch's ``torch_attn::_varlen_attn_backward`` op; the reference backend
+(``P = exp(S - lse)``, ``dS = P * (dO V^T - rowsum(dO * O))``). They call each library's backward entry
+point (FA2 ``_flash_attn_varlen_backward``, FA3 ``_flash_attn_backward``, FA4 ``_flash_attn_bwd``, torch's
+``torch_attn::_varlen_attn_backward``) by the parameter names it declares: its op schema when it is a torch
+op or a ``torch.library.custom_op`` (whose Python signature is only ``(*args, **kwargs)``), else its Python
+signature. They need the packed ``(H, T)`` log-sum-exp: flash-attn 2.5 and older return a padded
+``(B, H, max_seqlen)`` one, so ``auto`` passes over them for block-wise attention. The reference backend
 uses, on CPU in float32/float64, the CPU flash-attention ops that ``scaled_dot_product_attention`` itself runs
-there (they return and take the log-sum-exp; exact in float64), and elsewhere the same formulas written out in
-PyTorch.
+there (they return and take the log-sum-exp; exact in float64), and elsewhere the same formulas written out
+in PyTorch.
 
 Shape legend: ``T`` packed query tokens, ``S`` packed key tokens, ``H`` query heads, ``K`` key/value heads
-(``H % K == 0``; grouped-query attention when ``K < H``), ``D`` head dim, ``B`` sequences in the batch.
+(``H % K == 0``; grouped-query attention when ``K < H``), ``D`` head dim, ``P`` head dim padded to a multiple
+of 8, ``B`` sequences in the batch.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 import inspect
 import math
+import re
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from flashcp.errors import FlashcpError
 
-__all__ = ["BACKENDS", "BackendUnavailableError", "backend_available", "lse_dtype", "resolve_backend",
-           "varlen_attention", "varlen_attention_backward", "varlen_attention_forward"]
+__all__ = ["BACKENDS", "GPU_BACKENDS", "BackendFallbackWarning", "BackendUnavailableError", "backend_available",
+           "lse_dtype", "resolve_backend", "unavailable_reason", "varlen_attention", "varlen_attention_backward",
+           "varlen_attention_forward"]
 
-BACKENDS = ("flash_attn", "torch_varlen", "reference")
-"""Kernel backends in the order ``"auto"`` tries them."""
+BACKENDS = ("fa3", "fa4", "flash_attn", "torch_varlen", "reference")
+"""Every kernel backend; ``"auto"`` tries the GPU ones in the order ``_auto_order`` gives for the device."""
+GPU_BACKENDS = BACKENDS[:-1]
+"""The backends that run on CUDA devices only."""
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+_MIN_CAPABILITY = {"fa3": (8, 0), "fa4": (9, 0), "flash_attn": (8, 0), "torch_varlen": (8, 0)}
+_MAX_HEAD_DIM = 256
 
 
 class BackendUnavailableError(FlashcpError):
     """The requested attention backend cannot run on these tensors (not installed, wrong device or dtype)."""
 
 
-@functools.cache
-def _flash_attn_func():
-    if importlib.util.find_spec("flash_attn") is None:
+class BackendFallbackWarning(UserWarning):
+    """``backend="auto"`` skipped an installed backend, or must run the reference kernel on a GPU."""
+
+
+def _device_capability(device: torch.device) -> tuple[int, int] | None:
+    """``(major, minor)`` compute capability of a CUDA device; None for every other device."""
+    if device.type != "cuda":
         return None
-    from flash_attn import flash_attn_varlen_func
-
-    return flash_attn_varlen_func
+    return torch.cuda.get_device_capability(device)
 
 
-@functools.cache
-def _flash_attn_lse_funcs():
-    """``(flash_attn_varlen_func, _flash_attn_varlen_backward, its parameters)`` or None."""
-    if _flash_attn_func() is None:
-        return None
+# ---------------------------------------------------------------- importing the libraries
+
+@dataclass(frozen=True, slots=True)
+class _Api:
+    """What one GPU backend's import provides."""
+
+    forward: Callable
+    """The differentiable varlen attention function."""
+    backward: Callable | None
+    """The block-wise backward entry point (None for torch_varlen, whose ops are looked up apart)."""
+    why_not_blockwise: str | None
+    """Why this build cannot run block-wise attention, or None."""
+
+
+class _Unavailable(Exception):
+    def __init__(self, reason: str, installed: bool):
+        super().__init__(reason)
+        self.installed = installed
+
+
+def _import(module: str, package: str):
     try:
-        from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
-    except ImportError:
-        return None
-    return _flash_attn_func(), _flash_attn_varlen_backward, inspect.signature(
-        _flash_attn_varlen_backward).parameters
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
+            raise _Unavailable(f"{package} is not installed", installed=False) from None
+        raise _Unavailable(f"{module} is installed but does not import ({type(e).__name__}: {e})",
+                           installed=True) from None
+    except Exception as e:  # noqa: BLE001 - a wheel for another torch or CUDA: undefined symbol, OSError, ...
+        raise _Unavailable(f"{module} is installed but does not import ({type(e).__name__}: {e})",
+                           installed=True) from None
 
 
-@functools.cache
-def _torch_varlen_lse_ops():
-    """``(forward op, backward op, {op: argument names})`` of torch's varlen attention, or None."""
-    if _torch_varlen_func()[0] is None:
-        return None
+def _attribute(module, name: str):
+    value = getattr(module, name, None)
+    if value is None:
+        raise _Unavailable(f"{module.__name__} has no {name} (an unsupported release)", installed=True)
+    return value
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+def _load_flash_attn() -> _Api:
+    package = _import("flash_attn", "flash-attn")
+    if getattr(package, "__file__", None) is None:  # a namespace package: only flash-attn-4 is installed
+        raise _Unavailable("flash-attn (FlashAttention-2) is not installed", installed=False)
+    interface = _import("flash_attn.flash_attn_interface", "flash-attn")
+    version = str(getattr(package, "__version__", "0"))
+    why = None
+    if _version(version) < (2, 6):
+        why = (f"flash-attn {version} returns the padded (B, H, max_seqlen) log-sum-exp; block-wise attention "
+               f"needs 2.6 or newer (pip install -U flash-attn)")
+    backward = getattr(interface, "_flash_attn_varlen_backward", None)
+    if backward is None and why is None:
+        why = f"flash-attn {version} has no flash_attn_interface._flash_attn_varlen_backward"
+    return _Api(forward=_attribute(package, "flash_attn_varlen_func"), backward=backward, why_not_blockwise=why)
+
+
+def _load_fa3() -> _Api:
+    interface = _import("flash_attn_interface", "FlashAttention-3 (built from flash-attention's hopper/)")
+    backward = getattr(interface, "_flash_attn_backward", None)
+    return _Api(forward=_attribute(interface, "flash_attn_varlen_func"), backward=backward,
+                why_not_blockwise=None if backward is not None else "flash_attn_interface has no _flash_attn_backward")
+
+
+def _load_fa4() -> _Api:
+    cute = _import("flash_attn.cute", "flash-attn-4")
+    interface = _import("flash_attn.cute.interface", "flash-attn-4")
+    backward = getattr(interface, "_flash_attn_bwd", None)
+    return _Api(forward=_attribute(cute, "flash_attn_varlen_func"), backward=backward,
+                why_not_blockwise=None if backward is not None else "flash_attn.cute.interface has no _flash_attn_bwd")
+
+
+def _load_torch_varlen() -> _Api:
+    varlen = _import("torch.nn.attention.varlen", f"torch {torch.__version__} varlen attention")
+    varlen_attn = _attribute(varlen, "varlen_attn")
     ops = torch.ops.torch_attn
+    why = None
     if not (hasattr(ops, "_varlen_attn") and hasattr(ops, "_varlen_attn_backward")):
-        return None
-    forward, backward = ops._varlen_attn, ops._varlen_attn_backward
-    names = {op: tuple(a.name for a in op.default._schema.arguments) for op in (forward, backward)}
-    return forward, backward, names
+        why = f"torch {torch.__version__} lacks the torch_attn varlen ops block-wise attention calls"
+    params = inspect.signature(varlen_attn).parameters
+    # the causal flag moved between torch releases: is_causal=True early, window_size=(-1, 0) later
+    if "window_size" not in params and "is_causal" not in params:
+        raise _Unavailable(f"torch {torch.__version__} varlen_attn takes neither window_size nor is_causal",
+                           installed=True)
+    return _Api(forward=varlen_attn, backward=None, why_not_blockwise=why)
 
 
-def _call_by_schema(op, names, required: list, optional: dict):
-    """``op(*required, **the optional arguments its schema has)``."""
-    return op(*required, **{name: value for name, value in optional.items() if name in names[op]})
+_LOADERS = {"fa3": _load_fa3, "fa4": _load_fa4, "flash_attn": _load_flash_attn, "torch_varlen": _load_torch_varlen}
 
 
 @functools.cache
-def _torch_varlen_func():
+def _load(backend: str) -> _Api | _Unavailable:
     try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None, {}
-    params = inspect.signature(varlen_attn).parameters
-    # The causal flag moved between torch releases: ``is_causal=True`` in early versions,
-    # ``window_size=(-1, 0)`` later. Both select the same bottom-right aligned flash kernel.
-    if "window_size" in params:
-        causal = {"window_size": (-1, 0)}
-    elif "is_causal" in params:
-        causal = {"is_causal": True}
-    else:
-        return None, {}
-    return varlen_attn, {"causal": causal, "enable_gqa": "enable_gqa" in params, "scale": "scale" in params}
+        return _LOADERS[backend]()
+    except _Unavailable as e:
+        return e
 
 
-def _why_unavailable(backend: str, q: torch.Tensor) -> str | None:
+def _api(backend: str) -> _Api:
+    api = _load(backend)
+    assert isinstance(api, _Api), api
+    return api
+
+
+# ---------------------------------------------------------------- choosing a backend
+
+def _auto_order(capability: tuple[int, int]) -> tuple[str, ...]:
+    """GPU backends ``"auto"`` tries on a device of this compute capability, best first."""
+    if capability[0] == 9:
+        return ("fa3", "fa4", "flash_attn", "torch_varlen")
+    if capability[0] >= 10:
+        return ("fa4", "flash_attn", "torch_varlen")
+    return ("flash_attn", "torch_varlen")
+
+
+def _padded_head_dim(head_dim: int) -> int:
+    return -(-head_dim // 8) * 8
+
+
+def _max_head_dim(backend: str, capability: tuple[int, int], head_dim: int) -> bool:
+    padded = _padded_head_dim(head_dim)
+    if backend == "fa4" and capability[0] in (10, 11):  # FA4 on Blackwell: up to 128, or exactly 256
+        return padded <= 128 or padded == 256
+    return padded <= _MAX_HEAD_DIM
+
+
+def _why_unavailable(backend: str, q: torch.Tensor, blockwise: bool = False) -> str | None:
     """None when ``backend`` can run on tensors like ``q``, else the reason in a few words."""
     if backend == "reference":
         return None
     if backend not in BACKENDS:
         return f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)} or auto)"
-    if not q.is_cuda:
+    capability = _device_capability(q.device)
+    if capability is None:
         return f"{backend} needs CUDA tensors, got {q.device.type}"
     if q.dtype not in _HALF_DTYPES:
         return f"{backend} needs float16 or bfloat16, got {q.dtype}"
-    if backend == "flash_attn" and _flash_attn_func() is None:
-        return "flash_attn is not installed (pip install flash-attn)"
-    if backend == "torch_varlen" and _torch_varlen_func()[0] is None:
-        return f"torch {torch.__version__} has no usable torch.nn.attention.varlen.varlen_attn"
+    api = _load(backend)
+    if isinstance(api, _Unavailable):
+        return str(api)
+    if capability < _MIN_CAPABILITY[backend]:
+        need = ".".join(map(str, _MIN_CAPABILITY[backend]))
+        return f"{backend} needs compute capability {need} or newer, the device has {capability[0]}.{capability[1]}"
+    if not _max_head_dim(backend, capability, q.shape[-1]):
+        return f"{backend} does not support head dim {q.shape[-1]} on compute capability {capability[0]}.x"
+    if blockwise and api.why_not_blockwise is not None:
+        return api.why_not_blockwise
     return None
 
 
-def backend_available(backend: str, q: torch.Tensor) -> bool:
-    """Whether ``backend`` can run on tensors like ``q`` (device, dtype, installed packages)."""
-    return _why_unavailable(backend, q) is None
+def unavailable_reason(backend: str, q: torch.Tensor, blockwise: bool = False) -> str | None:
+    """Why ``backend`` cannot run on tensors like ``q``, in a few words; None when it can.
+
+    ``blockwise``: the ring's entry points too. The words are those ``resolve_backend`` says.
+    """
+    return _why_unavailable(backend, q, blockwise)
 
 
-def resolve_backend(backend: str, q: torch.Tensor) -> str:
-    """The concrete backend for ``backend`` (``"auto"`` takes the first of BACKENDS that can run on ``q``).
+def backend_available(backend: str, q: torch.Tensor, blockwise: bool = False) -> bool:
+    """Whether ``backend`` can run on tensors like ``q`` (device, dtype, head dim, installed packages).
 
+    ``blockwise``: also the log-sum-exp entry points of the ``ring`` comm mode.
+    """
+    return _why_unavailable(backend, q, blockwise) is None
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, BackendFallbackWarning, stacklevel=3)
+
+
+def resolve_backend(backend: str, q: torch.Tensor, blockwise: bool = False) -> str:
+    """The concrete backend for ``backend`` on tensors like ``q`` (``"auto"``: see the module docstring).
+
+    ``blockwise``: the backend must also run ``varlen_attention_forward/backward`` (the ``ring`` comm mode).
     Raises BackendUnavailableError naming the reason when an explicitly requested backend cannot run.
     """
-    if backend == "auto":
-        return next(b for b in BACKENDS if backend_available(b, q))
-    why = _why_unavailable(backend, q)
-    if why is not None:
-        raise BackendUnavailableError(f"attention backend '{backend}' cannot run here: {why}")
-    return backend
+    if backend != "auto":
+        why = _why_unavailable(backend, q, blockwise)
+        if why is not None:
+            raise BackendUnavailableError(f"attention backend '{backend}' cannot run here: {why}")
+        return backend
+    capability = _device_capability(q.device)
+    if capability is None:
+        return "reference"
+    skipped: list[str] = []
+    for name in _auto_order(capability):
+        why = _why_unavailable(name, q, blockwise)
+        if why is None:
+            if skipped:
+                _warn_once(f"attention backend auto skipped {'; '.join(skipped)}; using {name}")
+            return name
+        api = _load(name)
+        if not (isinstance(api, _Unavailable) and not api.installed):
+            skipped.append(why if why.startswith(name) else f"{name} ({why})")
+    _warn_once(f"attention backend auto found no GPU kernel for {q.dtype} tensors with head dim {q.shape[-1]} on "
+               f"{q.device} ({'; '.join(skipped) or 'none is installed'}): running the reference kernel, a Python "
+               f"loop with a host sync per call (train in bfloat16 or float16 to use the GPU kernels)")
+    return "reference"
+
+
+# ---------------------------------------------------------------- calling a library entry point
+
+@functools.cache
+def _parameters(fn) -> dict[str, bool]:
+    """Parameter name -> whether it is required, as ``fn`` declares them.
+
+    ``torch.library.custom_op`` functions (flash-attn 2.7+, FA3) and torch ops carry their parameters in the
+    op schema; their Python signature is only ``(*args, **kwargs)``.
+    """
+    op = getattr(fn, "_opoverload", fn)
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        op = op.default
+    schema = getattr(op, "_schema", None)
+    if isinstance(schema, torch._C.FunctionSchema):
+        return {a.name: not a.has_default_value() for a in schema.arguments}
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        raise BackendUnavailableError(f"{getattr(fn, '__qualname__', fn)} declares no parameter names flashcp "
+                                      f"can read ({inspect.signature(fn)})")
+    return {p.name: p.default is p.empty for p in params}
+
+
+def _call(fn, leading: list, known: dict[str, Any]):
+    """``fn(*leading, **the known arguments it declares)``; BackendUnavailableError if it needs others."""
+    rest = dict(list(_parameters(fn).items())[len(leading):])
+    missing = [name for name, required in rest.items() if required and name not in known]
+    if missing:
+        raise BackendUnavailableError(f"{getattr(fn, '__qualname__', fn)} needs arguments flashcp does not "
+                                      f"know: {', '.join(missing)}")
+    return fn(*leading, **{name: known[name] for name in rest if name in known})
+
+
+def _pad(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``x`` with its last dim zero-padded to ``head_dim`` (the same tensor when it already has it)."""
+    return x if x.shape[-1] == head_dim else F.pad(x, (0, head_dim - x.shape[-1]))
 
 
 def fold_softmax_scale(q_THD: torch.Tensor, softmax_scale: float | None) -> torch.Tensor:
@@ -144,6 +342,8 @@ def fold_softmax_scale(q_THD: torch.Tensor, softmax_scale: float | None) -> torc
         return q_THD
     return q_THD * (softmax_scale * math.sqrt(q_THD.shape[-1]))
 
+
+# ---------------------------------------------------------------- differentiable attention
 
 def varlen_attention(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
@@ -168,22 +368,35 @@ def varlen_attention(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Tens
     backend = resolve_backend(backend, q_THD)
     if q_THD.shape[0] == 0:
         return q_THD.clone()
-    if backend == "flash_attn":
-        return _flash_attn_func()(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                  softmax_scale=softmax_scale, causal=True)
+    if backend == "reference":
+        return reference_varlen_attention(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, softmax_scale)
+    head_dim = q_THD.shape[-1]
+    scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    padded = _padded_head_dim(head_dim)
+    q_TPH, k_SKP, v_SKP = (_pad(x, padded) for x in (q_THD, k_SKD, v_SKD))
+    lengths = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
+               "max_seqlen_k": max_seqlen_k}
+    forward = _api(backend).forward
     if backend == "torch_varlen":
-        varlen_attn, options = _torch_varlen_func()
-        kwargs = dict(options["causal"])
-        if k_SKD.shape[1] != q_THD.shape[1] and options["enable_gqa"]:
-            kwargs["enable_gqa"] = True
-        if softmax_scale is not None:
-            if options["scale"]:
-                kwargs["scale"] = softmax_scale
-            else:  # releases without a scale argument
-                q_THD = fold_softmax_scale(q_THD, softmax_scale)
-        return varlen_attn(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           **kwargs)
-    return reference_varlen_attention(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, softmax_scale)
+        out = _torch_varlen(forward, q_TPH, k_SKP, v_SKP, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, scale)
+    else:  # keywords: FA4 takes qv as its fourth positional argument
+        out = forward(q_TPH, k_SKP, v_SKP, **lengths, softmax_scale=scale, causal=True)
+        out = out[0] if isinstance(out, tuple) else out  # FA4 returns (out, lse)
+    return out if padded == head_dim else out[..., :head_dim]
+
+
+def _torch_varlen(varlen_attn, q_TPH, k_SKP, v_SKP, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  scale: float) -> torch.Tensor:
+    params = _parameters(varlen_attn)
+    kwargs: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if k_SKP.shape[1] != q_TPH.shape[1] and "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    if "scale" in params:
+        kwargs["scale"] = scale
+    else:  # releases without a scale argument apply 1/sqrt(P)
+        q_TPH = q_TPH * (scale * math.sqrt(q_TPH.shape[-1]))
+    return varlen_attn(q_TPH, k_SKP, v_SKP, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
 
 
 def reference_varlen_attention(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Tensor,
@@ -221,23 +434,14 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _lse_backend(backend: str, q: torch.Tensor) -> str:
-    backend = resolve_backend(backend, q)
-    if backend == "flash_attn" and _flash_attn_lse_funcs() is None:
-        raise BackendUnavailableError("attention backend 'flash_attn' cannot run block-wise attention here: "
-                                      "flash_attn.flash_attn_interface has no _flash_attn_varlen_backward")
-    if backend == "torch_varlen" and _torch_varlen_lse_ops() is None:
-        raise BackendUnavailableError(f"attention backend 'torch_varlen' cannot run block-wise attention "
-                                      f"with torch {torch.__version__}: it lacks the torch_attn varlen ops")
-    return backend
-
+# ---------------------------------------------------------------- block-wise attention (ring)
 
 def _lse_TH(lse: torch.Tensor, num_tokens: int, num_heads: int, backend: str) -> torch.Tensor:
-    # recent flash-attn 2 releases and torch's varlen op return the varlen log-sum-exp packed, (H, T) float32
+    # every supported release returns the varlen log-sum-exp packed, (H, T) float32
     if lse.shape != (num_heads, num_tokens):
         raise BackendUnavailableError(f"attention backend '{backend}' returned a log-sum-exp of shape "
                                       f"{tuple(lse.shape)}, not the packed (H, T) = ({num_heads}, "
-                                      f"{num_tokens}) that block-wise attention needs; upgrade flash-attn")
+                                      f"{num_tokens}) that block-wise attention needs; upgrade it")
     return lse.transpose(0, 1)
 
 
@@ -253,23 +457,35 @@ def varlen_attention_forward(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: to
     ``lse_TH`` is ``log(sum_j exp(q . k_j / sqrt(D)))`` over the keys each query sees, (T, H), in
     ``lse_dtype(q.dtype)``. Every sequence must have at least one key.
     """
-    backend = _lse_backend(backend, q_THD)
-    num_tokens, num_heads = q_THD.shape[0], q_THD.shape[1]
+    backend = resolve_backend(backend, q_THD, blockwise=True)
+    num_tokens, num_heads, head_dim = q_THD.shape
     if num_tokens == 0:
         return q_THD.clone(), q_THD.new_zeros((0, num_heads), dtype=lse_dtype(q_THD.dtype))
-    if backend == "flash_attn":
-        forward = _flash_attn_lse_funcs()[0]
-        out, lse, _ = forward(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              causal=causal, return_attn_probs=True)
-        return out, _lse_TH(lse, num_tokens, num_heads, backend)
-    if backend == "torch_varlen":
-        forward, _, names = _torch_varlen_lse_ops()
-        out, lse, _ = _call_by_schema(
-            forward, names, [q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k],
-            {"is_causal": causal, "window_size": [-1, 0] if causal else [-1, -1],
-             "enable_gqa": k_SKD.shape[1] != num_heads})
-        return out, _lse_TH(lse, num_tokens, num_heads, backend)
-    return _reference_forward(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, causal)
+    if backend == "reference":
+        return _reference_forward(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, causal)
+    padded = _padded_head_dim(head_dim)
+    q_TPH, k_SKP, v_SKP = (_pad(x, padded) for x in (q_THD, k_SKD, v_SKD))
+    lengths = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
+               "max_seqlen_k": max_seqlen_k}
+    scale = head_dim ** -0.5
+    with torch.no_grad():
+        if backend == "torch_varlen":
+            op = torch.ops.torch_attn._varlen_attn
+            out, lse, _ = _call(op, [q_TPH, k_SKP, v_SKP, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k],
+                                {"is_causal": causal, "scale": scale, "window_size": [-1, 0] if causal else [-1, -1],
+                                 "enable_gqa": k_SKD.shape[1] != num_heads})
+        elif backend == "fa4":
+            out, lse = _api(backend).forward(q_TPH, k_SKP, v_SKP, **lengths, softmax_scale=scale, causal=causal,
+                                             return_lse=True)
+        else:
+            result = _api(backend).forward(q_TPH, k_SKP, v_SKP, **lengths, softmax_scale=scale, causal=causal,
+                                           return_attn_probs=True)
+            if not isinstance(result, tuple):  # FA3 builds of mid-2025 ignore return_attn_probs
+                raise BackendUnavailableError(f"attention backend '{backend}' returned no log-sum-exp; "
+                                              f"block-wise attention needs a newer build")
+            out, lse = result[0], result[1]
+    out = out if padded == head_dim else out[..., :head_dim]
+    return out, _lse_TH(lse, num_tokens, num_heads, backend)
 
 
 def varlen_attention_backward(grad_out_THD: torch.Tensor, q_THD: torch.Tensor, k_SKD: torch.Tensor,
@@ -296,37 +512,76 @@ def varlen_attention_backward(grad_out_THD: torch.Tensor, q_THD: torch.Tensor, k
     The gradients are in the inputs' dtypes; summed over the blocks they are the exact gradient of the
     attention over all blocks.
     """
-    backend = _lse_backend(backend, q_THD)
+    backend = resolve_backend(backend, q_THD, blockwise=True)
     if q_THD.shape[0] == 0:
         return q_THD.clone(), torch.zeros_like(k_SKD), torch.zeros_like(v_SKD)
-    grad_out_THD, lse_HT = grad_out_THD.contiguous(), lse_TH.transpose(0, 1).float().contiguous()
-    if backend == "flash_attn":
-        _, backward, params = _flash_attn_lse_funcs()
-        dq, dk, dv = torch.empty_like(q_THD), torch.empty_like(k_SKD), torch.empty_like(v_SKD)
-        known = {"dout": grad_out_THD, "q": q_THD, "k": k_SKD, "v": v_SKD, "out": out_THD,
-                 "softmax_lse": lse_HT, "dq": dq, "dk": dk, "dv": dv, "cu_seqlens_q": cu_seqlens_q,
-                 "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k,
-                 "dropout_p": 0.0, "softmax_scale": q_THD.shape[-1] ** -0.5, "causal": causal,
-                 "window_size": (-1, 0) if causal else (-1, -1), "window_size_left": -1,
-                 "window_size_right": 0 if causal else -1, "softcap": 0.0, "alibi_slopes": None,
-                 "deterministic": False, "rng_state": None}
-        # its signature moved between releases (window_size -> window_size_left/right, softcap, ...)
-        missing = [n for n, p in params.items() if n not in known and p.default is inspect.Parameter.empty]
-        if missing:
-            raise BackendUnavailableError(f"flash_attn's _flash_attn_varlen_backward needs arguments flashcp "
-                                          f"does not know: {', '.join(missing)}")
-        backward(**{n: known[n] for n in params if n in known})
-        return dq, dk, dv
-    if backend == "torch_varlen":
-        _, backward, names = _torch_varlen_lse_ops()
-        rng_state = torch.zeros(2, dtype=torch.uint64, device=q_THD.device)  # no dropout
-        return _call_by_schema(
-            backward, names, [grad_out_THD, q_THD, k_SKD, v_SKD, out_THD, lse_HT, cu_seqlens_q, cu_seqlens_k,
-                              max_seqlen_q, max_seqlen_k, causal, rng_state],
-            {"window_size": [-1, 0] if causal else [-1, -1]})
-    return _reference_backward(grad_out_THD, q_THD, k_SKD, v_SKD, out_THD, lse_TH, cu_seqlens_q, cu_seqlens_k,
-                               causal)
+    if backend == "reference":
+        return _reference_backward(grad_out_THD.contiguous(), q_THD, k_SKD, v_SKD, out_THD, lse_TH, cu_seqlens_q,
+                                   cu_seqlens_k, causal)
+    head_dim = q_THD.shape[-1]
+    padded = _padded_head_dim(head_dim)
+    dout, q, k, v, out = (_pad(x, padded).contiguous() for x in (grad_out_THD, q_THD, k_SKD, v_SKD, out_THD))
+    lse_HT = lse_TH.transpose(0, 1).float().contiguous()
+    dq, dk, dv = _BACKWARDS[backend](dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, causal, head_dim ** -0.5)
+    if padded != head_dim:
+        dq, dk, dv = (x[..., :head_dim] for x in (dq, dk, dv))
+    return dq, dk, dv
 
+
+def _fa2_backward(dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                  scale):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # its parameters moved between releases: window_size -> window_size_left/right, softcap, zero_tensors
+    _call(_api("flash_attn").backward, [], {
+        "dout": dout, "q": q, "k": k, "v": v, "out": out, "softmax_lse": lse_HT, "dq": dq, "dk": dk, "dv": dv,
+        "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
+        "max_seqlen_k": max_seqlen_k, "dropout_p": 0.0, "softmax_scale": scale, "causal": causal,
+        "window_size": (-1, 0) if causal else (-1, -1), "window_size_left": -1,
+        "window_size_right": 0 if causal else -1, "softcap": 0.0, "alibi_slopes": None,
+        "deterministic": False, "rng_state": None, "zero_tensors": False})
+    return dq, dk, dv
+
+
+def _fa3_backward(dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                  scale):
+    backward = _api("fa3").backward
+    if not {"dq", "dk", "dv"} <= set(_parameters(backward)):
+        raise BackendUnavailableError("flash_attn_interface._flash_attn_backward takes no dq, dk, dv buffers")
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # the custom op (2025-07 on) says is_causal and window_size_left/right; earlier builds causal, window_size
+    _call(backward, [], {
+        "dout": dout, "q": q, "k": k, "v": v, "out": out, "softmax_lse": lse_HT, "cu_seqlens_q": cu_seqlens_q,
+        "cu_seqlens_k": cu_seqlens_k, "sequed_q": None, "sequed_k": None, "max_seqlen_q": max_seqlen_q,
+        "max_seqlen_k": max_seqlen_k, "dq": dq, "dk": dk, "dv": dv, "softmax_scale": scale, "causal": causal,
+        "is_causal": causal, "window_size": (-1, 0) if causal else (-1, -1), "window_size_left": -1,
+        "window_size_right": 0 if causal else -1, "softcap": 0.0, "deterministic": False, "sm_margin": 0})
+    return dq, dk, dv
+
+
+def _fa4_backward(dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                  scale):
+    # no window: FA4 spells an infinite window None and derives the causal one from ``causal``
+    grads = _call(_api("fa4").backward, [], {
+        "q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse_HT, "softmax_scale": scale,
+        "causal": causal, "softcap": 0.0, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+        "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k, "deterministic": False})
+    return grads[0], grads[1], grads[2]
+
+
+def _torch_varlen_backward(dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           causal, scale):
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout
+    return _call(torch.ops.torch_attn._varlen_attn_backward,
+                 [dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                  rng_state], {"scale": scale, "window_size": [-1, 0] if causal else [-1, -1]})
+
+
+_BACKWARDS = {"flash_attn": _fa2_backward, "fa3": _fa3_backward, "fa4": _fa4_backward,
+              "torch_varlen": _torch_varlen_backward}
+
+
+# ---------------------------------------------------------------- the reference kernels
 
 def _reference_scores(q_QHD, k_KKD, group: int, causal: bool):
     """Scaled scores (H, Q, Kn) in the lse dtype, -inf where masked; and the heads-repeated keys."""

@@ -178,6 +178,9 @@ class CPAttnMeta:
     carries float32 dK/dV), else ``allgather``. Decided from the whole plan, so every rank picks the same.
     Never ``ring`` or ``full``: those are baselines, chosen only by name."""
     _moved: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _on: torch.device | None = field(default=None, init=False, repr=False, compare=False)
+    _comm: str | None = field(default=None, init=False, repr=False, compare=False)
+    _host: CPAttnMeta | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_plan(cls, plan: SequencePlan, doc_lens, rank: int) -> CPAttnMeta:
@@ -186,8 +189,8 @@ class CPAttnMeta:
 
     @property
     def device(self) -> torch.device:
-        """Where the index tensors live."""
-        return self.out_index.device
+        """Where the index tensors live (those of ``comm`` when the meta was moved with ``to(device, comm)``)."""
+        return self._on if self._on is not None else self.out_index.device
 
     def resolve_comm(self, comm: str) -> str:
         """The comm mode ``comm`` names (``"auto"``: ``auto_comm``); ValueError for an unknown name."""
@@ -210,27 +213,76 @@ class CPAttnMeta:
         ex = self.ring if mode == "ring" else self.exchanges[mode]
         return ex.wire_send_tokens, ex.wire_recv_tokens
 
-    def to(self, device: torch.device | str) -> CPAttnMeta:
-        """Return this meta with its index tensors on ``device``; cached, so calling it per layer is cheap."""
+    def to(self, device: torch.device | str, comm: str | None = None) -> CPAttnMeta:
+        """Return this meta with its index tensors on ``device``; cached, so calling it per layer is cheap.
+
+        ``comm`` (a mode or ``"auto"``) moves only what that mode reads: the shard arrays and either the local
+        and remote parts with the mode's exchange, or the ring schedule; the other modes' tensors stay on
+        the host. None moves everything. The tensors travel as one buffer, pinned when CUDA is available:
+        one host-to-device copy per meta and mode, no per-tensor pageable copies.
+        """
         device = torch.device(device)
-        if device == self.device:
+        mode = None if comm is None else self.resolve_comm(comm)
+        if device == self.device and self._comm in (None, mode):
             return self
-        key = str(device)
-        if key not in self._moved:
-            self._moved[key] = _move(self, device)
-        return self._moved[key]
+        host = self._host if self._host is not None else self
+        if device == host.device and host._comm is None:
+            return host
+        key = (str(device), mode)
+        if key not in host._moved:
+            host._moved[key] = _moved_meta(host, device, mode)
+        return host._moved[key]
 
 
-def _move(obj, device: torch.device):
+def _moved_meta(meta: CPAttnMeta, device: torch.device, mode: str | None) -> CPAttnMeta:
+    """``meta`` with the tensors ``mode`` reads (all when None) on ``device``, copied as one buffer."""
+    moved = {"shard_doc", "shard_start", "shard_len", "shard_local_only"}
+    if mode is None:
+        moved = {f.name for f in fields(meta) if f.init}
+    elif mode == "ring":
+        moved.add("ring")
+    else:
+        moved |= {"local", "local_kv_index", "remote", "out_index", "exchanges"}
+    parts = {name: getattr(meta, name) for name in moved}
+    if mode is not None and "exchanges" in parts:
+        parts["exchanges"] = {mode: meta.exchanges[mode]}
+    tensors: list[torch.Tensor] = []
+    _map_tensors(parts, tensors.append)
+    on_device = iter(_copy_as_one(tensors, device))
+    parts = _map_tensors(parts, lambda _: next(on_device))
+    if mode is not None and "exchanges" in parts:
+        parts["exchanges"] = {**meta.exchanges, **parts["exchanges"]}
+    result = replace(meta, **parts)
+    object.__setattr__(result, "_on", device)
+    object.__setattr__(result, "_comm", mode)
+    object.__setattr__(result, "_host", meta)
+    return result
+
+
+def _map_tensors(obj, fn):
+    """``obj`` with every tensor ``t`` inside it (dicts, tuples, the meta dataclasses) replaced by ``fn(t)``."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
+        return fn(obj)
     if isinstance(obj, dict):
-        return {k: _move(v, device) for k, v in obj.items()}
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, tuple):
-        return tuple(_move(v, device) for v in obj)
-    if isinstance(obj, (QueryPart, Exchange, RingStep, RingSchedule, CPAttnMeta)):
-        return replace(obj, **{f.name: _move(getattr(obj, f.name), device) for f in fields(obj) if f.init})
+        return tuple(_map_tensors(v, fn) for v in obj)
+    if isinstance(obj, (QueryPart, Exchange, RingStep, RingSchedule)):
+        return replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn) for f in fields(obj) if f.init})
     return obj
+
+
+def _copy_as_one(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``tensors`` on ``device``: packed into one byte buffer (8-byte aligned), one copy, then viewed apart."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets = np.cumsum([0] + [-(-n // 8) * 8 for n in sizes])
+    pinned = device.type == "cuda" and torch.cuda.is_available()
+    buffer = torch.empty(int(offsets[-1]), dtype=torch.uint8, pin_memory=pinned)
+    for t, start, n in zip(tensors, offsets, sizes):
+        if n:
+            buffer[start:start + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+    buffer = buffer.to(device, non_blocking=pinned)
+    return [buffer[start:start + n].view(t.dtype).view(t.shape) for t, start, n in zip(tensors, offsets, sizes)]
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -10,8 +10,12 @@ errors once, before any training collective, and every rank raises the same Flas
 plan or a missing checkpoint stops the whole group with one sentence instead of leaving some ranks waiting.
 
 Each step logs, on rank 0: the sequence's mean loss, tokens per second (the packed sequence's tokens over the
-slowest rank's step time, data loading included), and the K/V bytes the attention exchange moved (forward
-K/V plus backward dK/dV, all layers: the busiest rank's sent+received, and the sum over ranks).
+step's wall time, data loading included), and the K/V bytes the attention exchange moved (forward K/V plus
+backward dK/dV, all layers: the busiest rank's sent+received, and the sum over ranks). A step makes one host
+sync (``train_step``'s read after the optimizer step, which brings every rank's byte counts too); the ranks
+leave the step after the same collectives, so one rank's wall time is the slowest rank's up to its local
+optimizer update. The parameter dtype defaults to bfloat16 on CUDA (the GPU attention kernels need 16-bit
+inputs) and float32 elsewhere.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +47,8 @@ from flashcp.train.checkpoint import (
 from flashcp.train.parallel import SHARDING_MODES, ParallelGroups, build_mesh, shard_model
 from flashcp.train.step import LossSumFn, fold_vocab, group_rank, group_size, tiny_loss_sum, train_step
 
-__all__ = ["DTYPES", "MODELS", "StepLog", "TrainOptions", "agree_on_errors", "build_model", "run_training"]
-
-# torch >= 2.13 names the tensor-in/tensor-out all-gather all_gather_single and deprecates the older name
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+__all__ = ["DTYPES", "MODELS", "StepLog", "TrainOptions", "agree_on_errors", "build_model", "default_dtype",
+           "run_training"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 MODELS = ("tiny", "llama", "qwen2")
@@ -65,13 +67,13 @@ class TrainOptions:
     comm: str = "auto"
     """K/V exchange: ``allgather``, ``a2a``, ``full`` or ``auto``."""
     backend: str = "auto"
-    """Attention kernels: ``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``."""
+    """Attention kernels: ``fa3``, ``fa4``, ``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
-    dtype: str = "float32"
-    """Parameter dtype: float32, float64 or bfloat16."""
+    dtype: str | None = None
+    """Parameter dtype: float32, float64 or bfloat16; None: bfloat16 on CUDA, float32 elsewhere."""
     model: str = "tiny"
     """``tiny`` (flashcp.models.tiny) or a transformers architecture: ``llama``, ``qwen2``."""
     vocab_size: int = 512
@@ -104,7 +106,7 @@ class TrainOptions:
     def __post_init__(self):
         if self.steps < 0:
             raise ValueError(f"steps must be at least 0, got {self.steps}")
-        if self.dtype not in DTYPES:
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
         if self.model not in MODELS:
             raise ValueError(f"unknown model '{self.model}' (choose from {', '.join(MODELS)})")
@@ -139,7 +141,8 @@ class StepLog:
     num_tokens: int
     """Tokens of the global batch (``dp`` packed sequences)."""
     seconds: float
-    """The slowest rank's time for the step, data loading included."""
+    """Rank 0's wall time for the step, data loading included (the ranks wait for each other in the step's
+    collectives, so it is the slowest rank's time up to the local optimizer update)."""
     kv_bytes_busiest: int
     """Largest K/V bytes sent plus received by one rank (attention exchange, forward and backward)."""
     kv_bytes_total: int
@@ -153,9 +156,14 @@ class StepLog:
         return self.num_tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
+def default_dtype(device: torch.device | str) -> str:
+    """The parameter dtype a run on ``device`` uses when none is given: bfloat16 on CUDA, else float32."""
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
 def build_model(options: TrainOptions, device: torch.device) -> tuple[nn.Module, LossSumFn]:
     """The model of ``options`` on ``device`` (weights from torch's RNG) and its loss hook for train_step."""
-    dtype = DTYPES[options.dtype]
+    dtype = DTYPES[options.dtype or default_dtype(device)]
     shape: dict[str, Any] = dict(vocab_size=options.vocab_size, dim=options.dim,
                                  num_layers=options.num_layers, num_heads=options.num_heads,
                                  num_kv_heads=options.num_kv_heads)
@@ -224,6 +232,8 @@ def run_training(options: TrainOptions, *, group=None, device: torch.device | st
     terminal is interactive. Raises FlashcpError, on every rank alike, for bad input found while setting up.
     """
     device = torch.device(device)
+    if options.dtype is None:
+        options = replace(options, dtype=default_dtype(device))
     rank, world = group_rank(group), group_size(group)
     log = log if rank == 0 else None
     error: Exception | None = None
@@ -256,7 +266,7 @@ def run_training(options: TrainOptions, *, group=None, device: torch.device | st
     try:
         with (progress("training", todo) if show_progress and rank == 0 else nullcontext(None)) as advance:
             for step in range(run.start + 1, options.steps + 1):
-                logs.append(_step(options, step, run, group, world, device))
+                logs.append(_step(options, step, run, group, device))
                 if log:
                     log(_format(logs[-1], options.steps))
                 if options.ckpt and (step == options.steps
@@ -302,25 +312,15 @@ def _set_up(options: TrainOptions, rank: int, world: int, device: torch.device,
                 groups=groups, prefetch=options.prefetch)
 
 
-def _step(options: TrainOptions, step: int, run: _Run, group, world: int, device: torch.device) -> StepLog:
+def _step(options: TrainOptions, step: int, run: _Run, group, device: torch.device) -> StepLog:
     began = time.perf_counter()
-    batch = fold_vocab(run.next_batch().to(device, non_blocking=run.prefetcher is not None), options.vocab_size)
-    if run.groups is not None:
-        group = run.groups.grad_group  # the timings below are gathered over every rank
+    batch = run.next_batch().to(device, non_blocking=run.prefetcher is not None, comm=options.comm)
+    batch = fold_vocab(batch, options.vocab_size)
     result = train_step(run.model, run.optimizer, batch, run.loss_sum_fn, group=group, comm=options.comm,
                         backend=options.backend, groups=run.groups)
-    mine = torch.tensor([time.perf_counter() - began, result.kv_sent_bytes, result.kv_recv_bytes],
-                        dtype=torch.float64, device=device)
-    if world > 1:
-        every = torch.zeros(world * 3, dtype=torch.float64, device=device)
-        _all_gather(every, mine, group=group)
-        every = every.view(world, 3)
-    else:
-        every = mine[None]
-    every = every.cpu()
     return StepLog(step=step, loss=result.loss, num_tokens=run.loader.context_len * options.dp,
-                   seconds=float(every[:, 0].max()), kv_bytes_busiest=int((every[:, 1] + every[:, 2]).max()),
-                   kv_bytes_total=int(every[:, 1].sum()), grad_bytes=result.grad_bytes)
+                   seconds=time.perf_counter() - began, kv_bytes_busiest=result.kv_bytes_busiest,
+                   kv_bytes_total=result.kv_bytes_total, grad_bytes=result.grad_bytes)
 
 
 def _format(entry: StepLog, steps: int) -> str:

@@ -10,6 +10,15 @@ Replicated parameters are summed by one all-reduce of a flat buffer per dtype; a
 (``flashcp.train.parallel``) reduce-scatters in backward. Every rank then takes the same optimizer step.
 The loss is computed in float32 or wider whatever the model's dtype.
 
+Host syncs: none before the optimizer step. The data-parallel label count stays on the device (the loss is
+divided by it there), the loss and the K/V byte counts of every rank ride in the gradient all-reduce (a
+float64 tail of the flat buffer: the loss, then one ``(sent, received)`` slot per rank, so the sum gathers
+them), and a single small device-to-host read after ``optimizer.step()`` brings back the loss, the label
+count and the gathered bytes. On CUDA the step is timed with CUDA events, complete by the time of that read.
+Replicated gradients live in persistent flat buffers (one per dtype and device, kept for the model): every
+parameter's ``.grad`` is a view into them, zeroed before the backward, so autograd accumulates in place and
+the all-reduce needs no copy.
+
 Shape legend: ``T`` this rank's tokens, ``H`` query heads, ``K`` key/value heads, ``D`` head dim, ``V``
 vocabulary.
 """
@@ -17,6 +26,7 @@ vocabulary.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -45,7 +55,7 @@ class CPAttention:
     comm: str = "auto"
     """``allgather``, ``a2a``, ``full`` or ``auto``."""
     backend: str = "auto"
-    """``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``."""
+    """``fa3``, ``fa4``, ``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``."""
     stats: CommStats | None = None
     """Records every collective issued, or None."""
 
@@ -69,11 +79,16 @@ class StepResult:
     num_label_tokens: int
     """Labels the loss averages over (all ranks)."""
     seconds: float
-    """Wall time on this rank: forward, backward, gradient all-reduce and optimizer update."""
+    """Time of the step on this rank: forward, backward, gradient all-reduce and optimizer update (CUDA
+    events on a GPU, wall time otherwise)."""
     kv_sent_bytes: int
     """K/V (forward) plus dK/dV (backward) bytes this rank sent, all layers."""
     kv_recv_bytes: int
     """K/V plus dK/dV bytes that reached this rank, all layers."""
+    kv_bytes_busiest: int
+    """Largest sent plus received K/V bytes of one rank, over the ranks that train the model together."""
+    kv_bytes_total: int
+    """K/V bytes sent, summed over those ranks."""
     grad_bytes: int
     """Bytes of this rank's input to the gradient reduction (all-reduce of all replicated parameters, or the
     reduce-scatters of a sharded model: its unsharded gradients)."""
@@ -106,43 +121,119 @@ def tiny_loss_sum(model: nn.Module, batch: Batch, attn: CPAttention) -> torch.Te
     return causal_lm_loss_sum(logits_TV, batch.labels)
 
 
+class GradientBuffers:
+    """Flat gradient buffers of some parameters, one per (dtype, device); every ``.grad`` a view into them.
+
+    ``num_extra`` float64 values follow the gradients (in the float64 buffer when there is one, else in a
+    buffer of their own): ``all_reduce`` sums them alongside. Kept across steps (``for_model``).
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], num_extra: int = 0):
+        self.params = [p for p in params if p.requires_grad]
+        self.num_extra = num_extra
+        buckets: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+        for p in self.params:
+            buckets.setdefault((p.dtype, p.device), []).append(p)
+        self.buckets = list(buckets.items())
+        self.grad_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        self.extra_at = next((i for i, ((dtype, _), _) in enumerate(self.buckets) if dtype == torch.float64),
+                             len(self.buckets))
+        self.flats = []
+        for i, ((dtype, device), bucket) in enumerate(self.buckets):
+            size = sum(p.numel() for p in bucket) + (num_extra if i == self.extra_at else 0)
+            self.flats.append(torch.zeros(size, dtype=dtype, device=device))
+        if self.extra_at == len(self.buckets) and num_extra:
+            device = self.params[0].device if self.params else torch.device("cpu")
+            self.flats.append(torch.zeros(num_extra, dtype=torch.float64, device=device))
+        self.views = [flat[offset:offset + p.numel()].view_as(p) for flat, bucket in zip(self.flats, self._groups())
+                      for p, offset in bucket]
+
+    def _groups(self):
+        for _, bucket in self.buckets:
+            offsets = [0]
+            for p in bucket[:-1]:
+                offsets.append(offsets[-1] + p.numel())
+            yield list(zip(bucket, offsets))
+
+    @staticmethod
+    def for_model(model: nn.Module, num_extra: int) -> GradientBuffers:
+        """The buffers kept for ``model`` (made again when its parameters or ``num_extra`` changed)."""
+        buffers = _MODEL_BUFFERS.get(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if buffers is None or buffers.num_extra != num_extra or len(buffers.params) != len(params) or any(
+                a is not b for a, b in zip(buffers.params, params)):
+            buffers = GradientBuffers(params, num_extra)
+            _MODEL_BUFFERS[model] = buffers
+        return buffers
+
+    @property
+    def extra(self) -> torch.Tensor:
+        """The ``num_extra`` float64 values after the gradients (a view)."""
+        return self.flats[self.extra_at][-self.num_extra:] if self.num_extra else self.flats[0][:0]
+
+    def attach(self) -> None:
+        """Zero the buffers and make every parameter's ``.grad`` its view (before the backward pass)."""
+        for flat in self.flats:
+            flat.zero_()
+        for p, view in zip(self.params, self.views):
+            p.grad = view
+
+    def gather(self) -> None:
+        """Copy into the buffers every ``.grad`` that is not its view (None counts as zeros); then attach."""
+        for p, view in zip(self.params, self.views):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
+
+    def all_reduce(self, group=None) -> None:
+        """Sum the buffers (gradients and extra values) over ``group``, in place: one all-reduce per buffer."""
+        if group_size(group) > 1:
+            for flat in self.flats:
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+
+
+_MODEL_BUFFERS: weakref.WeakKeyDictionary[nn.Module, GradientBuffers] = weakref.WeakKeyDictionary()
+
+
 def all_reduce_gradients(params: Iterable[nn.Parameter], group=None,
                          extra: torch.Tensor | None = None) -> tuple[float | None, int]:
     """Sum the gradients of ``params`` over ``group`` in place: one flat all-reduce per (dtype, device).
 
     A parameter without a gradient on this rank counts as zeros (and receives the others' sum), so every rank
     issues the same collectives. ``extra``, a scalar, is summed alongside in float64 (the step's loss): in
-    the float64 gradient buffer when there is one, else in a one-element buffer of its own.
+    the float64 gradient buffer when there is one, else in a one-element buffer of its own; reading it back
+    is a host sync (``train_step`` uses ``GradientBuffers`` and reads once, after the optimizer step).
     Returns ``(extra summed or None, bytes of this rank's gradient input)``.
     """
-    buckets: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-    for p in params:
-        if p.requires_grad:
-            buckets.setdefault((p.dtype, p.device), []).append(p)
-    flats = [torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
-             for bucket in buckets.values()]
-    grad_bytes = sum(f.numel() * f.element_size() for f in flats)
-    extra_at = None  # (buffer index) holding ``extra`` as its last element
+    buffers = GradientBuffers(params, num_extra=0 if extra is None else 1)
+    buffers.gather()
     if extra is not None:
-        extra_at = next((i for i, f in enumerate(flats) if f.dtype == torch.float64), len(flats))
-        scalar = extra.detach().reshape(1).to(torch.float64)
-        if extra_at == len(flats):
-            flats.append(scalar)
-        else:
-            flats[extra_at] = torch.cat((flats[extra_at], scalar.to(flats[extra_at].device)))
-    if group_size(group) > 1:
-        for flat in flats:
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    extra_sum = None
-    if extra_at is not None:
-        extra_sum = float(flats[extra_at][-1])
-        flats[extra_at] = flats[extra_at][:-1]
-    for bucket, flat in zip(buckets.values(), flats):
-        offset = 0
-        for p in bucket:
-            p.grad = flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-    return extra_sum, grad_bytes
+        buffers.extra.copy_(extra.detach().reshape(1))
+    buffers.all_reduce(group)
+    return (None if extra is None else float(buffers.extra[0])), buffers.grad_bytes
+
+
+class _StepTimer:
+    """CUDA events on a GPU (read after the step's one host read, so they are complete), else wall time."""
+
+    def __init__(self, device: torch.device):
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        self.start, self.end = time.perf_counter(), 0.0
+
+    def stop(self) -> None:
+        if self.events is not None:
+            self.events[1].record()
+        self.end = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.events is not None:
+            return self.events[0].elapsed_time(self.events[1]) / 1e3
+        return self.end - self.start
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
@@ -161,7 +252,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
         backend: the attention kernel backend.
         groups: data parallel x CP groups (``ParallelGroups.from_mesh``), or None.
 
-    Raises ValueError when the CP group's size is not the plan's ``cp``.
+    One host sync, after the optimizer step (see the module docstring). Raises ValueError when the CP
+    group's size is not the plan's ``cp``.
     """
     cp_group, dp_group, grad_group = group, None, group
     if groups is not None:
@@ -170,29 +262,45 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
     if world != batch.attn.cp:
         raise ValueError(f"the batch is planned for cp {batch.attn.cp} but the CP group has {world} ranks")
     device = batch.input_ids.device
-    start = time.perf_counter()
-    num_label_tokens = batch.num_label_tokens
-    if dp_group is not None and group_size(dp_group) > 1:
-        count = torch.tensor([num_label_tokens], dtype=torch.int64, device=device)
+    timer = _StepTimer(device)
+    count: torch.Tensor | None = None
+    denominator: torch.Tensor | int = max(batch.num_label_tokens, 1)
+    if dp_group is not None and group_size(dp_group) > 1:  # the replicas' label counts, summed on the device
+        count = torch.full((1,), batch.num_label_tokens, dtype=torch.int64, device=device)  # no copy
         dist.all_reduce(count, group=dp_group)
-        num_label_tokens = int(count.item())
-    optimizer.zero_grad(set_to_none=True)
+        denominator = count.clamp_min(1)
+    ranks, rank = group_size(grad_group), group_rank(grad_group)
+    sharded = is_sharded(model)
+    buffers = None
+    if sharded:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        buffers = GradientBuffers.for_model(model, num_extra=1 + 2 * ranks)
+        buffers.attach()
     stats = CommStats()
     attn = CPAttention(meta=batch.attn, group=cp_group, comm=comm, backend=backend, stats=stats)
-    loss = loss_sum_fn(model, batch, attn) / max(num_label_tokens, 1)
+    loss = loss_sum_fn(model, batch, attn) / denominator
     loss.backward()
-    if is_sharded(model):  # FSDP2 reduce-scattered the gradients in backward; sum the loss for the log
-        total = loss.detach().to(torch.float64).reshape(1)
-        if group_size(grad_group) > 1:
-            dist.all_reduce(total, group=grad_group)
-        total_loss: float | None = float(total.item())
+    sent, received = stats.total("sent_bytes"), stats.total("recv_bytes")
+    if buffers is None:  # FSDP2 reduce-scattered the gradients in backward; sum the loss and bytes alone
+        extra = torch.zeros(1 + 2 * ranks, dtype=torch.float64, device=device)
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     else:
-        total_loss, grad_bytes = all_reduce_gradients(model.parameters(), grad_group, extra=loss)
+        buffers.gather()
+        extra, grad_bytes = buffers.extra, buffers.grad_bytes
+    extra[0] = loss.detach().reshape(())
+    extra[1 + 2 * rank], extra[2 + 2 * rank] = float(sent), float(received)  # fills: no host-to-device copy
+    if buffers is None:
+        if ranks > 1:
+            dist.all_reduce(extra, group=grad_group)
+    else:
+        buffers.all_reduce(grad_group)
     optimizer.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    assert total_loss is not None
-    return StepResult(loss=total_loss, num_label_tokens=num_label_tokens,
-                      seconds=time.perf_counter() - start, kv_sent_bytes=stats.total("sent_bytes"),
-                      kv_recv_bytes=stats.total("recv_bytes"), grad_bytes=grad_bytes)
+    timer.stop()
+    # the step's one host read: loss, label count and every rank's K/V bytes
+    values = (torch.cat((extra, count.to(extra.dtype))) if count is not None else extra).tolist()
+    slots = values[1:1 + 2 * ranks]
+    return StepResult(loss=values[0], num_label_tokens=int(values[-1]) if count is not None
+                      else batch.num_label_tokens, seconds=timer.seconds(), kv_sent_bytes=sent,
+                      kv_recv_bytes=received, kv_bytes_busiest=int(max(a + b for a, b in zip(slots[::2], slots[1::2]))),
+                      kv_bytes_total=int(sum(slots[::2])), grad_bytes=grad_bytes)
