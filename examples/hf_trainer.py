@@ -10,7 +10,7 @@ import sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from flashcp.integrations.hf_trainer import CPTrainer
+from flashcp.integrations.hf import CPTrainer
 
 data, plan, output_dir = sys.argv[1:4]
 torch.manual_seed(0)  # the same initial weights on every rank
@@ -19,6 +19,6 @@ model = LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=128, intermedi
 gpu = torch.cuda.is_available()
 args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=1, gradient_accumulation_steps=2,
                          max_steps=4, learning_rate=1e-3, logging_steps=1, save_steps=2, bf16=gpu, use_cpu=not gpu,
-                         report_to="none", disable_tqdm=True)
+                         ddp_find_unused_parameters=False, report_to="none", disable_tqdm=True)
 trainer = CPTrainer(model=model, args=args, train_dataset=data, plan=plan)  # dp x cp = the ranks launched
 trainer.train(resume_from_checkpoint="--resume" in sys.argv[4:] or None)
