@@ -5,9 +5,12 @@ for cp 1, 2 and 4. The reference is a plain single-process ``transformers.Traine
 (the sequences in the loader's stream order, ``gradient_accumulation_steps`` = dp x the CP run's), each with a
 4-D document mask (``sdpa``), labels -100 at every document start (the model shifts them), float32. A torchrun
 launch of 2 gloo ranks and one of 4 run the CPTrainer cases (tests/hf_trainer_worker.py); each case's logged
-losses and final parameters must equal the reference's within ``LOSS_TOL`` / ``PARAM_TOL`` (float32 sums in
-another order; AdamW turns a gradient difference into an update difference of the same relative size). Resume
-from a Trainer checkpoint must be bit-for-bit exact. The refusals run in this process (one rank).
+losses and grad norms and its final parameters must equal the reference's within ``LOSS_TOL``,
+``GRAD_NORM_RTOL`` and ``PARAM_TOL``. The sums run in another order in float32 (measured: losses within 5e-7,
+grad norms within 3e-7 relative); AdamW divides each entry's step by its own gradient scale, so entries with
+tiny gradients carry that noise into their update, and parameters are compared to 1% of the learning rate
+(measured: within 2e-5 after 3-5 steps at lr 1e-2). Resume from a Trainer checkpoint must be bit-for-bit
+exact. The refusals run in this process (one rank).
 """
 
 from __future__ import annotations
