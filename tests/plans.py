@@ -106,13 +106,15 @@ def _plan_with_strategy(plan_sequence, name, doc_lens, cp):
 
 
 def write_dataset(root: Path, files: list[list[np.ndarray]], context_len: int, rng: np.random.Generator,
-                  row_group_rows: int = 2, has_tokens: bool = True) -> tuple[Dataset, list[list[np.ndarray]]]:
-    """Write a dataset whose ``files[i][j]`` are row j's document lengths; returns it and the token rows."""
+                  row_group_rows: int = 2, has_tokens: bool = True,
+                  vocab_size: int = 50_000) -> tuple[Dataset, list[list[np.ndarray]]]:
+    """Write a dataset whose ``files[i][j]`` are row j's document lengths (token ids below ``vocab_size``);
+    returns it and the token rows."""
     data_files, token_rows = [], []
     for index, rows in enumerate(files):
         offsets = np.r_[0, np.cumsum([len(r) for r in rows])]
         lens = np.concatenate(rows)
-        tokens = rng.integers(0, 50_000, size=len(rows) * context_len).astype(np.int32)
+        tokens = rng.integers(0, vocab_size, size=len(rows) * context_len).astype(np.int32)
         token_rows.append([tokens[i * context_len:(i + 1) * context_len] for i in range(len(rows))])
         table = data_table(offsets, lens, np.arange(lens.size), np.zeros(lens.size, np.int64),
                            tokens if has_tokens else None, context_len)

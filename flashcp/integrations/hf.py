@@ -16,6 +16,9 @@ attention function as a keyword argument::
 The document mask comes from the plan, never from an ``attention_mask``: transformers builds no mask for an
 attention implementation it has no mask function for, and the attention function refuses one passed in.
 
+The Hugging Face ``Trainer`` with flashcp CP is ``CPTrainer`` (and TRL's ``SFTTrainer``, ``CPSFTTrainer``), in
+``flashcp.integrations.hf_trainer`` and importable from here too.
+
 Shape legend: ``B`` batch (always 1: one packed sequence per rank), ``T`` this rank's tokens, ``H`` query
 heads, ``K`` key/value heads, ``D`` head dim, ``V`` vocabulary.
 """
@@ -32,8 +35,8 @@ from flashcp.runtime import CommStats, CPAttnMeta, cp_attention
 from flashcp.runtime.loader import Batch
 from flashcp.train.step import CPAttention
 
-__all__ = ["ATTN_IMPLEMENTATION", "HF_ARCHITECTURES", "flashcp_attention_forward", "hf_attention_kwargs",
-           "hf_loss_sum", "register_flashcp_attention", "tiny_hf_model"]
+__all__ = ["ATTN_IMPLEMENTATION", "HF_ARCHITECTURES", "CPTrainer", "flashcp_attention_forward",  # noqa: F822
+           "hf_attention_kwargs", "hf_loss_sum", "register_flashcp_attention", "tiny_hf_model"]
 
 ATTN_IMPLEMENTATION = "cp_attention"
 """The name flashcp registers in transformers' AttentionInterface."""
@@ -151,3 +154,15 @@ def tiny_hf_model(arch: str, *, vocab_size: int, dim: int, num_layers: int, num_
     else:
         raise ValueError(f"unknown architecture '{arch}' (choose from {', '.join(HF_ARCHITECTURES)})")
     return model.train()
+
+
+def __getattr__(name: str) -> Any:
+    """``CPTrainer`` and ``CPSFTTrainer`` from ``flashcp.integrations.hf_trainer``, imported on first use.
+
+    (The Trainer pulls in accelerate; this module stays light.)
+    """
+    if name in ("CPTrainer", "CPSFTTrainer"):
+        from flashcp.integrations import hf_trainer
+
+        return getattr(hf_trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

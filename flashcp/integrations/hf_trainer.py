@@ -1,0 +1,409 @@
+"""CPTrainer: packed-document context parallelism inside the Hugging Face ``Trainer`` (and TRL's ``SFTTrainer``).
+
+transformers' own CP (accelerate's ``ParallelismConfig(cp_size=...)``) shards a sequence with SDPA and a plain
+causal mask only, so packed documents attend across their boundaries. ``CPTrainer`` keeps the Trainer (its
+``TrainingArguments``, optimizer and scheduler, DDP or FSDP through accelerate, logging, checkpoints, callbacks)
+and replaces the four things CP changes:
+
+- **Data.** The train dataloader is ``CPLoader`` over a flashcp dataset and plan. The launched world is a
+  ``(dp, cp)`` mesh (``flashcp.train.parallel.build_mesh``): global rank ``g`` is CP rank ``g % cp`` of replica
+  ``g // cp``. A micro-batch is one packed sequence per replica (``per_device_train_batch_size=1``); each rank
+  holds its shards of it (``input_ids``, per-document ``position_ids``, next-token ``labels``) and the batch's
+  ``CPAttnMeta``. Data order: ``train_sampling_strategy`` ``"random"`` shuffles with ``data_seed`` (else
+  ``seed``), ``"sequential"`` keeps file order. A Trainer epoch is ``ceil(num_sequences / dp)`` micro-batches
+  of the loader's global stream, which runs on from one Trainer epoch to the next (``CPLoader``: nothing is
+  dropped or repeated at a data epoch's end).
+- **Attention.** The model attends through the registered ``cp_attention`` (its attention implementation is
+  switched to it), called with the batch's meta and the CP group; no attention mask is used or accepted.
+- **Loss.** An optimizer step's global batch is ``gradient_accumulation_steps`` micro-batches on each of the
+  ``dp`` replicas. Each rank's loss is its local token-loss sum divided by the label tokens of that whole global
+  batch (counted from the plan, summed over the replicas), times the world size because DDP and FSDP average
+  gradients over the ranks; summed over ranks and micro-batches that is exactly the single-process mean loss of
+  the global batch, and the gradients are its gradients. The logged ``loss`` is that global-batch mean.
+- **Checkpoints.** Each checkpoint folder also holds ``flashcp_loader.json`` (the loader's global position,
+  written before the Trainer's own files); ``resume_from_checkpoint`` restores it, and the micro-batches the
+  Trainer skips on resume are placeholders that read nothing, so the run continues at the same sequence.
+
+What the Trainer cannot honour under CP is refused with one sentence: a ``per_device_train_batch_size`` other
+than 1, ``auto_find_batch_size``, a ``train_dataset`` that is not a flashcp dataset folder, a plan whose ``cp``
+differs from the ``cp`` argument or does not divide the launched world, a ``data_collator``, evaluation, label
+smoothing, a ``compute_loss_func``, DataParallel (several GPUs in one process), DeepSpeed, accelerate's own
+context / sequence / tensor parallelism, and, in a batch, an ``attention_mask`` with padding.
+
+TRL: ``CPSFTTrainer`` (this module's attribute, built on first access; needs ``pip install 'flashcp[trl]'``) is
+the same overrides on ``trl.SFTTrainer``: the SFT configuration, model loading by name, PEFT adapters and
+activation offloading stay SFTTrainer's; data, attention, loss and checkpoints are flashcp's (SFTTrainer's
+dataset preparation is skipped: the data is packed and tokenized already).
+
+Shape legend: ``B`` batch (1), ``T`` this rank's tokens, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+try:
+    from transformers import Trainer
+except ImportError as e:  # an optional dependency
+    raise ImportError("flashcp.integrations.hf_trainer needs transformers and accelerate: pip install "
+                      "'flashcp[hf]'") from e
+
+from flashcp.data.dataset import Dataset
+from flashcp.errors import FlashcpError
+from flashcp.fileio import write_json_atomic
+from flashcp.integrations.hf import ATTN_IMPLEMENTATION, hf_attention_kwargs, register_flashcp_attention
+from flashcp.models.tiny import causal_lm_loss_sum
+from flashcp.planner.store import PlanStore
+from flashcp.runtime.loader import Batch, CPLoader
+from flashcp.train.parallel import ParallelGroups, build_mesh
+
+__all__ = ["LOADER_STATE_NAME", "CPTrainer", "CPTrainerMixin"]  # and CPSFTTrainer, built on first access
+
+LOADER_STATE_NAME = "flashcp_loader.json"
+"""The file in each Trainer checkpoint folder that holds the loader's position."""
+
+_LOADER_STATE_FORMAT = 1
+_SAMPLING = {"random": True, "sequential": False}  # train_sampling_strategy -> CPLoader shuffle
+_SKIPPED: dict[str, Any] = {"flashcp_skipped": True}  # what the Trainer discards on resume: nothing is read
+
+
+class _CPStream(IterableDataset):
+    """The Trainer's view of a CPLoader: ``len`` micro-batches per Trainer epoch, one sequence each.
+
+    The loader's global stream continues from one iteration (Trainer epoch) to the next. ``skip_next`` makes
+    the next iteration start with that many placeholders, for the Trainer to discard on resume.
+    """
+
+    def __init__(self, loader: CPLoader, length: int):
+        self.loader, self.length, self.skip_next = loader, length, 0
+        self._source: Iterator[Batch] | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        skip, self.skip_next = self.skip_next, 0
+        for index in range(self.length):
+            yield _SKIPPED if index < skip else self._micro_batch(self._next())
+
+    def _next(self) -> Batch:
+        if self._source is None:
+            self._source = self._endless()
+        return next(self._source)
+
+    def _endless(self) -> Iterator[Batch]:
+        while True:  # the loader counts its data epochs itself
+            yield from self.loader
+
+    @staticmethod
+    def _micro_batch(batch: Batch) -> dict[str, Any]:
+        return {"input_ids": batch.input_ids[None], "position_ids": batch.position_ids[None],
+                "labels": batch.labels[None], "flashcp_meta": batch.attn,
+                "num_label_tokens": batch.num_label_tokens}
+
+
+def _keep(item):
+    return item
+
+
+class CPTrainerMixin:
+    """The overrides that make a ``transformers.Trainer`` (sub)class train with flashcp CP (module docstring).
+
+    Put it first among the bases: ``class CPTrainer(CPTrainerMixin, Trainer)``.
+    """
+
+    loss_is_scaled_for_ga = True  # compute_loss already divides by the whole accumulated global batch
+    # set by the Trainer
+    args: Any
+    model: Any
+    accelerator: Any
+    state: Any
+
+    def __init__(self, *args, train_dataset: str | os.PathLike, plan: str, cp: int | None = None,
+                 comm: str = "auto", backend: str = "auto", **kwargs):
+        """Set up the Trainer, then the ``(dp, cp)`` mesh over the launched ranks.
+
+        Args:
+            *args: the Trainer's positional arguments (``model``, ``args``).
+            train_dataset: a flashcp dataset folder (``flashcp pack`` or ``flashcp synth``).
+            plan: the name of its plan (``flashcp plan``), a folder under ``DATA/plans``.
+            cp: ranks per sequence; None takes the plan's ``cp``. The launched ranks are ``dp x cp``.
+            comm: ``cp_attention``'s K/V exchange (``allgather``, ``a2a``, ``full``, ``ring``, ``auto``).
+            backend: its kernels (``flash_attn``, ``torch_varlen``, ``reference``, ``auto``).
+            **kwargs: the Trainer's other keyword arguments.
+
+        Raises ValueError (one sentence) for what CPTrainer cannot honour (module docstring) and FlashcpError
+        for a missing dataset or plan.
+        """
+        if not isinstance(train_dataset, (str, os.PathLike)):
+            raise ValueError(f"CPTrainer trains on a flashcp dataset folder (made by 'flashcp pack' or 'flashcp "
+                             f"synth' and planned by 'flashcp plan'), got a {type(train_dataset).__name__}; pass "
+                             "the folder's path and the plan's name")
+        for name in ("data_collator", "eval_dataset", "compute_loss_func"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"CPTrainer cannot honour {name}: " + {
+                    "data_collator": "its batches are built from the plan (one packed sequence per rank)",
+                    "eval_dataset": "it does not evaluate yet; evaluate the saved model with a plain Trainer",
+                    "compute_loss_func": "its loss is the next-token loss over the global batch's labels",
+                }[name])
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is None:
+            raise ValueError("CPTrainer needs TrainingArguments (args=...); set per_device_train_batch_size=1")
+        _check_arguments(training_args)
+        dataset = Dataset(Path(train_dataset))
+        plan_cp = PlanStore(dataset, plan).cp
+        if cp is not None and cp != plan_cp:
+            raise ValueError(f"plan '{plan}' was made for cp {plan_cp} but cp is {cp}; run 'flashcp plan --cp {cp}' "
+                             f"or pass cp={plan_cp}")
+        self.cp_data, self.cp_plan, self.cp_size = Path(train_dataset), plan, plan_cp
+        self.cp_comm, self.cp_backend = comm, backend
+        super().__init__(*args, train_dataset=self._base_train_dataset(dataset), **kwargs)  # type: ignore[call-arg]
+        world = self.args.world_size
+        if world % self.cp_size:
+            raise ValueError(f"plan '{plan}' was made for cp {self.cp_size} but {world} ranks were launched; "
+                             f"launch a multiple of {self.cp_size} ranks (dp x cp)")
+        self.dp_size = world // self.cp_size
+        self.cp_groups: ParallelGroups | None = None
+        if world > 1:
+            self.cp_groups = ParallelGroups.from_mesh(build_mesh(self.dp_size, self.cp_size,
+                                                                 self.args.device.type))
+        self._check_environment()
+        self._use_cp_attention(self.model)
+        self._cp_stream: _CPStream | None = None
+
+    # ---- what a subclass for another Trainer may change ------------------------------------------------------
+
+    def _base_train_dataset(self, dataset: Dataset) -> Any:
+        """What the base class's ``__init__`` receives as ``train_dataset`` (the data itself comes from CPLoader)."""
+        return None
+
+    # ---- set-up --------------------------------------------------------------------------------------------
+
+    def _check_environment(self) -> None:
+        """Refuse Trainer configurations that would reduce gradients or split sequences another way."""
+        args = self.args
+        if args.n_gpu > 1:
+            raise ValueError(f"CPTrainer runs one process per device, but this process drives {args.n_gpu} GPUs "
+                             "(DataParallel); launch with torchrun --nproc-per-node N")
+        if getattr(self, "is_deepspeed_enabled", False):
+            raise ValueError("CPTrainer supports DDP and FSDP, not DeepSpeed; remove the deepspeed configuration")
+        config = getattr(self.accelerator, "parallelism_config", None)
+        if config is not None and max(getattr(config, f"{dim}_size", 1) or 1 for dim in ("cp", "sp", "tp")) > 1:
+            raise ValueError("CPTrainer does its own context parallelism; remove accelerate's parallelism_config "
+                             "cp_size, sp_size and tp_size")
+
+    def _use_cp_attention(self, model: Any) -> None:
+        """Switch ``model`` (or a PEFT model's base) to the ``cp_attention`` implementation."""
+        register_flashcp_attention()
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's base
+        config = getattr(base, "config", None)
+        if config is None or not hasattr(base, "set_attn_implementation"):
+            raise ValueError(f"CPTrainer trains transformers models (PreTrainedModel), got a {type(base).__name__}")
+        if config._attn_implementation != ATTN_IMPLEMENTATION:
+            base.set_attn_implementation(ATTN_IMPLEMENTATION)
+        if config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise ValueError(f"{type(base).__name__} cannot attend through {ATTN_IMPLEMENTATION} (it does not use "
+                             "transformers' AttentionInterface)")
+
+    # ---- data ------------------------------------------------------------------------------------------------
+
+    def get_train_dataloader(self) -> DataLoader:
+        """A DataLoader over this rank's CPLoader (one packed sequence per micro-batch, no collation)."""
+        args = self.args
+        seed = args.data_seed if args.data_seed is not None else args.seed
+        shuffle = _SAMPLING[args.train_sampling_strategy]
+        if self.cp_groups is not None:
+            loader = CPLoader.from_mesh(self.cp_data, self.cp_plan, self.cp_groups.mesh, seed=seed, shuffle=shuffle)
+        else:
+            loader = CPLoader(self.cp_data, self.cp_plan, 0, 1, seed=seed, shuffle=shuffle)
+        if len(loader) == 0:
+            raise FlashcpError(f"dataset {self.cp_data} holds no sequences")
+        self._cp_stream = _CPStream(loader, math.ceil(len(loader) / self.dp_size))
+        return DataLoader(self._cp_stream, batch_size=None, collate_fn=_keep, num_workers=0)
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
+                          device: torch.device) -> tuple[list, int | None]:
+        """The next ``num_batches`` micro-batches and the label tokens of the global batch they belong to.
+
+        The count is the sequences' label tokens (from the plan, all CP ranks) summed over the replicas: one
+        scalar all-reduce over the ``dp`` group.
+        """
+        batch_samples = []
+        for _ in range(num_batches):
+            try:
+                batch_samples.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        assert all(b is not _SKIPPED for b in batch_samples), "a micro-batch skipped on resume reached training"
+        count = sum(int(b["num_label_tokens"]) for b in batch_samples)
+        if self.dp_size > 1:
+            assert self.cp_groups is not None
+            total = torch.tensor([count], dtype=torch.int64, device=device)
+            dist.all_reduce(total, group=self.cp_groups.dp_group)
+            count = int(total.item())
+        return batch_samples, count
+
+    # ---- loss ------------------------------------------------------------------------------------------------
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None):
+        """The loss this rank back-propagates: its share of the global batch's mean next-token loss.
+
+        See the module docstring.
+
+        ``num_items_in_batch`` is the global batch's label tokens (``get_batch_samples``); required.
+        """
+        if num_items_in_batch is None:
+            raise ValueError("CPTrainer.compute_loss needs num_items_in_batch, the global batch's label tokens "
+                             "(CPTrainer.get_batch_samples counts them)")
+        mask = inputs.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            raise ValueError("CPTrainer takes the document mask from the plan and its sequences have no padding; "
+                             "remove the attention_mask from the batch")
+        labels_BT = inputs["labels"]
+        meta = inputs["flashcp_meta"].to(labels_BT.device)
+        group = self.cp_groups.cp_group if self.cp_groups is not None else None
+        outputs = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False,
+                        **hf_attention_kwargs(meta, group=group, comm=self.cp_comm, backend=self.cp_backend))
+        loss_sum = causal_lm_loss_sum(outputs.logits[0], labels_BT[0])
+        # DDP and FSDP average gradients over the ranks; the loss shares must add up instead
+        world = self.accelerator.num_processes
+        loss = loss_sum * (world / max(int(num_items_in_batch), 1))
+        return (loss, outputs) if return_outputs else loss
+
+    def get_cp_size(self) -> int:
+        """Ranks per sequence (the Trainer divides the world by it to report the global batch size)."""
+        return self.cp_size
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model: nn.Module, trial) -> None:
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        args, state = self.args, self.state
+        run_dir = self._get_output_dir(trial=trial)  # type: ignore[attr-defined]
+        folder = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if args.should_save and self._cp_stream is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(folder / LOADER_STATE_NAME, {
+                "format": _LOADER_STATE_FORMAT, "global_step": int(state.global_step), "cp": self.cp_size,
+                "dp": self.dp_size, "loader": self._cp_stream.loader.state_dict()})
+        super()._save_checkpoint(model, trial)  # type: ignore[misc]
+
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs,
+                             resume_from_checkpoint, trial) -> tuple[int, int]:
+        epochs_trained, skipped = super()._init_training_state(  # type: ignore[misc]
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial)
+        if resume_from_checkpoint is not None:
+            assert self._cp_stream is not None
+            path = Path(resume_from_checkpoint) / LOADER_STATE_NAME
+            try:
+                saved = json.loads(path.read_text())
+            except FileNotFoundError:
+                raise ValueError(f"checkpoint {resume_from_checkpoint} has no {LOADER_STATE_NAME}: it was not "
+                                 "saved by CPTrainer, so the data position is unknown; resume from a CPTrainer "
+                                 "checkpoint") from None
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{path} cannot be read ({e}); resume from another checkpoint") from None
+            if saved.get("format") != _LOADER_STATE_FORMAT:
+                raise ValueError(f"{path} has format {saved.get('format')}, this flashcp reads format "
+                                 f"{_LOADER_STATE_FORMAT}")
+            if saved.get("global_step") != self.state.global_step:
+                raise ValueError(f"{path} is for step {saved.get('global_step')} but the checkpoint's trainer "
+                                 f"state is at step {self.state.global_step}; resume from another checkpoint")
+            self._cp_stream.loader.load_state_dict(saved["loader"])
+            self._cp_stream.skip_next = skipped  # the Trainer discards these; the loader is already past them
+        return epochs_trained, skipped
+
+
+def _check_arguments(args) -> None:
+    """Refuse TrainingArguments CPTrainer cannot honour (one sentence each)."""
+    if args.per_device_train_batch_size != 1:
+        raise ValueError(f"CPTrainer trains one packed sequence per rank and micro-batch, got "
+                         f"per_device_train_batch_size={args.per_device_train_batch_size}; set it to 1 and raise "
+                         "gradient_accumulation_steps instead")
+    if args.auto_find_batch_size:
+        raise ValueError("CPTrainer's batch size is one packed sequence per rank; set auto_find_batch_size=False")
+    if args.label_smoothing_factor:
+        raise ValueError(f"CPTrainer's loss has no label smoothing, got label_smoothing_factor="
+                         f"{args.label_smoothing_factor}; set it to 0")
+    if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" or args.do_eval:
+        raise ValueError("CPTrainer does not evaluate yet; set eval_strategy='no' and evaluate the saved model "
+                         "with a plain Trainer")
+    if args.train_sampling_strategy not in _SAMPLING:
+        raise ValueError(f"CPTrainer orders packed sequences 'random' (shuffled with data_seed) or 'sequential', "
+                         f"got train_sampling_strategy='{args.train_sampling_strategy}'")
+
+
+class CPTrainer(CPTrainerMixin, Trainer):  # type: ignore[misc]
+    """``transformers.Trainer`` with flashcp context parallelism on packed documents (module docstring).
+
+    Launch ``dp x cp`` ranks with torchrun; every rank runs the same script::
+
+        trainer = CPTrainer(model=model, args=TrainingArguments(..., per_device_train_batch_size=1),
+                            train_dataset="DATA", plan="cp4-flashcp2")
+        trainer.train()
+    """
+
+
+@cache
+def _cp_sft_trainer() -> type:
+    from trl import SFTConfig, SFTTrainer
+
+    class CPSFTTrainer(CPTrainerMixin, SFTTrainer):  # type: ignore[misc,valid-type]
+        """``trl.SFTTrainer`` with flashcp context parallelism on packed documents (see ``CPTrainer``).
+
+        Pass the tokenizer the data was packed with as ``processing_class``. SFTTrainer's dataset preparation
+        (tokenizing, packing, truncating) is skipped; its collator is unused.
+        """
+
+        def __init__(self, *args, **kwargs):
+            training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+            if training_args is not None and not isinstance(training_args, SFTConfig):
+                values = training_args.to_dict()
+                values["hub_token"] = training_args.hub_token  # to_dict hides it
+                training_args = SFTConfig(**values)
+            if training_args is not None:
+                if training_args.packing or training_args.padding_free:
+                    raise ValueError("CPSFTTrainer's data is packed by flashcp already; set packing=False and "
+                                     "padding_free=False")
+                training_args.dataset_kwargs = {**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True}
+                if len(args) > 1:
+                    args = (args[0], training_args, *args[2:])
+                else:
+                    kwargs["args"] = training_args
+            super().__init__(*args, **kwargs)
+
+        def _base_train_dataset(self, dataset: Dataset) -> Any:
+            """SFTTrainer wants a ``datasets`` dataset to look at: the packed sequences' tokens, row by row."""
+            import datasets
+
+            def rows(root: str):
+                data = Dataset(root)
+                for index in range(len(data.files)):
+                    parquet = data.parquet(index)
+                    for group in range(parquet.metadata.num_row_groups):
+                        for tokens in parquet.read_row_group(group, columns=["tokens"]).column("tokens").to_pylist():
+                            yield {"input_ids": tokens}
+
+            return datasets.IterableDataset.from_generator(rows, gen_kwargs={"root": str(dataset.root)})
+
+    CPSFTTrainer.__qualname__ = "CPSFTTrainer"
+    return CPSFTTrainer
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CPSFTTrainer":  # built on first access: importing trl is slow and trl is optional
+        return _cp_sft_trainer()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
