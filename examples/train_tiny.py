@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 examples/train_tiny.py DATA --plan cp2-flashcp --steps 20 --ckpt c.pt
     torchrun --nproc-per-node 2 examples/train_tiny.py DATA --plan cp2-flashcp --steps 40 --ckpt c.pt --resume
     torchrun --nproc-per-node 4 examples/train_tiny.py DATA --plan cp2-flashcp --dp 2 --sharding fsdp --ckpt ck
-    torchrun --nproc-per-node 4 examples/train_tiny.py DATA --plan cp2-flashcp2 --dp 2 --sharding fsdp --model titan-llama3
+    torchrun --nproc-per-node 4 examples/train_tiny.py DATA --plan cp2-flashcp2 --dp 2 --model titan-qwen3
 
 The plan's ``cp`` times ``--dp`` must equal the number of ranks: the ranks form a ``(dp, cp)`` DeviceMesh,
 consecutive ranks one CP group (``flashcp.train.parallel``). gloo on CPU, NCCL when CUDA is available;

@@ -15,12 +15,13 @@ float32 partial sum where one process sums all tokens at once: they agree to flo
 ``LOSS_RTOL`` = 4 float32 epsilons relative (1 to 2 ulps seen). Parameters: ``PARAM_TOL`` = 1e-8 absolute
 (about 1e-14 seen; the margin covers a float32 RoPE rounding that float64 noise could flip on another
 platform). The errors are in the failure messages. The 4-rank spawn also runs flashcp's loop
-(``--model titan-llama3``, FSDP2) with a checkpoint and resume, and checks the mesh refusals.
+(``--model titan-llama3``, FSDP2) with a checkpoint and resume, and checks the mesh refusals; the 2-rank one
+builds a model sharded on the meta device (only the shards materialised) and checks its initial weights.
 
 Without a process group: the swapped model, given a whole sequence on one rank (a cp-1 plan), equals
 torchtitan's own FlexAttention model with its causal document BlockMask built from the positions
 (``Decoder.get_attention_masks``). On CPU FlexAttention runs forward only (torch raises "FlexAttention does
-not support backward on CPU") and its compiled kernel takes about a minute to build, so it runs eagerly here
+not support backward on CPU") and its compiled kernel takes tens of seconds to build, so it runs eagerly here
 (``torch.compiler.set_stance("force_eager")``: torch's unfused FlexAttention, the same mask); torchtitan's
 VarlenAttention needs CUDA.
 """
@@ -172,9 +173,39 @@ def _worker(rank, world, root, references, ckpt_dir):
             if not (loss_err <= LOSS_RTOL and param_err <= PARAM_TOL):
                 failures.append(f"{label} {arch} plan={strategy} comm={comm}: max rel loss err {loss_err:.2e}, "
                                 f"max |param err| {param_err:.2e}")
+    if world == 2:
+        failures += _sharded_build_checks(root, references)
     if world == 4:
         failures += _loop_checks(root, references, ckpt_dir)
         failures += _refusals(root)
+    return failures
+
+
+def _sharded_build_checks(root, references):
+    """``build_titan_model(..., meshes=)`` wraps on meta and initialises only the shards: torchtitan's
+    initialisers then draw on each shard, so the weights follow the unsharded build's distribution (per-tensor
+    mean and spread), the ranks' shards differ, and the losses stay within 5% of the unsharded draw's."""
+    failures = []
+    meshes = TitanMeshes.from_parallelism(ParallelismConfig(context_parallel_degree=2))
+    torch.manual_seed(SEED)
+    model = build_titan_model(titan_model_config("qwen3", **SHAPE), dtype=torch.float64, meshes=meshes)
+    got, unsharded = full_parameters(model), dict(make_model("qwen3").named_parameters())
+    for name, full in got.items():
+        ref = unsharded[name]
+        spread = float(ref.std())  # two draws of n values: means differ by ~spread*sqrt(2/n), spreads by ~3%
+        if abs(full.mean() - ref.mean()) > 5 * spread * (2 / ref.numel()) ** 0.5 + 1e-12 or \
+                abs(full.std() - ref.std()) > 0.15 * spread:
+            failures.append(f"meta-sharded {name}: mean {full.mean():.3g}, std {full.std():.3g}; unsharded "
+                            f"mean {ref.mean():.3g}, std {ref.std():.3g}")
+    qkv = got["layers.0.attention.qkv_linear.wqkv.weight"]
+    if torch.equal(qkv[: qkv.shape[0] // 2], qkv[qkv.shape[0] // 2:]):
+        failures.append("meta-sharded: both ranks drew the same shard of wqkv")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    loader = CPLoader.from_mesh(root, "cp2-flashcp2", meshes.mesh, shuffle=False)
+    losses = _train(model, optimizer, loader, meshes, "a2a", STEPS)
+    ref_losses = references[1, "qwen3"][0]  # same data, the unsharded draw's weights
+    if not all(abs(a - b) < 0.05 * b for a, b in zip(losses, ref_losses, strict=True)):
+        failures.append(f"meta-sharded model: losses {losses}, unsharded draw {ref_losses}")
     return failures
 
 

@@ -29,8 +29,8 @@ keeps torchtitan's model and replaces what CP touches:
 One step, on every rank::
 
     meshes = TitanMeshes.from_parallelism(ParallelismConfig(context_parallel_degree=2), device_type="cuda")
-    model = build_titan_model(titan_model_config("llama3", attn_backend="varlen"), device="cuda")
-    model = shard_titan_model(model, meshes)
+    model = build_titan_model(titan_model_config("llama3", "8B", attn_backend="varlen"), device="cuda",
+                              meshes=meshes, param_dtype=torch.bfloat16)  # FSDP2 on meta: only shards built
     loader = CPLoader.from_mesh(DATA, "cp2-flashcp2", meshes.mesh)
     for batch in loader:
         train_step(model, optimizer, batch.to("cuda"), titan_loss_sum, groups=meshes.groups, comm="a2a")
@@ -239,19 +239,26 @@ def titan_model_config(arch: str = "llama3", flavor: str = "debugmodel", *, attn
 
 
 def build_titan_model(config: Decoder.Config, *, device: torch.device | str = "cpu",
-                      dtype: torch.dtype = torch.float32) -> Decoder:
+                      dtype: torch.dtype = torch.float32, meshes: TitanMeshes | None = None,
+                      param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> Decoder:
     """Build ``config`` the way torchtitan's trainer does, with flashcp attention; returns the model in train mode.
 
-    On the meta device under ``dtype``, then ``to_empty(device)`` and torchtitan's ``init_weights`` (from
-    torch's global RNG: seed it for the same weights on every rank), then ``apply_cp_attention``. RoPE's
-    cache stays in float32, as torchtitan computes it. Shard it afterwards (``shard_titan_model``).
+    On the meta device under ``dtype``, ``apply_cp_attention``, then ``to_empty(device)`` and torchtitan's
+    ``init_weights`` (from torch's global RNG: seed it for the same weights on every rank). RoPE's cache
+    stays in float32, as torchtitan computes it. With ``meshes`` the model is FSDP2-sharded on the meta
+    device first (``shard_titan_model``, with ``param_dtype`` / ``reduce_dtype``), so only this rank's
+    shards are ever materialised, as in torchtitan's trainer; the initial weights then come from
+    torchtitan's initialisers on the shards (DTensor random ops), not from an unsharded draw. Without
+    ``meshes`` the whole model is built and initialised on ``device``; shard it afterwards if needed.
     """
     with torch.device("meta"), set_default_dtype(dtype):
         model = config.build()
+    apply_cp_attention(model)
+    if meshes is not None:
+        shard_titan_model(model, meshes, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    apply_cp_attention(model)
     return model.train()
 
 
