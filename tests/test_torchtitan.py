@@ -309,3 +309,5 @@ def test_the_transform_refuses_what_it_cannot_serve():
         titan_model_config("gpt2")
     with pytest.raises(ValueError, match="torchtitan qwen3 has no flavor '7B'"):
         titan_model_config("qwen3", "7B")
+    with pytest.raises(ValueError, match="'debugmodel_moe' is a mixture-of-experts flavor"):
+        titan_model_config("qwen3", "debugmodel_moe", num_layers=2)

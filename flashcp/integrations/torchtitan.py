@@ -186,8 +186,8 @@ def titan_model_config(arch: str = "llama3", flavor: str = "debugmodel", *, attn
     each block keeps the flavor's structure, RoPE kind, scaling and initialisation; unset ones keep the
     flavor's value (``head_dim`` becomes ``dim // num_heads`` when either changes, ``ffn_dim`` torchtitan's
     ``compute_ffn_hidden_dim(dim)`` when ``dim`` does). ``max_seq_len`` sizes the RoPE cache: positions are
-    per document, so the context length is enough. Raises ValueError for an unknown architecture or flavor
-    or a bad shape.
+    per document, so the context length is enough. Raises ValueError for an unknown architecture or flavor,
+    a bad shape, or shape arguments for a mixture-of-experts flavor.
     """
     family = _registry(arch)
     try:
@@ -204,6 +204,9 @@ def titan_model_config(arch: str = "llama3", flavor: str = "debugmodel", *, attn
             for layer in config.layers:
                 layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=max_seq_len)
         return config
+    if any(getattr(layer, "moe", None) is not None for layer in config.layers):
+        raise ValueError(f"torchtitan {arch} '{flavor}' is a mixture-of-experts flavor; flashcp rebuilds dense "
+                         "flavors at another shape only (use it without shape arguments)")
     dim = old_dim if dim is None else dim
     num_heads = old_heads if num_heads is None else num_heads
     if num_kv_heads is None:
