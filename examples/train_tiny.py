@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/train_tiny.py DATA --plan cp2-flashcp --steps 20 --ckpt c.pt
     torchrun --nproc-per-node 2 examples/train_tiny.py DATA --plan cp2-flashcp --steps 40 --ckpt c.pt --resume
     torchrun --nproc-per-node 4 examples/train_tiny.py DATA --plan cp2-flashcp --dp 2 --sharding fsdp --ckpt ck
+    torchrun --nproc-per-node 4 examples/train_tiny.py DATA --plan cp2-flashcp2 --dp 2 --model titan-qwen3
 
 The plan's ``cp`` times ``--dp`` must equal the number of ranks: the ranks form a ``(dp, cp)`` DeviceMesh,
 consecutive ranks one CP group (``flashcp.train.parallel``). gloo on CPU, NCCL when CUDA is available;
@@ -38,7 +39,7 @@ def parse_args(argv=None) -> TrainOptions:
     parser.add_argument("--dtype", default=None, choices=tuple(DTYPES),
                         help="parameter dtype (default: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--model", default="tiny", choices=MODELS,
-                        help="tiny (flashcp.models.tiny) or a transformers architecture")
+                        help="tiny (flashcp.models.tiny), a transformers architecture or a torchtitan decoder")
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)

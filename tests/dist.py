@@ -34,6 +34,11 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
         raise AssertionError(f"rank {rank}: {len(failures)} failures:\n" + "\n".join(failures))
 
 
-def spawn(fn, world_size: int, *args) -> None:
-    """Run ``fn(rank, world_size, *args) -> list[str]`` (failure messages) on ``world_size`` gloo ranks."""
-    mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+def spawn(fn, world_size: int, *args, start_method: str = "spawn") -> None:
+    """Run ``fn(rank, world_size, *args) -> list[str]`` (failure messages) on ``world_size`` gloo ranks.
+
+    ``start_method="fork"`` starts the ranks from this process's modules instead of importing them again: for
+    tests whose imports cost seconds per rank (torchtitan).
+    """
+    mp.start_processes(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True,
+                       start_method=start_method)

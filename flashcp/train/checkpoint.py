@@ -122,7 +122,7 @@ def save_sharded_checkpoint(path: str | Path, *, step: int, model: nn.Module, op
     ``load_sharded_checkpoint`` finds it. A DCP checkpoint can be loaded on another mesh shape (DCP reshards).
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     path = Path(path)
     staging = path.parent / f".{path.name}.staging"
@@ -134,7 +134,9 @@ def save_sharded_checkpoint(path: str | Path, *, step: int, model: nn.Module, op
         staging.mkdir(parents=True)
     if group_size(group) > 1:
         dist.barrier(group=group)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    # the model's own state_dict (FSDP2: its DTensor shards), so state_dict hooks that rename tensors (torchtitan's
+    # fused QKV saves wq/wk/wv) apply; torch's get_state_dict maps every key back to a module attribute
+    model_state, optim_state = model.state_dict(), get_optimizer_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(staging), process_group=group)
     if rank == 0:
         from flashcp.fileio import write_json_atomic
@@ -161,7 +163,7 @@ def load_sharded_checkpoint(path: str | Path, *, model: nn.Module, optimizer: to
     for a missing folder, a folder that is not a flashcp sharded checkpoint, or another run's checkpoint.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     path = Path(path)
     old = path.parent / f".{path.name}.old"
@@ -178,9 +180,10 @@ def load_sharded_checkpoint(path: str | Path, *, model: nn.Module, optimizer: to
         raise FlashcpError(f"checkpoint {path} has format {meta.get('format')}, this flashcp reads format "
                            f"{CHECKPOINT_FORMAT}")
     _check_config(path, meta.get("config", {}), config)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = model.state_dict(), get_optimizer_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=str(path), process_group=group)  # fills the tensors of ``state`` in place
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    model.load_state_dict(model_state)  # through the model's load hooks (torchtitan merges wq/wk/wv back)
+    set_optimizer_state_dict(model, optimizer, optim_state)
     loader.load_state_dict(meta["loader"])
     return int(meta["step"])

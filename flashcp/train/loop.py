@@ -51,7 +51,8 @@ __all__ = ["DTYPES", "MODELS", "StepLog", "TrainOptions", "agree_on_errors", "bu
            "run_training"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-MODELS = ("tiny", "llama", "qwen2")
+MODELS = ("tiny", "llama", "qwen2", "titan-llama3", "titan-qwen3")
+"""``tiny``, transformers architectures, and torchtitan decoders (``flashcp.integrations.torchtitan``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,7 +76,8 @@ class TrainOptions:
     dtype: str | None = None
     """Parameter dtype: float32, float64 or bfloat16; None: bfloat16 on CUDA, float32 elsewhere."""
     model: str = "tiny"
-    """``tiny`` (flashcp.models.tiny) or a transformers architecture: ``llama``, ``qwen2``."""
+    """``tiny`` (flashcp.models.tiny), a transformers architecture (``llama``, ``qwen2``) or a torchtitan decoder
+    (``titan-llama3``, ``titan-qwen3``)."""
     vocab_size: int = 512
     """Model vocabulary; token ids are folded into it (``id % vocab_size``)."""
     dim: int = 64
@@ -161,14 +163,24 @@ def default_dtype(device: torch.device | str) -> str:
     return "bfloat16" if torch.device(device).type == "cuda" else "float32"
 
 
-def build_model(options: TrainOptions, device: torch.device) -> tuple[nn.Module, LossSumFn]:
-    """The model of ``options`` on ``device`` (weights from torch's RNG) and its loss hook for train_step."""
+def build_model(options: TrainOptions, device: torch.device,
+                context_len: int | None = None) -> tuple[nn.Module, LossSumFn]:
+    """The model of ``options`` on ``device`` (weights from torch's RNG) and its loss hook for train_step.
+
+    ``context_len`` sizes a torchtitan model's RoPE cache (None: its flavor's).
+    """
     dtype = DTYPES[options.dtype or default_dtype(device)]
     shape: dict[str, Any] = dict(vocab_size=options.vocab_size, dim=options.dim,
                                  num_layers=options.num_layers, num_heads=options.num_heads,
                                  num_kv_heads=options.num_kv_heads)
     if options.model == "tiny":
         return TinyDecoder(TinyConfig(**shape, ffn_dim=2 * options.dim)).to(device, dtype), tiny_loss_sum
+    if options.model.startswith("titan-"):
+        from flashcp.integrations.torchtitan import build_titan_model, titan_loss_sum, titan_model_config
+
+        config = titan_model_config(options.model.removeprefix("titan-"), **shape, ffn_dim=2 * options.dim,
+                                    max_seq_len=context_len)
+        return build_titan_model(config, device=device, dtype=dtype), titan_loss_sum
     from flashcp.integrations.hf import hf_loss_sum, tiny_hf_model
 
     return tiny_hf_model(options.model, **shape, ffn_dim=2 * options.dim, dtype=dtype).to(device), hf_loss_sum
@@ -295,7 +307,7 @@ def _set_up(options: TrainOptions, rank: int, world: int, device: torch.device,
     if options.sharding == "fsdp" and options.ckpt:
         check_sharded_target(options.ckpt)
     torch.manual_seed(options.seed)  # the same initial weights on every rank
-    model, loss_sum_fn = build_model(options, device)
+    model, loss_sum_fn = build_model(options, device, loader.context_len)
     if groups is not None:
         model = shard_model(model, groups, options.sharding)
     optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=options.weight_decay)

@@ -97,13 +97,18 @@ def shard_model(model: nn.Module, groups: ParallelGroups, mode: str) -> nn.Modul
     """Prepare ``model`` (same weights on every rank) for training on ``groups``; returns it.
 
     ``fsdp``: ``fully_shard`` each decoder block, then the root, over ``groups.flat_mesh``, gradients summed
-    (divide factor 1). ``replicate``: the model as it is (``train_step`` all-reduces its gradients).
-    Build the optimizer after this call.
+    (divide factor 1); a torchtitan decoder is wrapped by torchtitan's own ``apply_fsdp_to_decoder`` over the
+    same mesh (``flashcp.integrations.torchtitan.shard_titan_model``). ``replicate``: the model as it is
+    (``train_step`` all-reduces its gradients). Build the optimizer after this call.
     """
     if mode not in SHARDING_MODES:
         raise ValueError(f"unknown sharding mode '{mode}' (choose from {', '.join(SHARDING_MODES)})")
     if mode == "replicate":
         return model
+    if _is_torchtitan_decoder(model):
+        from flashcp.integrations.torchtitan import shard_titan_model
+
+        return shard_titan_model(model, groups.flat_mesh)
     from torch.distributed.fsdp import fully_shard
 
     sharded = [*decoder_blocks(model), model]
@@ -114,6 +119,12 @@ def shard_model(model: nn.Module, groups: ParallelGroups, mode: str) -> nn.Modul
         # plain SUM collectives: a custom factor would otherwise become NCCL's PREMUL_SUM, which gloo lacks
         module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
     return model
+
+
+def _is_torchtitan_decoder(model: nn.Module) -> bool:
+    """True for a torchtitan ``Decoder`` (without importing torchtitan)."""
+    return any(c.__name__ == "Decoder" and c.__module__ == "torchtitan.models.common.decoder"
+               for c in type(model).__mro__)
 
 
 def is_sharded(model: nn.Module) -> bool:
