@@ -1,10 +1,9 @@
-"""Sorting kernels for the planner: int64 values in place, and stable orders of int64 keys.
+"""Sorting kernels for the planner: int64 values in place, and binary searches in sorted values.
 
 The kernels sort with these instead of ``ndarray.sort``/``np.argsort``/``np.searchsorted``: numba builds
 those from closures that every call site compiles again (and links into every kernel above it), which cost
-about a tenth of a first ``flashcp plan``'s compile time; these compile once. Results are the same: sorted
-values are unique given their keys, and the orders are stable (equal keys by index), as
-``np.argsort(kind="mergesort")``.
+about a tenth of a first ``flashcp plan``'s compile time; these compile once. Stable orders of keys
+(``cost._order_of``) sort packed ``key << bits | index`` values with ``sort_range``.
 """
 
 from __future__ import annotations
@@ -61,37 +60,17 @@ def sort_range(values, lo, hi):
 
 
 @njit(cache=True)
-def stable_order(key):
-    """``np.argsort(key, kind="mergesort")`` of int64 keys: indices by key, equal keys by index."""
-    n = key.shape[0]
-    order = np.arange(n)
-    for s in range(0, n, RUN):  # insertion-sorted runs, stable (a key moves past strictly greater ones)
-        for j in range(s + 1, min(s + RUN, n)):
-            item = order[j]
-            k = j - 1
-            while k >= s and key[order[k]] > key[item]:
-                order[k + 1] = order[k]
-                k -= 1
-            order[k + 1] = item
-    if n <= RUN:
-        return order
-    dst = np.empty(n, np.int64)
-    width = RUN
-    while width < n:
-        for left in range(0, n, 2 * width):
-            mid = min(left + width, n)
-            right = min(left + 2 * width, n)
-            i, j = left, mid
-            for k in range(left, right):
-                if j >= right or (i < mid and key[order[i]] <= key[order[j]]):
-                    dst[k] = order[i]
-                    i += 1
-                else:
-                    dst[k] = order[j]
-                    j += 1
-        order, dst = dst, order
-        width *= 2
-    return order
+def first_at_or_after(values, value):
+    """The smallest ``i`` with ``values[i] >= value`` in ascending ``values`` (``searchsorted(.., 'left')``)."""
+    lo = 0
+    hi = values.shape[0]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if values[mid] < value:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 @njit(cache=True)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flashcp._numba import njit
-from flashcp.planner._sort import sort_range, stable_order
+from flashcp.planner._sort import first_at_or_after, sort_range
 
 __all__ = [
     "PlanMetrics",
@@ -136,8 +136,8 @@ def _allgather_contributions(shard_doc, shard_start, shard_rank, shard_len, cp):
 def _order_of(key):
     """``np.argsort(key, kind="mergesort")`` of int64 keys (stable: equal keys by index).
 
-    Sorts ``key << bits | index`` values, which is faster than sorting indices; ``stable_order`` when a key
-    is negative or too large for that.
+    Sorts ``key << bits | index`` values, which is faster than sorting indices. Keys that are negative or too
+    large for that are first replaced by their rank among the sorted keys (equal keys, equal rank).
     """
     n = key.shape[0]
     bits = 1
@@ -149,7 +149,12 @@ def _order_of(key):
         top = max(top, key[i])
         low = min(low, key[i])
     if low < 0 or top >= (1 << (62 - bits)):
-        return stable_order(key)
+        ranks = key.copy()
+        sort_range(ranks, 0, n)
+        dense = np.empty(n, np.int64)
+        for i in range(n):
+            dense[i] = first_at_or_after(ranks, key[i])
+        key = dense
     packed = np.empty(n, np.int64)
     for i in range(n):
         packed[i] = (key[i] << bits) | i
