@@ -24,8 +24,13 @@ from flashcp.bench.runtime_cpu import cpu_cases, runtime_cpu
 from flashcp.bench.sequences import SequenceSource, open_source
 from flashcp.bench.speed import end_to_end, planner_speed
 from flashcp.bench.systems import PlanBook, System, available_strategies, default_systems, improved_strategy
+from flashcp.outputs import json_report
 
-__all__ = ["EXTRA_SCENARIOS", "SCENARIOS", "BenchConfig", "bench_config", "run_bench"]
+__all__ = ["BENCH_REPORT", "EXTRA_SCENARIOS", "SCENARIOS", "BenchConfig", "bench_config", "run_bench"]
+
+BENCH_REPORT = json_report("flashcp-bench", "a flashcp bench report",
+                           legacy=lambda v: "flashcp_version" in v and "config" in v and "seconds" in v)
+"""``flashcp bench --json FILE``: the ``run_bench`` dict (written before it carried ``format``: by its keys)."""
 
 SCENARIOS = ("quality", "speed", "runtime", "latency")
 """The scenarios a plain run runs, in order: plan quality, planner speed, CPU runtime, projected latency."""
@@ -155,7 +160,8 @@ def run_bench(config: BenchConfig, profile: HardwareProfile, log=print) -> dict:
     strategies = available_strategies()
     systems, notes = default_systems()
     results: dict = {
-        "flashcp_version": __version__, "torch": torch.__version__, "machine": platform.machine(),
+        "format": "flashcp-bench", "flashcp_version": __version__, "torch": torch.__version__,
+        "machine": platform.machine(),
         "config": {k: v for k, v in asdict(config).items() if k != "notes"},
         "profile": profile.to_json(), "strategies": strategies, "improved_strategy": improved_strategy(),
         "systems": [{"label": s.label, "strategy": s.strategy, "comm": s.comm, "overlap": s.overlap}
