@@ -114,9 +114,11 @@ class BenchConfig:
             raise ValueError("no sources: give DATA or --dist")
         if min(self.cps) < 1 or min(self.heads) < 1 or self.num_seqs < 1 or self.runtime_cp < 1:
             raise ValueError("cp sizes, head counts and sequence counts must be positive")
-        from flashcp.planner.strategies import get_strategy
+        from flashcp.planner.strategies import check_context_len, get_strategy
         from flashcp.runtime.meta import COMM_MODES
 
+        check_context_len(self.context_len, "--context-len")
+        check_context_len(self.runtime_context_len, "--runtime-context-len")
         for case in self.runtime_cases or ():
             strategy, sep, comm = case.partition("/")
             if not sep or comm not in (*COMM_MODES, "auto"):

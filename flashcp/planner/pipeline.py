@@ -124,7 +124,7 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
         offsets, doc, start, length, rank = _search.plan_batch(row_offsets, doc_lens, cp, chosen.code, *args)
         ilp_seconds = parse_effort(params["effort"])[1] if "effort" in params else None
         if ilp_seconds is not None:
-            offsets, doc, start, length, rank = _polish_rows(row_offsets, doc_lens, cp, args[-1], ilp_seconds,
+            offsets, doc, start, length, rank = _polish_rows(row_offsets, doc_lens, cp, args.model, ilp_seconds,
                                                              offsets, doc, start, length, rank)
     else:
         target = float(params.get("target_imbalance", 1.0))
@@ -225,7 +225,7 @@ def _plan_file(job: _FileJob) -> _FileResult:
     rows = _concat(parts)
     table = plan_table(rows.shard_offsets, rows.shard_doc, rows.shard_start, rows.shard_len, rows.shard_rank,
                        rows.imbalance, rows.ag_comm_tokens, rows.a2a_comm_tokens)
-    plan_file = write_plan_file(Path(job.staging), job.file_index, table)
+    plan_file = write_plan_file(Path(job.staging), job.file_index, table, job.cp)
     baselines = {}
     if sampled:
         sub_offsets = np.zeros(len(sampled) + 1, np.int64)

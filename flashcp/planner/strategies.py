@@ -117,6 +117,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -126,7 +127,8 @@ from flashcp.planner._peers import magi_kernel, ptrr_kernel
 from flashcp.planner._plus import flashcp_plus_kernel
 from flashcp.planner.plan import SequencePlan
 
-__all__ = ["DEFAULT_STRATEGY", "MAX_CONTEXT_LEN", "STRATEGIES", "Strategy", "get_strategy", "plan_sequence"]
+__all__ = ["DEFAULT_STRATEGY", "MAX_CONTEXT_LEN", "STRATEGIES", "KernelArgs", "Strategy", "check_context_len",
+           "get_strategy", "plan_sequence"]
 
 DEFAULT_STRATEGY = "flashcp2"
 """What ``flashcp plan`` uses unless told otherwise."""
@@ -134,7 +136,8 @@ OBJECTIVES = ("time",)
 """Objectives ``flashcp2`` optimises: ``time`` = the projected step time."""
 
 MAX_CONTEXT_LEN = 1 << 24
-"""Longest sequence the kernels accept: keeps every workload sum times ``cp`` inside int64."""
+"""Longest sequence the kernels accept: keeps every workload sum times ``cp`` inside int64. The one limit of
+flashcp: ``pack``, ``synth``, ``plan`` and ``bench`` refuse a longer context before any work."""
 MAX_CP = 1 << 12
 """Largest CP size the kernels accept."""
 
@@ -217,8 +220,10 @@ def resolve_params(strategy: Strategy, target_imbalance: float | None = None, **
         if key not in params:
             raise ValueError(f"strategy '{strategy.name}' takes no {key.replace('_', ' ')}")
         params[key] = value
-    if "chunk_size" in params and not (isinstance(params["chunk_size"], int) and params["chunk_size"] >= 1):
-        raise ValueError(f"chunk size must be a positive integer, got {params['chunk_size']}")
+    if "chunk_size" in params and not (isinstance(params["chunk_size"], int)
+                                       and 1 <= params["chunk_size"] <= MAX_CONTEXT_LEN):
+        raise ValueError(f"chunk size must be an integer in [1, {MAX_CONTEXT_LEN}] (at most the longest "
+                         f"context), got {params['chunk_size']}")
     if "effort" in params:
         from flashcp.planner.polish import parse_effort
 
@@ -242,18 +247,42 @@ def objective_model(params: dict) -> np.ndarray:
                         int(params.get("layers", 1)), float(params.get("token_slack", 0.0)) > 0)
 
 
-def kernel_args(strategy: Strategy, params: dict) -> tuple:
-    """``(target, chunk, effort, model, token slack)`` for ``_search.plan_batch`` (MAGI, PTRR, FLASHCP2)."""
+class KernelArgs(NamedTuple):
+    """The strategy arguments of ``_search.plan_batch`` (MAGI, PTRR, FLASHCP2), in its order; read them by name."""
+
+    target: float
+    """Target imbalance."""
+    chunk: int
+    """Chunk tokens (magi, ptrr)."""
+    effort: int
+    """Local-search budget (flashcp2)."""
+    model: np.ndarray
+    """The step-time model vector (flashcp2; a placeholder for the others)."""
+    token_slack: float
+    """Allowed token deviation from the quota, as a fraction of C/N."""
+
+
+def kernel_args(strategy: Strategy, params: dict) -> KernelArgs:
+    """``KernelArgs`` for ``_search.plan_batch``; unpack it (``*args``) into the call."""
     model = objective_model(params) if strategy.code == _search.FLASHCP2 else np.zeros(1, np.float64)
     from flashcp.planner.polish import parse_effort
 
-    return (float(params.get("target_imbalance", 1.0)), int(params.get("chunk_size", 1)),
-            parse_effort(params.get("effort", 0))[0], model, float(params.get("token_slack", 0.0)))
+    return KernelArgs(target=float(params.get("target_imbalance", 1.0)), chunk=int(params.get("chunk_size", 1)),
+                      effort=parse_effort(params.get("effort", 0))[0], model=model,
+                      token_slack=float(params.get("token_slack", 0.0)))
+
+
+def check_context_len(context_len: int, what: str = "context length") -> None:
+    """ValueError when ``context_len`` is above ``MAX_CONTEXT_LEN`` (the same sentence for every command)."""
+    if context_len > MAX_CONTEXT_LEN:
+        raise ValueError(f"{what} {context_len:,} is above the longest context flashcp plans, "
+                         f"{MAX_CONTEXT_LEN:,} tokens (2^24); choose a shorter one")
 
 
 def check_shape(context_len: int, cp: int) -> None:
     """ValueError unless ``1 <= cp <= min(MAX_CP, context_len)`` and the context length is supported."""
-    if context_len < 1 or context_len > MAX_CONTEXT_LEN:
+    check_context_len(context_len)
+    if context_len < 1:
         raise ValueError(f"context length must be in [1, {MAX_CONTEXT_LEN}], got {context_len}")
     if cp < 1:
         raise ValueError(f"cp must be at least 1, got {cp}")
