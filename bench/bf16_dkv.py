@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from flashcp.errors import FlashcpError
 from flashcp.outputs import check_output, json_report, write_json_output
 from flashcp.planner.strategies import plan_sequence
 from flashcp.runtime import CommStats, CPAttnMeta, cp_attention
@@ -130,7 +131,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     report = json_report("flashcp-bf16-dkv", "a bench/bf16_dkv.py report")
     if args.json:
-        check_output(args.json, report)  # before the runs, not after them
+        try:
+            check_output(args.json, report)  # before the runs, not after them
+        except FlashcpError as e:
+            raise SystemExit(f"error: {e}") from None
     ctx = mp.get_context("spawn")
     rows = []
     for cp in (int(c) for c in args.cp.split(",")):

@@ -34,6 +34,7 @@ from _corpus import stdlib_texts, write_jsonl  # noqa: E402
 
 from flashcp.data import tokenizer as tokenizer_module  # noqa: E402
 from flashcp.data.pack import PackConfig, run_pack  # noqa: E402
+from flashcp.errors import FlashcpError  # noqa: E402
 from flashcp.outputs import check_output, json_report, write_json_output  # noqa: E402
 
 REPORT = json_report("flashcp-pack-throughput", "a bench/pack_throughput.py report")
@@ -80,7 +81,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     args = parser.parse_args()
     if args.json:
-        check_output(args.json, REPORT)  # before the runs, not after them
+        try:
+            check_output(args.json, REPORT)  # before the runs, not after them
+        except FlashcpError as e:
+            raise SystemExit(f"error: {e}") from None
 
     texts = stdlib_texts(int(args.mb * 1e6) if args.mb else None)
     spec = tokenizer_module.resolve_tokenizer(args.tokenizer)

@@ -94,6 +94,11 @@ class OutputFolder:
     """This run goes on from an interrupted one's finished files (a failure keeps them for the next run)."""
     identity: tuple[str, dict] | None = None
     """``(identity_sha256, identity)`` of the state file, once written."""
+    kept: int = field(init=False, default=0)
+    """Parts of ``parts`` kept from an interrupted run (the rest are this run's)."""
+
+    def __post_init__(self):
+        self.kept = len(self.parts)
 
     def write_state(self, identity_sha256: str, identity: dict) -> None:
         """Record the finished parts (atomically)."""
@@ -103,13 +108,16 @@ class OutputFolder:
                                                    "parts": [p.to_json() for p in self.parts]})
 
     def forget_parts_from(self, input_index: int) -> None:
-        """Drop the finished parts that may hold documents of input ``input_index`` or later (it changed)."""
-        def clean(part: PartRecord) -> bool:
-            at = part.resume
-            return at["input"] < input_index or (at["input"] == input_index and at["record"] == 0
-                                                  and at["offset"] == 0)
+        """Drop the parts this run finished that may hold documents of input ``input_index`` or later (it changed).
 
-        keep = [p for p in self.parts if clean(p)]
+        Parts kept from an interrupted run were read from the content the identity records, and stay.
+        """
+        def clean(i: int, part: PartRecord) -> bool:
+            at = part.resume
+            return i < self.kept or at["input"] < input_index or (at["input"] == input_index and at["record"] == 0
+                                                                   and at["offset"] == 0)
+
+        keep = [p for i, p in enumerate(self.parts) if clean(i, p)]
         if len(keep) == len(self.parts):
             return
         for part in self.parts[len(keep):]:

@@ -116,9 +116,11 @@ def check_stamp(input_file: InputFile, st: os.stat_result) -> None:
     now = _stamp(st)
     if now[:2] != input_file.stamp[:2]:
         raise InputChanged(input_file.path, "it was replaced by another file after it was hashed")
+    if now[2] != input_file.stamp[2]:
+        raise InputChanged(input_file.path, f"it had {input_file.stamp[2]:,} bytes when it was hashed and has "
+                                            f"{now[2]:,} now")
     if now != input_file.stamp:
-        raise InputChanged(input_file.path, f"its size or modification time differs from when it was hashed: "
-                                            f"{input_file.stamp[2]:,} bytes then, {now[2]:,} now")
+        raise InputChanged(input_file.path, "it was written to after it was hashed (its modification time changed)")
 
 
 def _hash_fd(f: BinaryIO) -> str:

@@ -44,6 +44,7 @@ __all__ = [
     "NAMED_DISTRIBUTIONS",
     "PILE_SUBSETS",
     "Distribution",
+    "check_synth_args",
     "doc_length_sampler",
     "load_distribution",
     "pack_lengths",
@@ -239,18 +240,9 @@ def _file_layout(context_len: int, has_tokens: bool) -> tuple[int, int]:
     return min(8192, max(1, 2 ** 26 // context_len)), min(1024, max(1, 2 ** 23 // context_len))
 
 
-def synth_dataset(root: str | Path, *, dist: str, num_seqs: int, context_len: int, seed: int = 0,
-                  with_tokens: bool = True, vocab_size: int = 32000,
-                  rows_per_file: int | None = None) -> dict:
-    """Write a synthetic dataset at ``root`` and return its manifest.
-
-    Token ids are uniform in ``[0, vocab_size)``; lengths do not depend on ``with_tokens``, so a
-    lengths-only dataset has the same documents as the full one with the same seed. Refuses a ``root`` that
-    already holds a dataset or other files. The dataset is written in a hidden folder beside ``root`` and
-    renamed into place once complete, so an interrupted run leaves nothing behind. ``rows_per_file``
-    defaults to about 256 MiB of token ids per file (8192 rows without tokens).
-    """
-    root = Path(root)
+def check_synth_args(root: Path, *, num_seqs: int, context_len: int, vocab_size: int,
+                     rows_per_file: int | None) -> None:
+    """FlashcpError (one sentence) for arguments ``synth_dataset`` refuses; checked before any work."""
     if num_seqs < 1:
         raise FlashcpError(f"--num-seqs must be at least 1, got {num_seqs}")
     from flashcp.planner.strategies import check_context_len
@@ -270,6 +262,22 @@ def synth_dataset(root: str | Path, *, dist: str, num_seqs: int, context_len: in
     inside = enclosing_dataset(root.parent)
     if inside is not None:
         raise FlashcpError(f"{root} lies inside the dataset {inside}; choose a path outside it")
+
+
+def synth_dataset(root: str | Path, *, dist: str, num_seqs: int, context_len: int, seed: int = 0,
+                  with_tokens: bool = True, vocab_size: int = 32000,
+                  rows_per_file: int | None = None) -> dict:
+    """Write a synthetic dataset at ``root`` and return its manifest.
+
+    Token ids are uniform in ``[0, vocab_size)``; lengths do not depend on ``with_tokens``, so a
+    lengths-only dataset has the same documents as the full one with the same seed. Refuses a ``root`` that
+    already holds a dataset or other files. The dataset is written in a hidden folder beside ``root`` and
+    renamed into place once complete, so an interrupted run leaves nothing behind. ``rows_per_file``
+    defaults to about 256 MiB of token ids per file (8192 rows without tokens).
+    """
+    root = Path(root)
+    check_synth_args(root, num_seqs=num_seqs, context_len=context_len, vocab_size=vocab_size,
+                     rows_per_file=rows_per_file)
     distribution = load_distribution(dist)
     seeds = np.random.SeedSequence(seed).spawn(2)
     row_offsets, doc_lens, doc_source, docs_read, truncated = pack_lengths(
