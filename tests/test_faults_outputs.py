@@ -227,3 +227,12 @@ def test_sharded_resume_missing_a_shard_fails_alike_on_every_rank(ws):
 def test_option_values_are_one_sentence(ws, capsys):
     refused(ws, capsys, "--vocab", 0, needle="vocab_size must be at least 1, got 0")
     refused(ws, capsys, "--heads", 0, needle="num_heads must be at least 1, got 0")
+
+
+def test_a_plan_staging_name_holding_other_files_is_left_alone(ws):
+    leftover = ws / "data" / "plans" / ".cp2-llama3.4242-0123abcd.tmp"
+    leftover.mkdir()
+    (leftover / "notes.txt").write_text("mine")
+    result = run("plan", ws / "data", "--cp", 2, "--strategy", "llama3", "--force")
+    assert result.exit_code == 0 and "left plans/.cp2-llama3.4242-0123abcd.tmp alone" in result.stderr
+    assert (leftover / "notes.txt").read_text() == "mine"

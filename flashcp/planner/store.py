@@ -7,7 +7,8 @@ Writers go through :class:`PlanSlot`: the plan name is checked to be a plain fol
 touched, a lock per plan name keeps two writers apart, the new plan is built in a hidden staging folder
 beside the old one (``plans/.<name>.<pid>-<hex>.tmp``) and swapped in at the end, and only flashcp's own
 plan folders are ever replaced. Staging folders left by a killed run are removed by the next writer of that
-name (and reported); ``plans`` and the plan folder are never followed when they are symlinks.
+name (and reported), when they hold nothing but flashcp's own plan files; ``plans`` and the plan folder are
+never followed when they are symlinks.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from flashcp.errors import FlashcpError, PlanError, StalePlanError
 from flashcp.fileio import (
     FolderLock,
     check_plain_name,
+    is_plain_tree,
     parquet_fingerprint,
     parquet_footer,
     refuse_symlink,
@@ -213,6 +215,10 @@ class PlanSlot:
         """Remove staging folders of killed runs of this name; put back an old plan a crash left aside."""
         removed = 0
         for entry, is_old in sorted(self._leftovers()):
+            if is_plain_tree(entry, lambda p: p.is_file() and _PLAN_FILE.fullmatch(p.name) is not None):
+                self.notes.append(f"left plans/{entry.name} alone: it has the name of a staging folder but holds "
+                                  "files flashcp did not write")
+                continue  # only folders holding nothing but flashcp's own plan files are flashcp's
             if is_old and not self.final.exists() and (entry / PLAN_JSON).is_file():
                 os.replace(entry, self.final)
                 self.notes.append(f"restored plan '{self.name}' that an interrupted run had moved aside")
