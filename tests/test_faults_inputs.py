@@ -329,3 +329,30 @@ def test_plan_files_without_cp_in_their_footer_are_checked_as_read(ws):
     loader = CPLoader(ws / "data", plan="cp2-llama3", rank=5, world_size=8)
     with pytest.raises(PlanError, match="does not give every one of its cp 8 ranks its equal-token quota"):
         next(iter(loader))
+
+
+# ---- 3. an advertised option that always crashed: --effort ilp[:S] ----
+
+def test_effort_ilp_plans_through_the_cli_and_the_bench_spec(tmp_path, monkeypatch):
+    import flashcp.planner.pipeline as pipeline
+
+    assert run("synth", tmp_path / "s", "--dist", "wlb", "--num-seqs", 2, "--context-len", 2048,
+               "--no-tokens").exit_code == 0
+    calls, real = [], pipeline.polish_plan
+
+    def polish(doc_lens, plan, model, seconds, *args):
+        calls.append((model.dtype.kind, seconds))  # the objective model, not the token slack
+        return real(doc_lens, plan, model, seconds, *args)
+
+    monkeypatch.setattr(pipeline, "polish_plan", polish)
+    result = run("plan", tmp_path / "s", "--cp", 2, "--effort", "ilp:1")
+    assert result.exit_code == 0, result.output
+    assert calls == [("f", 1.0)] * 2
+    meta = json.loads((tmp_path / "s" / "plans" / "cp2-flashcp2" / "plan.json").read_text())
+    assert meta["params"]["effort"] == "ilp:1" and run("verify", tmp_path / "s").exit_code == 0
+    out = tmp_path / "q.json"
+    result = run("bench", "--scenario", "quality", "--dist", "wlb", "--cp", 2, "--seqs", 1, "--context-len", 2048,
+                 "--strategies", "flashcp2:effort=ilp:1", "--json", out)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["quality"]["rows"]
+    assert [r["strategy"] for r in rows] == ["flashcp2:effort=ilp:1"] and len(calls) == 3

@@ -236,3 +236,13 @@ def test_a_plan_staging_name_holding_other_files_is_left_alone(ws):
     result = run("plan", ws / "data", "--cp", 2, "--strategy", "llama3", "--force")
     assert result.exit_code == 0 and "left plans/.cp2-llama3.4242-0123abcd.tmp alone" in result.stderr
     assert (leftover / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_marked_staging_folder_of_a_killed_save_is_removed(ws, capsys, one_rank):
+    from flashcp.outputs import make_marked_dir
+
+    staging = make_marked_dir(ws / ".ck.staging", "staging folder of checkpoint ck")  # as a killed save left it
+    (staging / "__0_0.distcp").write_bytes(b"half")
+    code, err = train(ws, capsys, "--sharding", "fsdp", "--ckpt", ws / "ck")
+    assert code == 0 and not staging.exists() and (ws / "ck" / "flashcp.json").is_file(), err
