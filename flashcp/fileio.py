@@ -227,15 +227,15 @@ def parquet_fingerprint(path: str | os.PathLike) -> tuple[int, str]:
     ValueError when the file does not end like Parquet (truncated or not Parquet at all).
     """
     footer = parquet_footer(path)
-    return footer.bytes, footer.sha256
+    return footer.size, footer.sha256
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParquetFooter:
     """What one small read at a Parquet file's end tells: its identity and its own record of itself."""
 
-    bytes: int
-    """File size."""
+    size: int
+    """File size in bytes."""
     sha256: str
     """sha256 of the footer (``parquet_fingerprint``)."""
     num_rows: int
@@ -251,7 +251,7 @@ def parquet_footer(path: str | os.PathLike) -> ParquetFooter:
         metadata = pq.read_metadata(pa.BufferReader(footer))
     except (OSError, pa.ArrowException) as e:
         raise ValueError(f"its Parquet footer cannot be parsed ({e})") from None
-    return ParquetFooter(bytes=size, sha256=hashlib.sha256(footer).hexdigest(), num_rows=metadata.num_rows,
+    return ParquetFooter(size=size, sha256=hashlib.sha256(footer).hexdigest(), num_rows=metadata.num_rows,
                          metadata=dict(metadata.metadata or {}))
 
 

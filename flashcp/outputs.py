@@ -131,7 +131,7 @@ def _check_parent(path: Path, label: str) -> None:
             return
 
 
-def write_output(path: str | os.PathLike, kind: OutputKind, write: Callable[[Path], None]) -> Path:
+def write_output(path: str | os.PathLike, kind: OutputKind, write: Callable[[Path], object]) -> Path:
     """Check ``path`` (``check_output``) and write it atomically: ``write(tmp)`` fills a temporary file beside it."""
     path = check_output(path, kind)
     with atomic_path(path) as tmp:
