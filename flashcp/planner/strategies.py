@@ -222,7 +222,7 @@ def resolve_params(strategy: Strategy, target_imbalance: float | None = None, **
         params[key] = value
     if "chunk_size" in params and not (isinstance(params["chunk_size"], int)
                                        and 1 <= params["chunk_size"] <= MAX_CONTEXT_LEN):
-        raise ValueError(f"chunk size must be an integer in [1, {MAX_CONTEXT_LEN}] (at most the longest "
+        raise ValueError(f"chunk size must be a positive integer of at most {MAX_CONTEXT_LEN} (the longest "
                          f"context), got {params['chunk_size']}")
     if "effort" in params:
         from flashcp.planner.polish import parse_effort
