@@ -202,7 +202,9 @@ def make_marked_dir(path: Path, what: str) -> Path:
 
 def mark_dir(path: Path, what: str) -> None:
     """Put the marker into ``path``, a folder flashcp made (or a checkpoint it wrote, about to be moved aside)."""
-    (path / MARKER_NAME).write_text(json.dumps({"format": _MARKER_FORMAT, "what": what}) + "\n")
+    text = json.dumps({"format": _MARKER_FORMAT, "what": what}) + "\n"
+    with atomic_path(path / MARKER_NAME) as tmp:  # never seen half-written
+        tmp.write_text(text)
 
 
 def is_marked(path: Path) -> bool:

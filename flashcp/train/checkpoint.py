@@ -191,13 +191,17 @@ def save_sharded_checkpoint(path: str | Path, *, step: int, model: nn.Module, op
     error: Exception | None = None
     try:
         check_checkpoint_target(path, sharded=True)  # on every rank: none is left waiting for one that refused
-        if rank == 0:
-            remove_marked(staging, f"checkpoint {path}")  # a previous save killed midway
-            make_marked_dir(staging, f"staging folder of checkpoint {path.name}")
     except FlashcpError as e:
         error = e
-    except OSError as e:
-        error = FlashcpError(f"cannot write checkpoint {path}: {e.strerror or e}")
+    agree_on_errors(error, group)  # every rank has looked before rank 0 touches anything
+    if rank == 0:
+        try:
+            remove_marked(staging, f"checkpoint {path}")  # a previous save killed midway
+            make_marked_dir(staging, f"staging folder of checkpoint {path.name}")
+        except FlashcpError as e:
+            error = e
+        except OSError as e:
+            error = FlashcpError(f"cannot write checkpoint {path}: {e.strerror or e}")
     agree_on_errors(error, group)
     model_state, optim_state = get_state_dict(model, optimizer)
     try:
