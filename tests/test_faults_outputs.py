@@ -2,7 +2,8 @@
 
 Every refusal asserts the exit code, exactly one line on stderr, no traceback, and that the whole temporary
 tree (dataset, the user's files, bystanders) is byte-identical afterwards; the accepted cases check that
-flashcp's own output of the same kind is replaced.
+flashcp's own output of the same kind is replaced. The multi-rank case (a DCP folder missing a shard refused
+alike on every rank) rides on the gloo ranks ``tests/test_train_mesh.py`` already spawns.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashcp.errors import FlashcpError
-from tests.dist import free_port, spawn
+from tests.dist import free_port
 from tests.faults import ROOT, ReadOnly, copy_tree, docs, one_sentence, pack_args, run, tree, write_jsonl
 
 TINY = ["--steps", "1", "--prefetch", "0", "--dim", "16", "--heads", "2", "--kv-heads", "1", "--vocab", "16",
@@ -198,30 +198,6 @@ def test_sharded_resume_with_a_missing_file(ws, capsys, one_rank, monkeypatch, d
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     refused(ws, capsys, "--sharding", "fsdp", "--ckpt", ws / "ck", "--resume", needle="is incomplete: its "
             + (".metadata file" if damage == ".metadata" else f"shard {damage}") + " is missing")
-
-
-def _missing_shard_on_every_rank(rank, world, root, ckpt):
-    from flashcp.train.loop import TrainOptions, run_training
-
-    base = dict(data=root, plan="cp2-llama3", sharding="fsdp", dim=16, num_heads=2, num_kv_heads=1,
-                vocab_size=16, num_layers=1, prefetch=0, ckpt=ckpt)
-    run_training(TrainOptions(**base, steps=1))
-    torch.distributed.barrier()
-    if rank == 0:
-        os.unlink(Path(ckpt) / "__1_0.distcp")
-    torch.distributed.barrier()
-    try:
-        run_training(TrainOptions(**base, steps=2, resume=True))
-    except FlashcpError as e:
-        wanted = f"checkpoint {ckpt} is incomplete: its shard __1_0.distcp is missing"
-        return [] if str(e).startswith(wanted) and "\n" not in str(e) else [f"got {e}"]
-    return ["the resume did not fail"]
-
-
-@pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_sharded_resume_missing_a_shard_fails_alike_on_every_rank(ws):
-    spawn(_missing_shard_on_every_rank, 2, str(ws / "data"), str(ws / "ck"))
 
 
 def test_option_values_are_one_sentence(ws, capsys):
