@@ -30,6 +30,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from flashcp.errors import FlashcpError
+from flashcp.outputs import check_output, json_report, write_json_output
 from flashcp.planner.strategies import plan_sequence
 from flashcp.runtime import CommStats, CPAttnMeta, cp_attention
 from flashcp.runtime.meta import rank_token_positions
@@ -127,6 +129,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
+    report = json_report("flashcp-bf16-dkv", "a bench/bf16_dkv.py report")
+    if args.json:
+        try:
+            check_output(args.json, report)  # before the runs, not after them
+        except FlashcpError as e:
+            raise SystemExit(f"error: {e}") from None
     ctx = mp.get_context("spawn")
     rows = []
     for cp in (int(c) for c in args.cp.split(",")):
@@ -138,7 +146,7 @@ def main(argv=None) -> int:
     print_bytes(rows)
     print_loss_error()
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_json_output(args.json, report, {"format": "flashcp-bf16-dkv", "rows": rows})
     return 0
 
 

@@ -20,7 +20,6 @@ a shared machine one run of the same work varies by 20% or more, so use --repeat
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
@@ -35,6 +34,10 @@ from _corpus import stdlib_texts, write_jsonl  # noqa: E402
 
 from flashcp.data import tokenizer as tokenizer_module  # noqa: E402
 from flashcp.data.pack import PackConfig, run_pack  # noqa: E402
+from flashcp.errors import FlashcpError  # noqa: E402
+from flashcp.outputs import check_output, json_report, write_json_output  # noqa: E402
+
+REPORT = json_report("flashcp-pack-throughput", "a bench/pack_throughput.py report")
 
 
 def cpu_seconds() -> float:
@@ -77,6 +80,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     args = parser.parse_args()
+    if args.json:
+        try:
+            check_output(args.json, REPORT)  # before the runs, not after them
+        except FlashcpError as e:
+            raise SystemExit(f"error: {e}") from None
 
     texts = stdlib_texts(int(args.mb * 1e6) if args.mb else None)
     spec = tokenizer_module.resolve_tokenizer(args.tokenizer)
@@ -104,8 +112,8 @@ def main() -> None:
                 best[workers], best_cpu[workers] = min(best[workers], seconds), min(best_cpu[workers], cpu)
         print(f"tokenizer alone      {best_tok:7.2f} s  {tokens / best_tok / 1e6:6.3f} M tokens/s  "
               f"CPU {best_tok_cpu:6.2f} s  (encoding only {best_encode:.2f} s)", flush=True)
-        results = {"documents": len(texts), "text_mb": text_bytes / 1e6, "tokens": tokens,
-                   "tokenizer": args.tokenizer, "context_len": args.context_len,
+        results = {"format": "flashcp-pack-throughput", "documents": len(texts), "text_mb": text_bytes / 1e6,
+                   "tokens": tokens, "tokenizer": args.tokenizer, "context_len": args.context_len,
                    "load_average": os.getloadavg(), "tokenizer_s": best_tok, "tokenizer_cpu_s": best_tok_cpu,
                    "tokenizer_encode_only_s": best_encode, "pack_s": best, "pack_cpu_s": best_cpu}
         for workers in worker_counts:
@@ -123,7 +131,7 @@ def main() -> None:
         results["pack_vs_tokenizer_throughput"] = best_tok / results["pack_s"][1]
         print(f"load average at the end: {os.getloadavg()[0]:.2f} (other processes on the machine)")
         if args.json:
-            args.json.write_text(json.dumps(results, indent=1) + "\n")
+            write_json_output(args.json, REPORT, results)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

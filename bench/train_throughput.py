@@ -13,7 +13,6 @@ loop over shards) the numbers measure this machine's costs, not a GPU's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ if str(ROOT) not in sys.path:
 
 from flashcp.cli.console import error  # noqa: E402
 from flashcp.errors import FlashcpError  # noqa: E402
+from flashcp.outputs import check_output, json_report, write_json_output  # noqa: E402
 from flashcp.train.loop import TrainOptions, run_training  # noqa: E402
 
 
@@ -56,6 +56,8 @@ def main(argv=None) -> int:
     rank = dist.get_rank() if distributed else 0
     try:
         results = []
+        if args.json:
+            check_output(args.json, REPORT)  # before the runs, not after them
         for plan in args.plans.split(","):
             options = TrainOptions(data=args.data, plan=plan, steps=args.warmup + args.steps, comm=args.comm,
                                    backend=args.backend, model=args.model, dtype=args.dtype, dim=args.dim,
@@ -81,6 +83,9 @@ def main(argv=None) -> int:
     return status
 
 
+REPORT = json_report("flashcp-train-throughput", "a bench/train_throughput.py report")
+
+
 def report(results: list[dict], args) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     base = results[0]
@@ -96,7 +101,7 @@ def report(results: list[dict], args) -> None:
         print(f"{r['plan']:<26} {r['tokens_per_s']:>9,.0f} {ratio:>8.2f} {busiest:>26.2f} {total:>18.2f} "
               f"{loss_diff:>19.1e}")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        write_json_output(args.json, REPORT, {"format": "flashcp-train-throughput", "plans": results})
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ consecutive ranks one CP group (``flashcp.train.parallel``). gloo on CPU, NCCL w
 without torchrun it runs as one process (a cp-1 plan). With ``--sharding fsdp`` (FSDP2) ``--ckpt`` is a
 ``torch.distributed.checkpoint`` folder. Logs loss, tokens/s and the K/V bytes moved per step, with a progress
 bar on an interactive terminal. Token ids are folded into the model's vocabulary (``id % --vocab``). Bad
-input (a plan for another number of ranks, a missing checkpoint) stops every rank; rank 0 prints one
-sentence and the script exits 1.
+input (a bad option value, a plan for another number of ranks, a missing checkpoint, a ``--ckpt`` path
+that is not a flashcp checkpoint) stops every rank before training; rank 0 prints one sentence and the
+script exits 1.
 """
 
 from __future__ import annotations
@@ -54,19 +55,20 @@ def parse_args(argv=None) -> TrainOptions:
                         help="replicated weights with an all-reduce, or FSDP2 over the dp x cp mesh")
     parser.add_argument("--prefetch", type=int, default=2, help="batches built ahead on a thread (0: off)")
     args = parser.parse_args(argv)
-    try:
-        return TrainOptions(data=args.data, plan=args.plan, steps=args.steps, comm=args.comm,
-                            backend=args.backend, lr=args.lr, dtype=args.dtype, model=args.model,
-                            vocab_size=args.vocab, dim=args.dim, num_layers=args.layers, num_heads=args.heads,
-                            num_kv_heads=args.kv_heads, ckpt=args.ckpt, resume=args.resume,
-                            save_every=args.save_every, seed=args.seed, dp=args.dp, sharding=args.sharding,
-                            prefetch=args.prefetch)
-    except ValueError as e:
-        parser.error(str(e))
+    return TrainOptions(data=args.data, plan=args.plan, steps=args.steps, comm=args.comm, backend=args.backend,
+                        lr=args.lr, dtype=args.dtype, model=args.model, vocab_size=args.vocab, dim=args.dim,
+                        num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                        ckpt=args.ckpt, resume=args.resume, save_every=args.save_every, seed=args.seed,
+                        dp=args.dp, sharding=args.sharding, prefetch=args.prefetch)
 
 
 def main(argv=None) -> int:
-    options = parse_args(argv)
+    try:
+        options = parse_args(argv)
+    except ValueError as e:  # a bad value (--vocab 0): one sentence from one rank, exit 1
+        if int(os.environ.get("RANK", 0)) == 0:
+            error(str(e))
+        return 1
     distributed = "RANK" in os.environ
     use_cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -28,8 +29,10 @@ __all__ = [
     "atomic_path",
     "check_plain_name",
     "exchange_paths",
+    "ParquetFooter",
     "is_plain_tree",
     "parquet_fingerprint",
+    "parquet_footer",
     "refuse_symlink",
     "replace_dir",
     "sha256_file",
@@ -223,6 +226,37 @@ def parquet_fingerprint(path: str | os.PathLike) -> tuple[int, str]:
     file replaced by other data (even with the same number of rows) gets another fingerprint. Raises
     ValueError when the file does not end like Parquet (truncated or not Parquet at all).
     """
+    footer = parquet_footer(path)
+    return footer.size, footer.sha256
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParquetFooter:
+    """What one small read at a Parquet file's end tells: its identity and its own record of itself."""
+
+    size: int
+    """File size in bytes."""
+    sha256: str
+    """sha256 of the footer (``parquet_fingerprint``)."""
+    num_rows: int
+    """Rows, as the footer records them."""
+    metadata: dict[bytes, bytes]
+    """The footer's key-value metadata (``ARROW:schema``, and what flashcp writes beside it)."""
+
+
+def parquet_footer(path: str | os.PathLike) -> ParquetFooter:
+    """The file's ``ParquetFooter`` (one small read); ValueError when it does not end like Parquet."""
+    size, footer = _read_footer(path)
+    try:
+        metadata = pq.read_metadata(pa.BufferReader(footer))
+    except (OSError, pa.ArrowException) as e:
+        raise ValueError(f"its Parquet footer cannot be parsed ({e})") from None
+    return ParquetFooter(size=size, sha256=hashlib.sha256(footer).hexdigest(), num_rows=metadata.num_rows,
+                         metadata=dict(metadata.metadata or {}))
+
+
+def _read_footer(path: str | os.PathLike) -> tuple[int, bytes]:
+    """``(file size, footer + its 8-byte tail)``."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < 12:
@@ -234,4 +268,4 @@ def parquet_fingerprint(path: str | os.PathLike) -> tuple[int, str]:
             raise ValueError("it does not end with a Parquet footer (truncated or not Parquet)")
         f.seek(size - 8 - footer_len)
         footer = f.read(footer_len)
-    return size, hashlib.sha256(footer + tail).hexdigest()
+    return size, footer + tail

@@ -460,12 +460,19 @@ def test_bench_lists_each_strategy_once():
 def test_synth_removes_the_staging_folder_of_a_killed_run(ws):
     import subprocess
 
+    from flashcp.outputs import make_marked_dir
+
     dead = subprocess.Popen(["true"])
     dead.wait()
-    leftover = ws / f".s.{dead.pid}-0123abcd.tmp"
-    (leftover / "data").mkdir(parents=True)
+    leftover = make_marked_dir(ws / f".s.{dead.pid}-0123abcd.tmp", "synth staging")  # as synth makes it
+    (leftover / "data").mkdir()
     (leftover / "data" / "part-00000.parquet").write_bytes(b"half")
+    unmarked = ws / f".s.{dead.pid}-4567abcd.tmp"  # the same kind of name, but not flashcp's: left alone
+    (unmarked / "data").mkdir(parents=True)
+    (unmarked / "data" / "mine.txt").write_text("mine")
     alive = ws / f".s.{os.getpid()}-0123abcd.tmp"  # a run still going: left alone
     alive.mkdir()
     result = run("synth", ws / "s", "--dist", "wlb", "--num-seqs", 2, "--context-len", 64, "--no-tokens")
     assert result.exit_code == 0 and not leftover.exists() and alive.exists()
+    assert (unmarked / "data" / "mine.txt").read_text() == "mine"
+    assert sorted(p.name for p in (ws / "s").iterdir()) == ["data", "manifest.json"]  # no marker left inside

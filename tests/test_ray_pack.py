@@ -188,6 +188,31 @@ def test_an_unreadable_input_fails_with_the_local_sentence(tmp_path, local_ray, 
     assert not (tmp_path / "ray").exists()
 
 
+@pytest.mark.parametrize("changed", ["web-1.jsonl", "table.parquet"])  # read in byte ranges, in row groups
+def test_an_input_changed_under_the_pack_is_refused_alike(tmp_path, local_ray, small_shards, monkeypatch,
+                                                          changed):
+    """Fault suite, both engines: an input replaced after pack hashed it is refused with the same sentence."""
+    import flashcp.data.pack as pack_module
+
+    inputs = make_corpus(tmp_path / "in")
+    args = pack_args(inputs, 1024, "--tokenizer", "byte")
+    real = pack_module.prepare_output
+
+    def prepare(*a, **k):  # after hashing, before reading: the input is replaced by a copy of itself
+        path = tmp_path / "in" / changed
+        (tmp_path / "copy").write_bytes(path.read_bytes())
+        os.replace(tmp_path / "copy", path)
+        return real(*a, **k)
+
+    monkeypatch.setattr(pack_module, "prepare_output", prepare)
+    local = run("pack", *args, "-o", tmp_path / "local")
+    result = run("pack", *args, "-o", tmp_path / "ray", "--engine", "ray")
+    assert local.exit_code == result.exit_code == 1 and result.output == local.output
+    assert f"input {tmp_path / 'in' / changed} changed while flashcp pack was reading it" in result.output
+    assert result.output.count("\n") == 1 and "Traceback" not in result.output
+    assert not (tmp_path / "ray").exists() and not (tmp_path / "local").exists()
+
+
 def _descendant(pid: int) -> bool:
     """Whether process ``pid`` descends from this one (a worker of the Ray this test process started)."""
     me = os.getpid()

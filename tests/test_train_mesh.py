@@ -12,6 +12,7 @@ resume and the refusals of a mesh that does not fit the plan.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import numpy as np
@@ -174,6 +175,27 @@ def _resume_checks(root, ckpt_dir):
     except FlashcpError as e:
         if "was made by a different run: dim 16 (now 32)" not in str(e):
             failures.append(f"resume refusal says '{e}'")
+    failures += _missing_shard_checks(base, part_ckpt)
+    return failures
+
+
+def _missing_shard_checks(base: dict, ckpt: str) -> list[str]:
+    """Fault suite, on every rank: a DCP folder missing a shard is refused with the same one sentence."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.replace(Path(ckpt) / "__3_0.distcp", Path(ckpt) / "moved.distcp")
+    dist.barrier()
+    try:
+        run_training(TrainOptions(**base, steps=5, ckpt=ckpt, resume=True))
+        failures = ["a checkpoint missing a shard was resumed"]
+    except FlashcpError as e:
+        wanted = f"checkpoint {ckpt} is incomplete: its shard __3_0.distcp is missing; restore the folder"
+        failures = [] if str(e).startswith(wanted) and "\n" not in str(e) else [f"missing shard: '{e}'"]
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.replace(Path(ckpt) / "moved.distcp", Path(ckpt) / "__3_0.distcp")
     return failures
 
 

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["write_plots"]
+from flashcp import __version__
+from flashcp.outputs import PNG_SOFTWARE, png_plot, write_output
+
+__all__ = ["BENCH_PLOT", "write_plots"]
+
+BENCH_PLOT = png_plot("a PNG plot that flashcp bench drew")
+"""``flashcp bench --plot FILE``: recognised by its ``Software`` text chunk."""
 
 BREAKDOWN = (("attn_fwd", "attention fwd"), ("attn_bwd", "attention bwd"), ("comm", "comm (exposed)"),
              ("other", "other"))
@@ -92,8 +98,6 @@ def write_plots(results: dict, path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from flashcp.fileio import atomic_path
-
     latency, quality = results.get("latency"), results.get("quality")
     if not latency:
         raise ValueError("the plot needs the latency scenario")
@@ -121,7 +125,8 @@ def write_plots(results: dict, path: str | Path) -> None:
     kind = "MEASURED attention, projected comm" if latency["measured"] else "PROJECTED"
     fig.suptitle(f"flashcp bench, {kind}: {latency['profile']}", fontsize=11)
     fig.tight_layout()
-    path = Path(path)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    try:
+        write_output(path, BENCH_PLOT, lambda tmp: fig.savefig(
+            tmp, format="png", dpi=110, metadata={"Software": f"{PNG_SOFTWARE} {__version__} bench"}))
+    finally:
+        plt.close(fig)

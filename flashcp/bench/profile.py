@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from flashcp.errors import FlashcpError
-from flashcp.fileio import write_json_atomic
+from flashcp.outputs import OutputKind, write_json_output
 
-__all__ = ["DEFAULT_PROFILE", "HardwareProfile", "load_profile", "save_profile"]
+__all__ = ["DEFAULT_PROFILE", "PROFILE_OUTPUT", "HardwareProfile", "load_profile", "save_profile"]
 
 DEFAULT_PROFILE = "h100-sxm-nvlink.json"
 """File name of the default profile inside ``flashcp/bench/profiles``."""
@@ -196,6 +196,18 @@ def load_profile(path: str | Path | None = None) -> HardwareProfile:
     return _profile_from_json(obj, label)
 
 
+def _is_profile(path: Path) -> bool:
+    try:
+        load_profile(path)
+    except FlashcpError:
+        return False
+    return True
+
+
+PROFILE_OUTPUT = OutputKind(what="a flashcp hardware profile", option="--profile-out", recognise=_is_profile)
+"""``flashcp bench --calibrate --profile-out FILE``: a file ``load_profile`` reads."""
+
+
 def save_profile(profile: HardwareProfile, path: str | Path) -> None:
-    """Write ``profile`` to ``path`` atomically, in the format ``load_profile`` reads."""
-    write_json_atomic(path, profile.to_json())
+    """Write ``profile`` to ``path`` atomically, in the format ``load_profile`` reads (``flashcp.outputs`` rules)."""
+    write_json_output(path, PROFILE_OUTPUT, profile.to_json())

@@ -24,8 +24,13 @@ from flashcp.bench.runtime_cpu import cpu_cases, runtime_cpu
 from flashcp.bench.sequences import SequenceSource, open_source
 from flashcp.bench.speed import end_to_end, planner_speed
 from flashcp.bench.systems import PlanBook, System, available_strategies, default_systems, improved_strategy
+from flashcp.outputs import json_report
 
-__all__ = ["EXTRA_SCENARIOS", "SCENARIOS", "BenchConfig", "bench_config", "run_bench"]
+__all__ = ["BENCH_REPORT", "EXTRA_SCENARIOS", "SCENARIOS", "BenchConfig", "bench_config", "run_bench"]
+
+BENCH_REPORT = json_report("flashcp-bench", "a flashcp bench report",
+                           legacy=lambda v: "flashcp_version" in v and "config" in v and "seconds" in v)
+"""``flashcp bench --json FILE``: the ``run_bench`` dict (written before it carried ``format``: by its keys)."""
 
 SCENARIOS = ("quality", "speed", "runtime", "latency")
 """The scenarios a plain run runs, in order: plan quality, planner speed, CPU runtime, projected latency."""
@@ -109,9 +114,11 @@ class BenchConfig:
             raise ValueError("no sources: give DATA or --dist")
         if min(self.cps) < 1 or min(self.heads) < 1 or self.num_seqs < 1 or self.runtime_cp < 1:
             raise ValueError("cp sizes, head counts and sequence counts must be positive")
-        from flashcp.planner.strategies import get_strategy
+        from flashcp.planner.strategies import check_context_len, get_strategy
         from flashcp.runtime.meta import COMM_MODES
 
+        check_context_len(self.context_len, "--context-len")
+        check_context_len(self.runtime_context_len, "--runtime-context-len")
         for case in self.runtime_cases or ():
             strategy, sep, comm = case.partition("/")
             if not sep or comm not in (*COMM_MODES, "auto"):
@@ -155,7 +162,8 @@ def run_bench(config: BenchConfig, profile: HardwareProfile, log=print) -> dict:
     strategies = available_strategies()
     systems, notes = default_systems()
     results: dict = {
-        "flashcp_version": __version__, "torch": torch.__version__, "machine": platform.machine(),
+        "format": "flashcp-bench", "flashcp_version": __version__, "torch": torch.__version__,
+        "machine": platform.machine(),
         "config": {k: v for k, v in asdict(config).items() if k != "notes"},
         "profile": profile.to_json(), "strategies": strategies, "improved_strategy": improved_strategy(),
         "systems": [{"label": s.label, "strategy": s.strategy, "comm": s.comm, "overlap": s.overlap}

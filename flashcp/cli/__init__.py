@@ -8,7 +8,7 @@ import importlib.util
 import click
 
 from flashcp import __version__
-from flashcp.cli.console import error, set_json_output, set_verbosity
+from flashcp.cli.console import emit_json_error, error, set_json_output, set_verbosity
 from flashcp.errors import FlashcpError
 
 __all__ = ["cli", "main"]
@@ -41,12 +41,35 @@ class LazyGroup(click.Group):
         try:
             return super().invoke(ctx)
         except FlashcpError as e:
-            error(str(e))
-            ctx.exit(1)
+            _fail(ctx, str(e))
         except OSError as e:  # the machine's state (disk full, permissions), never a flashcp bug
             where = f" {e.filename}" if e.filename else ""
-            error(f"cannot access{where}: {e.strerror or e}")
-            ctx.exit(1)
+            _fail(ctx, f"cannot access{where}: {e.strerror or e}")
+        except click.UsageError as e:  # a bad option: click's usage text, exit 2; with --json also the document
+            if self._json_flag_given(ctx):
+                set_json_output(True)
+                emit_json_error(e.format_message())
+            raise
+
+    def parse_args(self, ctx, args):
+        ctx.meta["flashcp.argv"] = list(args)  # what a usage error of the subcommand is checked against
+        return super().parse_args(ctx, args)
+
+    def _json_flag_given(self, ctx) -> bool:
+        """True when the command line names a command whose ``--json`` is a flag, and passes it."""
+        argv = ctx.meta.get("flashcp.argv", [])
+        name = next((a for a in argv if not a.startswith("-")), None)
+        command = self.get_command(ctx, name) if name else None
+        flags = [p for p in getattr(command, "params", []) if "--json" in getattr(p, "opts", ())
+                 and getattr(p, "is_flag", False)]
+        return bool(flags) and "--json" in argv
+
+
+def _fail(ctx: click.Context, message: str) -> None:
+    """An expected error: one sentence on stderr (and the JSON document with --json), exit 1."""
+    error(message)
+    emit_json_error(message)
+    ctx.exit(1)
 
 
 def _with_verbosity(command: click.Command) -> click.Command:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import click
@@ -10,10 +11,14 @@ from rich.table import Table
 from flashcp.cli.console import console, info, progress, warn
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
-from flashcp.fileio import write_json_atomic
+from flashcp.outputs import check_output, json_report, write_json_output
 from flashcp.planner.audit import SequenceAudit, audit_plan, sample_rows, summarize, write_audit_plan
 from flashcp.planner.ilp import IlpOptions
 from flashcp.planner.store import PlanSlot, PlanStore
+
+AUDIT_REPORT = json_report("flashcp-audit", "a flashcp audit report",
+                           legacy=lambda v: {"dataset", "plan", "options", "summary", "sequences"} <= set(v))
+"""``flashcp audit --json FILE`` (reports written before they carried ``format``: by their keys)."""
 
 
 @click.command("audit")
@@ -37,13 +42,20 @@ from flashcp.planner.store import PlanSlot, PlanStore
               help="Cap each rank's workload at the plan's own maximum and minimise comm only.")
 @click.option("--workers", default=0, show_default=True, type=click.IntRange(min=0),
               help="CP-SAT search workers (0: every core).")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write per-sequence results here.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path),
+              help="Write per-sequence results here (a flashcp audit report there is replaced; anything else is "
+                   "refused).")
 @click.option("--write-plan", help="Write the ILP plans as plans/NAME (other rows keep the audited plan).")
 @click.option("--force", is_flag=True, help="Replace an existing --write-plan folder.")
 def command(data: Path, plan_name: str, ilp: bool, samples: int, seed: int, time_limit: float,
             granularity: int, plan_cuts: bool, comm_weight: float, lexicographic: bool, match_imbalance: bool,
             workers: int, json_path: Path | None, write_plan: str | None, force: bool) -> None:
     """Compare a plan with CP-SAT's exact sharding of sampled sequences (paper Table 2)."""
+    for option, value in (("--time-limit", time_limit), ("--comm-weight", comm_weight)):
+        if not math.isfinite(value):
+            raise FlashcpError(f"{option} must be a finite number, got {value}")
+    if json_path is not None:
+        check_output(json_path, AUDIT_REPORT)
     if lexicographic and match_imbalance:
         raise FlashcpError("--lexicographic and --match-imbalance exclude each other: "
                            "--match-imbalance already fixes the imbalance and minimises comm only")
@@ -85,9 +97,10 @@ def command(data: Path, plan_name: str, ilp: bool, samples: int, seed: int, time
               "lexicographic": lexicographic, "match_imbalance": match_imbalance, "time_limit_s": time_limit,
               "seed": seed, "samples": samples}
     if json_path is not None:
-        write_json_atomic(json_path, {
-            "dataset": str(data), "plan": plan_name, "cp": cp, "context_len": context_len, "options": params,
-            "summary": summary, "sequences": [a.to_json(context_len, cp, granularity) for a in audits]})
+        write_json_output(json_path, AUDIT_REPORT, {
+            "format": "flashcp-audit", "dataset": str(data), "plan": plan_name, "cp": cp, "context_len": context_len,
+            "options": params, "summary": summary,
+            "sequences": [a.to_json(context_len, cp, granularity) for a in audits]})
         info(f"wrote {json_path}")
     if write_plan is not None:
         meta = write_audit_plan(dataset, store, audits, write_plan, params=params, force=force)

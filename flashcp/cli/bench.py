@@ -77,15 +77,16 @@ def _names(value: str | None) -> tuple[str, ...] | None:
               help="Hardware profile JSON (default: H100 SXM NVLink from public specs).")
 @click.option("--calibrate", is_flag=True, help="Measure the attention curve and overheads on the GPU and "
               "write a profile (--profile-out), then use it.")
-@click.option("--profile-out", type=click.Path(dir_okay=False), help="Where --calibrate writes the profile "
+@click.option("--profile-out", type=click.Path(), help="Where --calibrate writes the profile "
               "(default bench/out/profile-<device>.json).")
 @click.option("--measured", is_flag=True, help="Latency scenario with per-rank attention timed on the GPU "
               "(each rank in turn on one device); communication stays projected.")
 @click.option("--measure-budget", type=click.FloatRange(min=1), default=120.0, show_default=True,
               help="Seconds of GPU timing for --measured; later settings are projected.")
 @click.option("--device", default="cuda", show_default=True, help="Device for --calibrate / --measured.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every number to this file.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+@click.option("--json", "json_path", type=click.Path(), help="Write every number to this file (a flashcp "
+              "bench report there is replaced; anything else is refused).")
+@click.option("--plot", "plot_path", type=click.Path(),
               help="Write the figure-style charts to this PNG.")
 def command(data, quick, scenarios, dists, cps, strategies, price_tokens, heads, context_len, seqs, speed_seqs,
             reference_seqs, e2e_seqs, e2e_strategies, workers,
@@ -101,10 +102,15 @@ def command(data, quick, scenarios, dists, cps, strategies, price_tokens, heads,
 
     if data is not None and not Path(data).is_dir():
         raise FlashcpError(f"dataset folder {data} does not exist")
-    from flashcp.bench.profile import load_profile
+    from flashcp.bench.plots import BENCH_PLOT
+    from flashcp.bench.profile import PROFILE_OUTPUT, load_profile
     from flashcp.bench.report import print_report
-    from flashcp.bench.suite import SCENARIOS, bench_config, run_bench
-    from flashcp.fileio import write_json_atomic
+    from flashcp.bench.suite import BENCH_REPORT, SCENARIOS, bench_config, run_bench
+    from flashcp.outputs import check_output, write_json_output
+
+    for path, kind in ((json_path, BENCH_REPORT), (plot_path, BENCH_PLOT), (profile_out, PROFILE_OUTPUT)):
+        if path is not None:  # before any work (the default --profile-out is checked before calibrating)
+            check_output(path, kind)
 
     chosen = _names(scenarios)
     if chosen is None:
@@ -135,7 +141,7 @@ def command(data, quick, scenarios, dists, cps, strategies, price_tokens, heads,
         results = run_bench(config, profile, log=lambda m: info(m))
         print_report(results, console)
         if json_path:
-            write_json_atomic(json_path, results)
+            write_json_output(json_path, BENCH_REPORT, results)
             info(f"wrote {json_path}")
         if plot_path:
             from flashcp.bench.plots import write_plots
@@ -149,15 +155,17 @@ def _calibrate(profile, device_name: str, profile_out: str | None):
 
     from flashcp.bench.calibrate import calibrate_profile
     from flashcp.bench.calibrate import device_name as name_of
-    from flashcp.bench.profile import save_profile
+    from flashcp.bench.profile import PROFILE_OUTPUT, save_profile
     from flashcp.errors import FlashcpError
+    from flashcp.outputs import check_output
 
     device = torch.device(device_name)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise FlashcpError(f"--calibrate measures a GPU, and '{device_name}' is not an available CUDA device")
+    path = check_output(profile_out or f"bench/out/profile-{name_of(device).replace(' ', '-')}.json",
+                        PROFILE_OUTPUT)
     info(f"calibrating on {name_of(device)}...")
     calibrated = calibrate_profile(profile, device)
-    path = Path(profile_out or f"bench/out/profile-{name_of(device).replace(' ', '-')}.json")
     save_profile(calibrated, path)
     info(f"wrote {path}: " + ", ".join(f"{n}: {f:.0f}/{b:.0f}" for n, f, b in zip(
         calibrated.lengths, calibrated.forward_tflops, calibrated.backward_tflops)) + " TFLOP/s fwd/bwd; "

@@ -1,8 +1,9 @@
 """The one console every command prints through, and the verbosity it honours.
 
 Strings are never read as rich markup (a path holding ``[/b]`` prints as it is); styled output builds
-``rich.text.Text`` instead. With ``--json`` the human text goes to stderr and stdout carries only the one
-JSON result (:func:`emit_json`).
+``rich.text.Text`` instead. With ``--json`` the human text goes to stderr and stdout carries exactly one JSON
+document: the result (:func:`emit_json`, with ``"ok": true``), or, when the command fails,
+``{"ok": false, "error": SENTENCE}`` (:func:`emit_json_error`, called by the CLI's error handler).
 """
 
 from __future__ import annotations
@@ -16,23 +17,37 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-__all__ = ["console", "emit_json", "err_console", "error", "info", "one_line", "progress", "set_json_output",
-           "set_verbosity", "warn"]
+__all__ = ["console", "emit_json", "emit_json_error", "err_console", "error", "info", "json_output", "one_line",
+           "progress", "set_json_output", "set_verbosity", "warn"]
 
 console = Console(highlight=False, soft_wrap=True, markup=False)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
 _verbosity = 1  # 0 quiet, 1 normal, 2 verbose
+_json = {"on": False, "emitted": False}
 
 
 def set_json_output(on: bool) -> None:
     """With ``on``, everything printed goes to stderr: stdout is kept for :func:`emit_json`."""
     console.stderr = on
+    _json["on"], _json["emitted"] = on, False
+
+
+def json_output() -> bool:
+    """True while a command runs with ``--json`` (its one JSON document not yet written)."""
+    return _json["on"] and not _json["emitted"]
 
 
 def emit_json(result: dict) -> None:
-    """Write a command's machine-readable result to stdout as one JSON document."""
-    sys.stdout.write(json.dumps(result, allow_nan=False, default=str) + "\n")
+    """Write a command's machine-readable result to stdout as one JSON document (``"ok"`` first)."""
+    sys.stdout.write(json.dumps({"ok": True, **result}, allow_nan=False, default=str) + "\n")
     sys.stdout.flush()
+    _json["emitted"] = True
+
+
+def emit_json_error(message: str) -> None:
+    """With ``--json``, the one JSON document of a failed command: ``{"ok": false, "error": message}``."""
+    if json_output():
+        emit_json({"ok": False, "error": message})
 
 
 def one_line(message: str) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from flashcp.cli.console import console, emit_json, error, info, progress, set_json_output, warn
+from flashcp.cli.console import console, emit_json, emit_json_error, error, info, progress, set_json_output, warn
 from flashcp.data.pack import PackConfig, PackResult, run_pack
 from flashcp.data.packing import OVERFLOWS
 from flashcp.data.tokenizer import BUILTINS, DEFAULT_TOKENIZER
@@ -83,7 +83,9 @@ def command(inputs: tuple[str, ...], output: Path, context_len: int, tokenizer: 
             with progress("packing sequences", None) as advance:
                 result = run_pack(config, on_rows=advance)
     except KeyboardInterrupt:
-        error(f"interrupted; run the same command again to resume the pack in {output}")
+        message = f"interrupted; run the same command again to resume the pack in {output}"
+        error(message)
+        emit_json_error(message)
         raise SystemExit(130) from None
     for message in result.warnings:
         warn(message)

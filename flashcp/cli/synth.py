@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import click
 
 from flashcp.cli.console import console, info
-from flashcp.data.synth import synth_dataset
+from flashcp.data.synth import check_synth_args, load_distribution, synth_dataset
 from flashcp.errors import FlashcpError
 
 
@@ -28,6 +29,9 @@ def command(data: str, dist: str, num_seqs: int, context_len: int, seed: int, no
     started = time.perf_counter()
     if context_len < 2:
         raise FlashcpError(f"context length must be at least 2 tokens (as for 'flashcp pack'), got {context_len}")
+    check_synth_args(Path(data), num_seqs=num_seqs, context_len=context_len, vocab_size=vocab_size,
+                     rows_per_file=rows_per_file)  # bad arguments fail before anything is said or written
+    load_distribution(dist)
     info(f"drawing {num_seqs:,} sequences of {context_len:,} tokens from '{dist}'")
     manifest = synth_dataset(data, dist=dist, num_seqs=num_seqs, context_len=context_len, seed=seed,
                              with_tokens=not no_tokens, vocab_size=vocab_size, rows_per_file=rows_per_file)

@@ -26,8 +26,8 @@ def command(data: str, fast: bool, as_json: bool) -> None:
     num_plans = len(list(plans.glob(f"[!.]*/{PLAN_JSON}"))) if plans.is_dir() else 0
     with progress("verifying", dataset.num_sequences * (1 + num_plans)) as advance:
         report = verify_dataset(data, progress=advance, fast=fast)
-    if as_json:
-        emit_json(report.to_json())
+    if as_json:  # a failed check is a failure too: "ok" false and the first problem as "error"
+        emit_json({**report.to_json(), **({"error": report.problems[0]} if report.problems else {})})
     for message in report.warnings:
         warn(message)
     how = "sizes and footers match" if fast else "match"

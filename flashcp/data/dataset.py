@@ -22,6 +22,7 @@ from flashcp.fileio import (
     PARQUET_COMPRESSION,
     atomic_path,
     parquet_fingerprint,
+    parquet_footer,
     sha256_file,
     write_json_atomic,
     write_parquet_atomic,
@@ -249,8 +250,9 @@ class Dataset:
     """A dataset folder opened for reading. Raises FlashcpError with one sentence when it is not one.
 
     Opening checks every data file cheaply against the manifest (it exists, has the recorded size and Parquet
-    footer), so a replaced or truncated file is refused here rather than read; ``verify`` re-hashes the
-    bytes. ``check_files=False`` skips that (for callers that check, or report, the files themselves).
+    footer, and the row count its own footer records), so a replaced or truncated file, or a manifest edited
+    to say otherwise, is refused here rather than read; ``verify`` re-hashes the bytes. ``check_files=False``
+    skips that (for callers that check, or report, the files themselves).
     """
 
     def __init__(self, root: str | Path, *, check_files: bool = True):
@@ -278,6 +280,10 @@ class Dataset:
             self.context_len: int = _field(self.manifest, "context_len", int)
             self.has_tokens: bool = _field(self.manifest, "has_tokens", bool)
             self.files: list[DataFile] = [_data_file(entry) for entry in _field(self.manifest, "files", list)]
+            for data_file in self.files:
+                if data_file.tokens != data_file.rows * self.context_len:
+                    raise ValueError(f"{data_file.path} records {data_file.tokens} tokens in {data_file.rows} "
+                                     f"rows of {self.context_len}")
         except (KeyError, TypeError, ValueError) as e:
             detail = e.args[0] if e.args else e  # KeyError's str() adds quotes
             raise FlashcpError(f"{manifest_path} is damaged ({detail}); re-create the dataset") from None
@@ -296,18 +302,19 @@ class Dataset:
             return f"data file {path} listed in the manifest is missing"
         except OSError as e:
             return f"data file {path} cannot be read ({e.strerror or e})"
-        if data_file.bytes is None:
-            return None  # an older manifest: only verify's full hash can tell
-        if size != data_file.bytes:
+        if data_file.bytes is not None and size != data_file.bytes:
             return (f"data file {path} has {size:,} bytes but the manifest records {data_file.bytes:,}: it was "
                     "replaced or truncated")
         try:
-            _, footer = parquet_fingerprint(path)
+            footer = parquet_footer(path)
         except (OSError, ValueError) as e:
             return f"data file {path} cannot be read as Parquet ({e})"
-        if footer != data_file.footer_sha256:
+        if data_file.bytes is not None and footer.sha256 != data_file.footer_sha256:
             return f"data file {path} is not the file the manifest records (its Parquet footer differs): it was " \
                    "replaced or changed"
+        if footer.num_rows != data_file.rows:  # the manifest edited, or (older manifests) the file replaced
+            return (f"data file {path} holds {footer.num_rows:,} rows by its own footer but the manifest records "
+                    f"{data_file.rows:,}: the manifest does not describe this file")
         return None
 
     @property

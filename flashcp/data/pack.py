@@ -32,7 +32,16 @@ import numpy as np
 from flashcp.data.dataset import DataFile, DataFileWriter, data_table, write_manifest
 from flashcp.data.pack_output import OutputFolder, PartRecord, prepare_output
 from flashcp.data.packing import OVERFLOWS, PackCounts, Packer, Window
-from flashcp.data.readers import DOC, SKIP_REASONS, InputFile, discover_inputs, iter_records
+from flashcp.data.readers import (
+    DOC,
+    SKIP_REASONS,
+    InputChanged,
+    InputFile,
+    check_stamp,
+    discover_inputs,
+    hash_input,
+    iter_records,
+)
 from flashcp.data.tokenizer import (
     DEFAULT_TOKENIZER,
     Encoder,
@@ -42,9 +51,8 @@ from flashcp.data.tokenizer import (
     worker_ready,
 )
 from flashcp.errors import FlashcpError
-from flashcp.fileio import sha256_file
 
-__all__ = ["PackConfig", "PackEngine", "PackResult", "file_layout", "run_pack"]
+__all__ = ["PackConfig", "PackEngine", "PackResult", "check_inputs_unchanged", "file_layout", "run_pack"]
 
 ROW_GROUP_TOKENS = 1 << 22
 """Default row group: about 4M tokens (16 MiB of int32 ids before compression)."""
@@ -67,7 +75,7 @@ class PackConfig:
     output: Path
     """The dataset folder to write."""
     context_len: int
-    """Tokens per packed sequence (at least 2)."""
+    """Tokens per packed sequence (at least 2, at most ``flashcp.planner.strategies.MAX_CONTEXT_LEN``)."""
     tokenizer: str = DEFAULT_TOKENIZER
     """A built-in tokenizer name or the path of a tokenizer.json."""
     text_field: str = "text"
@@ -96,8 +104,9 @@ class PackConfig:
             raise ValueError("no inputs given; name at least one file, folder or pattern")
         if self.context_len < 2:
             raise ValueError(f"context length must be at least 2 tokens, got {self.context_len}")
-        if self.context_len >= 2**31:
-            raise ValueError(f"context length must be below 2**31, got {self.context_len}")
+        from flashcp.planner.strategies import check_context_len  # the planner's limit (imports Numba: late)
+
+        check_context_len(self.context_len)
         if self.overflow not in OVERFLOWS:
             raise ValueError(f"overflow must be one of {', '.join(OVERFLOWS)}, got {self.overflow!r}")
         if self.workers < 1:
@@ -300,6 +309,7 @@ class _PackRun:
         assert self.writer is not None
         data_file = self.writer.close()
         self.writer = None
+        check_inputs_unchanged(self.inputs, first, input_index)  # before the part becomes a resume point
         self.out.parts.append(PartRecord(file=data_file, resume=resume, snapshot=snapshot))
         self.out.write_state(self.identity_sha256, self.identity)
 
@@ -348,24 +358,32 @@ class _PackRun:
 class PackEngine(Protocol):
     """Another way to run the two heavy steps of a pack (hashing the inputs, tokenizing and packing)."""
 
-    def hash_inputs(self, inputs: list[InputFile]) -> list[dict]:
-        """The identity's ``inputs`` entries, as ``_hash_inputs`` makes them."""
+    def hash_inputs(self, inputs: list[InputFile]) -> list[InputFile]:
+        """The inputs with their sha256 and stamp (``flashcp.data.readers.hash_input``)."""
 
     def pack_run(self, config: PackConfig, encoder: Encoder, pool: None, inputs: list[InputFile],
                  out: OutputFolder, identity: dict, identity_sha256: str, on_rows: Callable[[int], None]):
         """An object like ``_PackRun``: ``run()``, then ``last_file``, ``input_documents``, ``final_counts``."""
 
 
-def _hash_inputs(inputs: list[InputFile]) -> list[dict]:
-    entries = []
-    for input_file in inputs:
+def check_inputs_unchanged(inputs: list[InputFile], first: int, last: int) -> None:
+    """InputChanged unless inputs ``first..last`` still carry the stamps they were hashed with.
+
+    Called before a finished data file is recorded as a resume point, so that a pack killed after reading
+    changed input never resumes from it.
+    """
+    for input_file in inputs[first:last + 1]:
         try:
-            digest = sha256_file(input_file.path)
+            st = os.stat(input_file.path)
         except OSError as e:
             raise FlashcpError(f"cannot read input {input_file.path}: {e.strerror or e}") from None
-        entries.append({"path": str(input_file.path), "format": input_file.format, "bytes": input_file.bytes,
-                        "sha256": digest})
-    return entries
+        check_stamp(input_file, st)
+
+
+def _input_entry(input_file: InputFile) -> dict:
+    """The identity's (and manifest's) entry of a hashed input."""
+    return {"path": str(input_file.path), "format": input_file.format, "bytes": input_file.bytes,
+            "sha256": input_file.sha256}
 
 
 def run_pack(config: PackConfig, *, on_rows: Callable[[int], None] = lambda n: None,
@@ -394,7 +412,8 @@ def _run_pack(config: PackConfig, pool: ProcessPoolExecutor | None, on_rows: Cal
     encoder = Encoder(spec, append_eos=config.append_eos)
     inputs, warnings = discover_inputs(config.inputs, include=config.include, exclude=config.exclude,
                                        skip=(config.output,))
-    input_entries = engine.hash_inputs(inputs) if engine else _hash_inputs(inputs)
+    inputs = engine.hash_inputs(inputs) if engine else [hash_input(i) for i in inputs]
+    input_entries = [_input_entry(i) for i in inputs]
     empty = [str(i.path) for i in inputs if i.bytes == 0]
     if empty:
         warnings.append(f"{len(empty)} input file(s) are empty and hold no documents ({empty[0]}"
@@ -442,7 +461,9 @@ def _run_pack(config: PackConfig, pool: ProcessPoolExecutor | None, on_rows: Cal
                                   options={**identity["options"], "identity_sha256": identity_sha256},
                                   inputs=manifest_inputs, files=files, counts=counts)
         out.complete()
-    except FlashcpError:
+    except FlashcpError as e:
+        if isinstance(e, InputChanged):  # no resume point may hold what was read from it
+            out.forget_parts_from(next(i for i, f in enumerate(inputs) if f.path == e.path))
         out.discard()
         raise
     except OSError as e:

@@ -16,7 +16,9 @@ in (the manifest last), and the old ones are removed. A failure before the swap 
 byte-identical; a failure during it is rolled back; a kill during it is finished or rolled back by the next
 ``pack`` of that folder, and a kill before it leaves the replacement to be resumed by re-running the command.
 ``--force`` refuses a folder whose ``manifest.json`` is not flashcp's, whose dataset folders hold anything
-flashcp did not make, or where any of these names is a symlink.
+flashcp did not make, or where any of these names is a symlink. The two hidden folders carry flashcp's marker
+(``flashcp.outputs.MARKER_NAME``) from the moment they are made, and are deleted only when they are flashcp's
+(marked, empty, or holding nothing but a dataset's own names); a folder of either name that is not is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 from flashcp.data.dataset import DATA_DIR, MANIFEST_NAME, REPLACE_OLD_DIR, DataFile
 from flashcp.errors import FlashcpError
 from flashcp.fileio import refuse_symlink, sha256_file, write_json_atomic
+from flashcp.outputs import MARKER_NAME, enclosing_dataset, is_marked, make_marked_dir
 
 __all__ = ["STATE_NAME", "OutputFolder", "PartRecord", "identity_from_manifest", "prepare_output"]
 
@@ -89,12 +92,39 @@ class OutputFolder:
     """What the preparation found and did that the user should hear of."""
     resumed: bool = False
     """This run goes on from an interrupted one's finished files (a failure keeps them for the next run)."""
+    identity: tuple[str, dict] | None = None
+    """``(identity_sha256, identity)`` of the state file, once written."""
+    kept: int = field(init=False, default=0)
+    """Parts of ``parts`` kept from an interrupted run (the rest are this run's)."""
+
+    def __post_init__(self):
+        self.kept = len(self.parts)
 
     def write_state(self, identity_sha256: str, identity: dict) -> None:
         """Record the finished parts (atomically)."""
+        self.identity = (identity_sha256, identity)
         write_json_atomic(self.root / STATE_NAME, {"format": STATE_FORMAT, "identity_sha256": identity_sha256,
                                                    "identity": identity,
                                                    "parts": [p.to_json() for p in self.parts]})
+
+    def forget_parts_from(self, input_index: int) -> None:
+        """Drop the parts this run finished that may hold documents of input ``input_index`` or later (it changed).
+
+        Parts kept from an interrupted run were read from the content the identity records, and stay.
+        """
+        def clean(i: int, part: PartRecord) -> bool:
+            at = part.resume
+            return i < self.kept or at["input"] < input_index or (at["input"] == input_index and at["record"] == 0
+                                                                   and at["offset"] == 0)
+
+        keep = [p for i, p in enumerate(self.parts) if clean(i, p)]
+        if len(keep) == len(self.parts):
+            return
+        for part in self.parts[len(keep):]:
+            (self.root / part.file.path).unlink(missing_ok=True)
+        self.parts = keep
+        if self.identity is not None:
+            self.write_state(*self.identity)
 
     def remove_state(self) -> None:
         """Drop the state file once the manifest exists, and release the folder."""
@@ -200,10 +230,31 @@ def _foreign_entry(root: Path) -> Path | None:
     return None
 
 
+_OWN_NAMES = frozenset((MANIFEST_NAME, STATE_NAME, DATA_DIR, PLANS_DIR, MARKER_NAME))
+
+
+def _own_folder(folder: Path) -> bool:
+    """True when ``folder`` (a replacement or replaced dataset) is provably flashcp's.
+
+    Marked, or holding only a dataset's own names (as one made before the marker existed does).
+    """
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    if is_marked(folder):
+        return True
+    return all(entry.name in _OWN_NAMES for entry in folder.iterdir()) and _foreign_entry(folder) is None
+
+
+def _refuse_foreign(folder: Path) -> None:
+    if folder.exists() and not _own_folder(folder):
+        raise FlashcpError(f"{folder} was not made by flashcp (no {MARKER_NAME} inside, and it holds other "
+                           "files); flashcp deletes only its own folders: move it away and re-run")
+
+
 def _swap(root: Path, staging: Path) -> None:
     """Move the finished dataset in ``staging`` into ``root`` and remove the old one (see the module doc)."""
     old = root / REPLACE_OLD_DIR
-    old.mkdir()
+    make_marked_dir(old, f"old dataset of {root.name}, being replaced")
     moved: list[str] = []
     try:
         # the manifest first: the old dataset stops existing before any of its files moves
@@ -218,6 +269,7 @@ def _swap(root: Path, staging: Path) -> None:
             os.replace(root / DATA_DIR, staging / DATA_DIR)
         for name in reversed(moved):
             os.replace(old / name, root / name)
+        (old / MARKER_NAME).unlink(missing_ok=True)
         old.rmdir()
         raise
     shutil.rmtree(old)
@@ -229,15 +281,19 @@ def _recover_swap(root: Path) -> str | None:
     old, staging = root / REPLACE_OLD_DIR, root / REPLACE_NEW_DIR
     if not old.is_dir() or old.is_symlink():
         return None
+    _refuse_foreign(old)
     if (root / MANIFEST_NAME).exists() and (old / MANIFEST_NAME).exists():
         shutil.rmtree(old)
         if staging.is_dir() and not staging.is_symlink():
+            _refuse_foreign(staging)
             shutil.rmtree(staging)
         return "finished replacing the dataset, which an interrupted 'pack --force' had swapped in"
     if (root / DATA_DIR).exists() and staging.is_dir() and not (staging / DATA_DIR).exists():
         os.replace(root / DATA_DIR, staging / DATA_DIR)
     for entry in old.iterdir():
-        os.replace(entry, root / entry.name)
+        if entry.name != MARKER_NAME:
+            os.replace(entry, root / entry.name)
+    (old / MARKER_NAME).unlink(missing_ok=True)
     old.rmdir()
     return "put back the dataset that an interrupted 'pack --force' was replacing"
 
@@ -322,6 +378,9 @@ def prepare_output(root: str | Path, identity_sha256: str, identity: dict, *, fo
     flashcp did not make where it would write or delete, a symlink in those places, or is not writable.
     """
     root = Path(root)
+    inside = enclosing_dataset(root.parent)
+    if inside is not None:
+        raise FlashcpError(f"output folder {root} lies inside the dataset {inside}; choose a folder outside it")
     created = _check_writable(root)
     _lock(root)
     try:
@@ -416,6 +475,7 @@ def _prepare_replacement(root: Path, identity_sha256: str, identity: dict) -> Ou
     """A replacement for the dataset in ``root``, built in ``root/.flashcp-replacement``."""
     staging = root / REPLACE_NEW_DIR
     parts: list[PartRecord] = []
+    _refuse_foreign(staging)
     if staging.exists():  # left by a killed 'pack --force': go on with it if it is this very pack
         manifest = _json_or_none(staging / MANIFEST_NAME)
         state = _json_or_none(staging / STATE_NAME)
@@ -432,7 +492,8 @@ def _prepare_replacement(root: Path, identity_sha256: str, identity: dict) -> Ou
                 parts = []
         if not parts:
             shutil.rmtree(staging)
-    staging.mkdir(exist_ok=True)
+    if not staging.exists():
+        make_marked_dir(staging, f"replacement of dataset {root.name}, being built")
     return OutputFolder(root=staging, created=True, parts=parts, target=root)
 
 

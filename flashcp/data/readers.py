@@ -4,6 +4,13 @@ Inputs are found in a fixed order: the arguments as given; inside a folder, file
 relative to it (hidden entries skipped). Documents then stream out one record at a time, so memory never holds
 more than one record (one Parquet batch), whatever the size of the input.
 
+Inputs are hashed as they are read: ``hash_input`` records each input's sha256 and a stamp (device, inode,
+size, modification and change times) taken through one descriptor; every reader then checks the stamp when
+it opens the file, and once it has read the file to its end, that what it read is what was hashed (JSONL,
+gzip and text files are hashed while they are read; a Parquet file, which is read a column at a time, is
+re-hashed through the same descriptor). An input that changed is refused with one sentence
+(``InputChanged``) instead of being recorded with the hash of other content.
+
 A *record* is one JSONL line, one Parquet row, or one whole text file. A record either holds a document's text
 or is bad; bad records are skipped and counted by reason (``SKIP_REASONS``), or raise under ``strict``.
 Every record has a position ``(input_index, record_index)`` (the line number, the row number, 0 for a text
@@ -15,12 +22,14 @@ from __future__ import annotations
 import fnmatch
 import glob
 import gzip
+import hashlib
 import json
 import os
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -31,11 +40,15 @@ __all__ = [
     "DOC",
     "FORMATS",
     "SKIP_REASONS",
+    "InputChanged",
     "InputFile",
     "bad_record_error",
+    "check_stamp",
     "discover_inputs",
+    "hash_input",
     "iter_records",
     "parse_jsonl_line",
+    "recheck_input",
 ]
 
 FORMATS = {".jsonl.gz": "jsonl.gz", ".jsonl": "jsonl", ".parquet": "parquet", ".txt": "text"}
@@ -71,6 +84,126 @@ class InputFile:
     """One of ``FORMATS``' values."""
     bytes: int
     """File size."""
+    sha256: str | None = None
+    """Hex sha256 of the content (``hash_input``); readers check that what they read matches it."""
+    stamp: tuple[int, ...] | None = None
+    """``(device, inode, size, mtime_ns, ctime_ns)`` when it was hashed; readers check it when they open it."""
+
+
+class InputChanged(FlashcpError):
+    """An input whose content or stamp differs from when ``pack`` hashed it."""
+
+    def __init__(self, path: Path, detail: str):
+        self.path, self.detail = path, detail
+        super().__init__(f"input {path} changed while flashcp pack was reading it ({detail}); nothing is "
+                         "recorded from it: re-run the pack once the input no longer changes")
+
+    def __reduce__(self):
+        return InputChanged, (self.path, self.detail)  # raised in Ray tasks, re-raised on the driver
+
+
+_READ_BYTES = 1 << 22
+
+
+def _stamp(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def check_stamp(input_file: InputFile, st: os.stat_result) -> None:
+    """InputChanged unless ``st`` (an fstat of the input) matches the stamp taken when it was hashed."""
+    if input_file.stamp is None:
+        return
+    now = _stamp(st)
+    if now[:2] != input_file.stamp[:2]:
+        raise InputChanged(input_file.path, "it was replaced by another file after it was hashed")
+    if now[2] != input_file.stamp[2]:
+        raise InputChanged(input_file.path, f"it had {input_file.stamp[2]:,} bytes when it was hashed and has "
+                                            f"{now[2]:,} now")
+    if now != input_file.stamp:
+        raise InputChanged(input_file.path, "it was written to after it was hashed (its modification time changed)")
+
+
+def _hash_fd(f: BinaryIO) -> str:
+    digest = hashlib.sha256()
+    f.seek(0)
+    while chunk := f.read(_READ_BYTES):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def hash_input(input_file: InputFile) -> InputFile:
+    """``input_file`` with its sha256, size and stamp, read through one descriptor.
+
+    Raises FlashcpError when it cannot be read, and InputChanged when it changes while it is being hashed.
+    """
+    try:
+        with open(input_file.path, "rb") as f:
+            before = os.fstat(f.fileno())
+            digest = _hash_fd(f)
+            after = os.fstat(f.fileno())
+    except OSError as e:
+        raise FlashcpError(f"cannot read input {input_file.path}: {e.strerror or e}") from None
+    if _stamp(before) != _stamp(after):
+        raise InputChanged(input_file.path, "it changed while it was being hashed")
+    return replace(input_file, bytes=after.st_size, sha256=digest, stamp=_stamp(after))
+
+
+def recheck_input(input_file: InputFile) -> None:
+    """InputChanged unless the input still has the stamp and sha256 it was hashed with (after reading it)."""
+    if input_file.sha256 is None:
+        return
+    try:
+        with open(input_file.path, "rb") as f:
+            check_stamp(input_file, os.fstat(f.fileno()))
+            digest = _hash_fd(f)
+    except OSError as e:
+        raise FlashcpError(f"cannot read input {input_file.path}: {e.strerror or e}") from None
+    if digest != input_file.sha256:
+        raise InputChanged(input_file.path, "its content no longer matches the sha256 taken when it was hashed")
+
+
+class _HashingReader:
+    """A binary file that hashes every byte read from it (for ``gzip.GzipFile(fileobj=...)``)."""
+
+    def __init__(self, raw: BinaryIO):
+        self.raw, self.digest = raw, hashlib.sha256()
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.raw.read(size)
+        self.digest.update(data)
+        return data
+
+    def finish(self) -> str:
+        """Hash the rest (anything the reader left unread) and return the hex digest."""
+        while self.read(_READ_BYTES):
+            pass
+        return self.digest.hexdigest()
+
+
+def _lines(reader: _HashingReader) -> Iterator[bytes]:
+    """The lines of a binary file, split where ``for line in f`` splits them but without the newline.
+
+    Read in large blocks through ``reader`` (which hashes them).
+    """
+    pending: list[bytes] = []
+    while chunk := reader.read(_READ_BYTES):
+        parts = chunk.split(b"\n")
+        if pending:
+            parts[0] = b"".join([*pending, parts[0]])
+            pending = []
+        last = parts.pop()
+        yield from parts
+        if last:
+            pending.append(last)
+    if pending:
+        yield b"".join(pending)
+
+
+def _check_read(input_file: InputFile, digest: str | None, f: BinaryIO) -> None:
+    """After reading ``input_file`` to its end through ``f``: it is what was hashed, and still unchanged."""
+    if input_file.sha256 is not None and digest != input_file.sha256:
+        raise InputChanged(input_file.path, "what was read does not match the sha256 taken when it was hashed")
+    check_stamp(input_file, os.fstat(f.fileno()))
 
 
 def _format_of(path: Path, include: tuple[str, ...], rel: str) -> str | None:
@@ -119,19 +252,24 @@ def discover_inputs(args: list[str] | tuple[str, ...], *, include: tuple[str, ..
     Folders are searched recursively for ``.jsonl``, ``.jsonl.gz``, ``.parquet`` and ``.txt`` files and for
     files matching an ``include`` glob (read as plain text, one document per file); entries whose name starts
     with ``.`` or that match an ``exclude`` glob are skipped. Globs match the file name or the path relative
-    to the folder; nothing inside the folders in ``skip`` (the output) is read. Returns
-    ``(inputs, warnings)``; a file reached twice is read once, with a warning.
-    Raises FlashcpError for a missing input, a file of unknown format, or a folder or pattern with no inputs.
+    to the folder; only regular files are read (no FIFOs or devices). Nothing inside the folders in ``skip``
+    (the output) is read: a folder search or pattern passes over them, and a file or folder named as an
+    argument inside one is refused. Returns ``(inputs, warnings)``; a file reached twice is read once, with a
+    warning. Raises FlashcpError for a missing input, a file of unknown format, an input inside the output,
+    or a folder or pattern with no inputs.
     """
     inputs: list[InputFile] = []
     warnings: list[str] = []
     skip_dirs = frozenset(Path(p).resolve() for p in skip)
     seen: set[Path] = set()
 
+    def inside_output(path: Path) -> Path | None:
+        return next((d for d in skip_dirs if path == d or d in path.parents), None)
+
     def add(path: Path, fmt: str) -> None:
         path = path.resolve()
-        if skip_dirs and not skip_dirs.isdisjoint(path.parents):
-            return  # inside the output folder
+        if inside_output(path) is not None:
+            return  # a symlink in an input folder leading into the output
         if path in seen:
             warnings.append(f"input {path} is listed more than once; it is read once")
             return
@@ -142,9 +280,16 @@ def discover_inputs(args: list[str] | tuple[str, ...], *, include: tuple[str, ..
             raise FlashcpError(f"cannot read input {path}: {e.strerror}") from None
         inputs.append(InputFile(path=path, format=fmt, bytes=size))
 
+    def refuse_inside(arg: str, path: Path) -> None:
+        output = inside_output(path.resolve())
+        if output is not None:
+            raise FlashcpError(f"input {arg} lies inside the output folder {output}; flashcp does not read the "
+                               "dataset it writes: name inputs outside it, or another output folder")
+
     for arg in args:
         path = Path(arg)
         if path.is_dir():
+            refuse_inside(arg, path)
             files = _walk(path, include, exclude, skip_dirs)
             if not files:
                 raise FlashcpError(f"input folder {arg} holds no .jsonl, .jsonl.gz, .parquet or .txt files; "
@@ -152,6 +297,7 @@ def discover_inputs(args: list[str] | tuple[str, ...], *, include: tuple[str, ..
             for file, fmt in files:
                 add(file, fmt)
         elif path.is_file():
+            refuse_inside(arg, path)
             fmt = _format_of(path, include, path.name)
             if fmt is None:
                 raise FlashcpError(f"input {arg} is not .jsonl, .jsonl.gz, .parquet or .txt; "
@@ -162,11 +308,14 @@ def discover_inputs(args: list[str] | tuple[str, ...], *, include: tuple[str, ..
             taken = 0
             for match in matches:
                 match_path = Path(match)
+                if inside_output(match_path.resolve()) is not None:
+                    continue  # a pattern reaching into the output (e.g. '*' beside it): not an input
                 if match_path.is_dir():
                     for file, fmt in _walk(match_path, include, exclude, skip_dirs):
                         add(file, fmt)
                         taken += 1
-                elif (fmt := _format_of(match_path, include, match_path.name)) is not None:
+                elif (fmt := _format_of(match_path, include, match_path.name)) is not None \
+                        and match_path.is_file():  # as in folders: no FIFOs or devices (reading one blocks)
                     add(match_path, fmt)
                     taken += 1
             if not taken:
@@ -187,16 +336,19 @@ def _bad(kind: int, input_file: InputFile, where: str, field: str) -> FlashcpErr
 
 def _jsonl_records(index: int, input_file: InputFile, field: str, start: int,
                    strict: bool) -> Iterator[tuple[int, int, int, str | None]]:
-    opener = gzip.open if input_file.format == "jsonl.gz" else open
     try:
-        with opener(input_file.path, "rb") as f:
-            for line_no, line in enumerate(f):
+        with open(input_file.path, "rb") as raw:
+            check_stamp(input_file, os.fstat(raw.fileno()))
+            reader = _HashingReader(raw)
+            gz = gzip.GzipFile(fileobj=reader, mode="rb") if input_file.format == "jsonl.gz" else None
+            for line_no, line in enumerate(gz if gz is not None else _lines(reader)):
                 if line_no < start or not line.strip():
                     continue
                 kind, text = parse_jsonl_line(line, field)
                 if kind != DOC and strict:
                     raise _bad(kind, input_file, f"line {line_no + 1}", field)
                 yield index, line_no, kind, text
+            _check_read(input_file, reader.finish(), raw)
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:
         raise FlashcpError(f"input {input_file.path} is not a readable gzip file ({e})") from None
     except OSError as e:
@@ -209,7 +361,7 @@ def parse_jsonl_line(line: bytes, field: str) -> tuple[int, str | None]:
         obj = json.loads(line)
     except UnicodeDecodeError:
         return _INVALID_UTF8, None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested thousands of levels deep
         return _INVALID_JSON, None
     if not isinstance(obj, dict):
         return _INVALID_JSON, None
@@ -240,7 +392,22 @@ def _encodable(text: str) -> bool:
 def _parquet_records(index: int, input_file: InputFile, field: str, start: int,
                      strict: bool) -> Iterator[tuple[int, int, int, str | None]]:
     try:
-        pf = pq.ParquetFile(input_file.path)
+        source = open(input_file.path, "rb")
+    except OSError as e:
+        raise FlashcpError(f"cannot read input {input_file.path}: {e.strerror or e}") from None
+    with source:
+        check_stamp(input_file, os.fstat(source.fileno()))
+        yield from _parquet_rows(index, input_file, field, start, strict, source)
+        try:  # read to its end: what pyarrow read (through ``source``) is what was hashed
+            _check_read(input_file, _hash_fd(source) if input_file.sha256 is not None else None, source)
+        except OSError as e:
+            raise FlashcpError(f"cannot read input {input_file.path}: {e.strerror or e}") from None
+
+
+def _parquet_rows(index: int, input_file: InputFile, field: str, start: int, strict: bool,
+                  source: BinaryIO) -> Iterator[tuple[int, int, int, str | None]]:
+    try:
+        pf = pq.ParquetFile(source)
     except (OSError, pa.ArrowException) as e:
         raise FlashcpError(f"input {input_file.path} is not a readable Parquet file ({e})") from None
     schema = pf.schema_arrow
@@ -285,7 +452,10 @@ def _text_records(index: int, input_file: InputFile, field: str, start: int,
     if start > 0:
         return
     try:
-        raw = input_file.path.read_bytes()
+        with open(input_file.path, "rb") as f:
+            check_stamp(input_file, os.fstat(f.fileno()))
+            raw = f.read()
+            _check_read(input_file, hashlib.sha256(raw).hexdigest(), f)
     except OSError as e:
         raise FlashcpError(f"cannot read input {input_file.path}: {e.strerror or e}") from None
     if not raw:

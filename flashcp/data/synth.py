@@ -38,11 +38,13 @@ from flashcp._numba import njit
 from flashcp.data.dataset import DataFile, data_table, write_data_file, write_manifest
 from flashcp.errors import FlashcpError
 from flashcp.fileio import sha256_file
+from flashcp.outputs import MARKER_NAME, enclosing_dataset, is_marked, make_marked_dir
 
 __all__ = [
     "NAMED_DISTRIBUTIONS",
     "PILE_SUBSETS",
     "Distribution",
+    "check_synth_args",
     "doc_length_sampler",
     "load_distribution",
     "pack_lengths",
@@ -50,6 +52,10 @@ __all__ = [
 ]
 
 NAMED_DISTRIBUTIONS = ("wlb", "prolong", "pile")
+
+MAX_DOC_LEN = 1 << 62
+"""Longest document length a distribution file may list (packing cuts every document to the context length;
+this keeps the draws' sums inside int64)."""
 
 PILE_TOKENS_PER_BYTE = 0.34
 PILE_LOGNORMAL_SIGMA = 1.0
@@ -131,6 +137,10 @@ def _read_lengths(path: Path, label: str) -> np.ndarray:
             isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
         raise FlashcpError(f"distribution file {label} must hold a non-empty JSON list of positive integer "
                            "document lengths")
+    too_long = next((v for v in values if v > MAX_DOC_LEN), None)
+    if too_long is not None:
+        raise FlashcpError(f"distribution file {label} holds the document length {too_long}, above the "
+                           f"largest supported {MAX_DOC_LEN:,} (2^62)")
     return np.asarray(values, dtype=np.int64)
 
 
@@ -230,6 +240,30 @@ def _file_layout(context_len: int, has_tokens: bool) -> tuple[int, int]:
     return min(8192, max(1, 2 ** 26 // context_len)), min(1024, max(1, 2 ** 23 // context_len))
 
 
+def check_synth_args(root: Path, *, num_seqs: int, context_len: int, vocab_size: int,
+                     rows_per_file: int | None) -> None:
+    """FlashcpError (one sentence) for arguments ``synth_dataset`` refuses; checked before any work."""
+    if num_seqs < 1:
+        raise FlashcpError(f"--num-seqs must be at least 1, got {num_seqs}")
+    from flashcp.planner.strategies import check_context_len
+
+    if context_len < 1:
+        raise FlashcpError(f"--context-len must be at least 1, got {context_len}")
+    try:
+        check_context_len(context_len)
+    except ValueError as e:
+        raise FlashcpError(str(e)) from None
+    if rows_per_file is not None and rows_per_file < 1:
+        raise FlashcpError(f"--rows-per-file must be at least 1, got {rows_per_file}")
+    if vocab_size < 1 or vocab_size > 2 ** 31 - 1:
+        raise FlashcpError(f"--vocab-size must be in [1, 2^31), got {vocab_size}")
+    if root.is_symlink() or (root.exists() and (not root.is_dir() or any(root.iterdir()))):
+        raise FlashcpError(f"{root} already exists and is not an empty folder; choose a new path")
+    inside = enclosing_dataset(root.parent)
+    if inside is not None:
+        raise FlashcpError(f"{root} lies inside the dataset {inside}; choose a path outside it")
+
+
 def synth_dataset(root: str | Path, *, dist: str, num_seqs: int, context_len: int, seed: int = 0,
                   with_tokens: bool = True, vocab_size: int = 32000,
                   rows_per_file: int | None = None) -> dict:
@@ -242,16 +276,8 @@ def synth_dataset(root: str | Path, *, dist: str, num_seqs: int, context_len: in
     defaults to about 256 MiB of token ids per file (8192 rows without tokens).
     """
     root = Path(root)
-    if num_seqs < 1:
-        raise FlashcpError(f"--num-seqs must be at least 1, got {num_seqs}")
-    if context_len < 1 or context_len > 2 ** 31 - 1:
-        raise FlashcpError(f"--context-len must be in [1, 2^31), got {context_len}")
-    if rows_per_file is not None and rows_per_file < 1:
-        raise FlashcpError(f"--rows-per-file must be at least 1, got {rows_per_file}")
-    if vocab_size < 1 or vocab_size > 2 ** 31 - 1:
-        raise FlashcpError(f"--vocab-size must be in [1, 2^31), got {vocab_size}")
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise FlashcpError(f"{root} already exists and is not an empty folder; choose a new path")
+    check_synth_args(root, num_seqs=num_seqs, context_len=context_len, vocab_size=vocab_size,
+                     rows_per_file=rows_per_file)
     distribution = load_distribution(dist)
     seeds = np.random.SeedSequence(seed).spawn(2)
     row_offsets, doc_lens, doc_source, docs_read, truncated = pack_lengths(
@@ -261,30 +287,36 @@ def synth_dataset(root: str | Path, *, dist: str, num_seqs: int, context_len: in
     root.parent.mkdir(parents=True, exist_ok=True)
     _remove_dead_staging(root)
     staging = root.parent / f".{root.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-    staging.mkdir()  # unlike mkdtemp, honours the umask
+    make_marked_dir(staging, f"staging folder of synth dataset {root.name}")  # mkdir honours the umask
     try:
         manifest = _write_files(staging, distribution, row_offsets, doc_lens, doc_source, token_rng,
                                 context_len=context_len, with_tokens=with_tokens, vocab_size=vocab_size,
                                 seed=seed, docs_read=docs_read, truncated=truncated,
                                 rows_per_file=rows_per_file)
+        (staging / MARKER_NAME).unlink()  # a dataset from here on, no longer a staging folder
         if root.exists():
             root.rmdir()  # empty, checked above
         os.replace(staging, root)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)  # made by this very run
         raise
     return manifest
 
 
 def _remove_dead_staging(root: Path) -> None:
-    """Remove the staging folders of killed runs for ``root`` (named with the pid of a process now gone)."""
+    """Remove the staging folders of killed runs for ``root`` (the pid in their name is gone).
+
+    Only folders holding flashcp's marker (or empty ones) are removed; one of that name without it is left alone.
+    """
     pattern = re.compile(rf"\.{re.escape(root.name)}\.(\d+)-[0-9a-f]{{8}}\.tmp")
     for entry in root.parent.iterdir():
         match = pattern.fullmatch(entry.name)
         if not match or entry.is_symlink() or not entry.is_dir() or _alive(int(match.group(1))):
             continue
-        if (entry / "data").is_dir() or not any(entry.iterdir()):  # recognisably a synth staging folder
+        if is_marked(entry):
             shutil.rmtree(entry)
+        elif not any(entry.iterdir()):
+            entry.rmdir()
 
 
 def _alive(pid: int) -> bool:

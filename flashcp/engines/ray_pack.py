@@ -30,13 +30,13 @@ import os
 import socket
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from flashcp.data.dataset import DATA_DIR, DataFile, DataFileWriter, data_table
-from flashcp.data.pack import BATCH_CHARS, PackConfig, _PackRun
+from flashcp.data.pack import BATCH_CHARS, PackConfig, _PackRun, check_inputs_unchanged
 from flashcp.data.pack_output import OutputFolder, PartRecord
 from flashcp.data.packing import PackCounts, Packer
 from flashcp.data.readers import (
@@ -45,13 +45,15 @@ from flashcp.data.readers import (
     SKIP_REASONS,
     InputFile,
     bad_record_error,
+    check_stamp,
+    hash_input,
     parse_jsonl_line,
+    recheck_input,
 )
 from flashcp.data.tokenizer import Encoder, resolve_tokenizer
 from flashcp.engines._layout import lay_out
 from flashcp.engines.ray_cluster import cluster_cpus, require_ray
 from flashcp.errors import FlashcpError
-from flashcp.fileio import sha256_file
 
 __all__ = ["SHARD_BYTES", "LengthPacker", "RayPackEngine", "Shard", "get_result"]
 
@@ -133,14 +135,9 @@ def _encoder(name: str, identity: dict, append_eos: bool) -> Encoder:
     return _encoders[key]
 
 
-def _describe_input(input_file: InputFile, shard_bytes: int) -> tuple[dict, list[tuple[str, int, int]]]:
-    """The input's identity entry (its sha256) and how it is cut into shards."""
-    try:
-        digest = sha256_file(input_file.path)
-    except OSError as e:
-        raise FlashcpError(f"cannot read input {input_file.path}: {e.strerror or e}") from None
-    entry = {"path": str(input_file.path), "format": input_file.format, "bytes": input_file.bytes,
-             "sha256": digest}
+def _describe_input(input_file: InputFile, shard_bytes: int) -> tuple[InputFile, list[tuple[str, int, int]]]:
+    """The input hashed (``hash_input``: sha256, size, stamp) and how it is cut into shards."""
+    entry = input_file = hash_input(input_file)
     if input_file.format == "jsonl":
         return entry, [("bytes", lo, min(lo + shard_bytes, input_file.bytes))
                        for lo in range(0, input_file.bytes, shard_bytes)]
@@ -172,6 +169,7 @@ def _jsonl_range(input_file: InputFile, field: str, lo: int, hi: int,
     """
     try:
         with open(input_file.path, "rb") as f:
+            check_stamp(input_file, os.fstat(f.fileno()))
             if lo > 0:
                 f.seek(lo - 1)
                 if f.read(1) != b"\n":
@@ -185,13 +183,18 @@ def _jsonl_range(input_file: InputFile, field: str, lo: int, hi: int,
                 counted[0] = line_no
                 if line.strip():
                     yield line_no - 1, *parse_jsonl_line(line, field)
+            check_stamp(input_file, os.fstat(f.fileno()))  # unchanged while the range was read
     except OSError as e:
         raise FlashcpError(f"cannot read input {input_file.path}: {e.strerror or e}") from None
 
 
 def _tokenize_shard(input_file: InputFile, kind: str, start: int, stop: int, skip_before: int, text_field: str,
                     tokenizer: str, identity: dict, append_eos: bool) -> tuple[dict, np.ndarray]:
-    """Read and tokenize one shard: ``(meta, tokens)``; a read error ends the shard and is kept in meta."""
+    """Read and tokenize one shard: ``(meta, tokens)``; a read error ends the shard and is kept in meta.
+
+    ``input_file`` carries its stamp, which the readers check; its content is re-hashed by the driver's
+    ``_recheck_input`` tasks once every shard of it is read.
+    """
     encoder = _encoder(tokenizer, identity, append_eos)
     kinds: list[int] = []
     records: list[int] = []
@@ -227,7 +230,7 @@ def _tokenize_shard(input_file: InputFile, kind: str, start: int, stop: int, ski
                 if chars >= BATCH_CHARS:
                     flush()
     except FlashcpError as e:
-        error = str(e)
+        error = e  # raised by the driver in input order (an InputChanged stays one)
     flush()
     meta = {"kinds": np.array(kinds, np.int8), "records": np.array(records, np.int64),
             "lens": np.concatenate(len_parts) if len_parts else np.zeros(0, np.int64),
@@ -299,20 +302,21 @@ class RayPackEngine:
         self.tokenize = _remote(self.ray, _tokenize_shard, num_returns=2, num_cpus=1, scheduling_strategy="SPREAD")
         self.write = _remote(self.ray, _write_part, num_cpus=1)
         self.describe = _remote(self.ray, _describe_input, num_cpus=1)
+        self.recheck = _remote(self.ray, recheck_input, num_cpus=1)
 
-    def hash_inputs(self, inputs: list[InputFile]) -> list[dict]:
+    def hash_inputs(self, inputs: list[InputFile]) -> list[InputFile]:
         """Hash the inputs and cut them into shards, one Ray task per input."""
         shard_bytes = self.shard_bytes  # small inputs: smaller shards, so that every CPU gets a few
         if shard_bytes is None:
             per_task = sum(i.bytes for i in inputs) // (TASKS_PER_CPU * self.cpus)
             shard_bytes = min(SHARD_BYTES, max(MIN_SHARD_BYTES, per_task))
         refs = [self.describe.remote(input_file, shard_bytes) for input_file in inputs]
-        entries, self.shards = [], []
+        hashed, self.shards = [], []
         for index, ref in enumerate(refs):
-            entry, shards = get_result(self.ray, ref)
-            entries.append(entry)
+            input_file, shards = get_result(self.ray, ref)
+            hashed.append(input_file)
             self.shards += [Shard(index, kind, lo, hi) for kind, lo, hi in shards]
-        return entries
+        return hashed
 
     def pack_run(self, config: PackConfig, encoder: Encoder, pool: None, inputs: list[InputFile],
                  out: OutputFolder, identity: dict, identity_sha256: str,
@@ -455,10 +459,11 @@ class _RayPackRun(_PackRun):
             advance(doc_lens.size - 1, None)
             doc_index += doc_lens.size
             if meta["error"] is not None:
-                raise FlashcpError(meta["error"])
+                raise meta["error"]
         self.lengths._fill, self.lengths._starts = int(state[0]), int(state[1])
         self.lengths.counts = PackCounts(documents_split=int(state[2]), documents_truncated=int(state[3]),
                                          tokens_truncated=int(state[4]))
+        self._recheck_inputs(first_input)
         if rows_in_part:
             ref = self._submit_write(part, rows_in_part)
             self._collect(block=True)
@@ -478,6 +483,16 @@ class _RayPackRun(_PackRun):
             docs[0, 4] = first_start
         return docs
 
+    def _recheck_inputs(self, first_input: int) -> None:
+        """After the last shard: every input read in byte ranges or row groups is still what was hashed.
+
+        (A ``.jsonl.gz`` or text input is read whole by one task, which hashes it as it reads.)
+        """
+        refs = [self.engine.recheck.remote(input_file) for input_file in self.inputs[first_input:]
+                if input_file.format in ("jsonl", "parquet")]
+        for ref in refs:
+            get_result(self.ray, ref)
+
     def _submit(self, shards: Iterator[tuple[int, Shard]], first_input: int, first_record: int) -> None:
         """Keep ``TASKS_PER_CPU`` tokenize tasks per CPU queued."""
         config = self.config
@@ -488,8 +503,11 @@ class _RayPackRun(_PackRun):
                 return
             shard_id, shard = item
             skip = first_record if shard.input == first_input and shard.kind != "bytes" else 0
+            input_file = self.inputs[shard.input]
+            if shard.kind != "whole":  # read in parts: its stamp is checked, its content re-hashed at the end
+                input_file = replace(input_file, sha256=None)
             meta_ref, tokens_ref = self.engine.tokenize.remote(
-                self.inputs[shard.input], shard.kind, shard.start, shard.stop, skip, config.text_field,
+                input_file, shard.kind, shard.start, shard.stop, skip, config.text_field,
                 self.tokenizer_name, identity, config.append_eos)
             self.tokenize_queue.append((shard_id, shard, meta_ref, tokens_ref))
 
@@ -530,6 +548,7 @@ class _RayPackRun(_PackRun):
                 raise AssertionError(f"data file {data_file.path}: the write task ended with packer counts "
                                      f"{counts}, the layout with {snapshot['packer']}")
             self._check_visible(data_file)
+            check_inputs_unchanged(self.inputs, snapshot["input_documents_delta"]["first"], resume["input"])
             self.write_queue.popleft()
             self.out.parts.append(PartRecord(file=data_file, resume=resume, snapshot=snapshot))
             self.out.write_state(self.identity_sha256, self.identity)

@@ -41,6 +41,11 @@ class TinyConfig:
     """RMSNorm epsilon."""
 
     def __post_init__(self):
+        for name in ("vocab_size", "dim", "num_heads", "num_kv_heads", "ffn_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_layers < 0:
+            raise ValueError(f"num_layers must be at least 0, got {self.num_layers}")
         if self.dim % self.num_heads:
             raise ValueError(f"dim {self.dim} must be divisible by num_heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:

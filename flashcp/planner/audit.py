@@ -226,7 +226,7 @@ def _write_audit_plan(dataset: Dataset, store: PlanStore, audits: list[SequenceA
                            flat("shard_rank"), np.array([m.imbalance for m in metrics], np.float64),
                            np.array([m.ag_comm_tokens for m in metrics], np.int64),
                            np.array([m.a2a_comm_tokens for m in metrics], np.int64))
-        plan_files.append(write_plan_file(plan_dir, i, table))
+        plan_files.append(write_plan_file(plan_dir, i, table, store.cp))
     summary = {
         **summarize_plans(np.array([m.imbalance for m in all_metrics], np.float64),
                           np.array([m.ag_comm_tokens for m in all_metrics], np.int64),

@@ -221,7 +221,7 @@ def _plan_file(job: _FileJob) -> _FileResult:
     rows = _concat(parts)
     table = plan_table(rows.shard_offsets, rows.shard_doc, rows.shard_start, rows.shard_len, rows.shard_rank,
                        rows.imbalance, rows.ag_comm_tokens, rows.a2a_comm_tokens)
-    plan_file = write_plan_file(Path(job.staging), job.file_index, table)
+    plan_file = write_plan_file(Path(job.staging), job.file_index, table, job.cp)
     baselines = {}
     if sampled:
         sub_offsets = np.zeros(len(sampled) + 1, np.int64)

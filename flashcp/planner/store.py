@@ -7,7 +7,8 @@ Writers go through :class:`PlanSlot`: the plan name is checked to be a plain fol
 touched, a lock per plan name keeps two writers apart, the new plan is built in a hidden staging folder
 beside the old one (``plans/.<name>.<pid>-<hex>.tmp``) and swapped in at the end, and only flashcp's own
 plan folders are ever replaced. Staging folders left by a killed run are removed by the next writer of that
-name (and reported); ``plans`` and the plan folder are never followed when they are symlinks.
+name (and reported), when they hold nothing but flashcp's own plan files; ``plans`` and the plan folder are
+never followed when they are symlinks.
 """
 
 from __future__ import annotations
@@ -28,17 +29,20 @@ import pyarrow.parquet as pq
 
 from flashcp import __version__
 from flashcp.data.dataset import Dataset, _arrow, numpy_values
-from flashcp.errors import FlashcpError, StalePlanError
+from flashcp.errors import FlashcpError, PlanError, StalePlanError
 from flashcp.fileio import (
     FolderLock,
     check_plain_name,
+    is_plain_tree,
     parquet_fingerprint,
+    parquet_footer,
     refuse_symlink,
     replace_dir,
     sha256_file,
     write_json_atomic,
     write_parquet_atomic,
 )
+from flashcp.planner.cost import rank_tokens, token_quotas
 from flashcp.planner.plan import SequencePlan
 
 __all__ = [
@@ -109,9 +113,19 @@ def _arrow_exact(values: np.ndarray, value_type: pa.DataType) -> pa.Array:
     return _arrow(values, value_type)
 
 
-def write_plan_file(plan_dir: Path, index: int, table: pa.Table) -> dict:
-    """Write the plan file matching the ``index``-th data file, atomically; return its plan.json entry."""
+CP_KEY = b"flashcp.cp"
+"""Key of the plan's CP size in a plan file's footer metadata, which readers check against plan.json."""
+
+
+def write_plan_file(plan_dir: Path, index: int, table: pa.Table, cp: int | None = None) -> dict:
+    """Write the plan file matching the ``index``-th data file, atomically; return its plan.json entry.
+
+    ``cp`` is recorded in the file's footer (``CP_KEY``), so that a plan.json edited to another ``cp`` is
+    refused at open.
+    """
     path = plan_dir / f"part-{index:05d}.parquet"
+    if cp is not None:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), CP_KEY: str(int(cp)).encode()})
     write_parquet_atomic(path, table, PLAN_ROW_GROUP_ROWS)
     size, footer = parquet_fingerprint(path)
     return {"path": path.name, "rows": table.num_rows, "sha256": sha256_file(path), "bytes": size,
@@ -201,6 +215,10 @@ class PlanSlot:
         """Remove staging folders of killed runs of this name; put back an old plan a crash left aside."""
         removed = 0
         for entry, is_old in sorted(self._leftovers()):
+            if is_plain_tree(entry, lambda p: p.is_file() and _PLAN_FILE.fullmatch(p.name) is not None):
+                self.notes.append(f"left plans/{entry.name} alone: it has the name of a staging folder but holds "
+                                  "files flashcp did not write")
+                continue  # only folders holding nothing but flashcp's own plan files are flashcp's
             if is_old and not self.final.exists() and (entry / PLAN_JSON).is_file():
                 os.replace(entry, self.final)
                 self.notes.append(f"restored plan '{self.name}' that an interrupted run had moved aside")
@@ -308,8 +326,17 @@ class PlanStore:
             raise FlashcpError(f"{meta_path} {what}; re-run 'flashcp plan --force'") from None
         if self.cp < 1:
             raise FlashcpError(f"{meta_path} is damaged (cp {self.cp}); re-run 'flashcp plan --force'")
+        slack = (self.meta.get("params") or {}).get("token_slack") if isinstance(self.meta.get("params"), dict) \
+            else None
+        self.token_slack = float(slack or 0.0)
         self.check_fresh()
-        for index in range(len(self.plan_files)):
+        if len(self.plan_files) != len(dataset.files):
+            raise FlashcpError(f"plan '{name}' lists {len(self.plan_files)} plan files for the "
+                               f"{len(dataset.files)} data files of {dataset.root}; re-run 'flashcp plan --force'")
+        for index, data_file in enumerate(dataset.files):
+            if self.plan_files[index]["rows"] != data_file.rows:
+                raise FlashcpError(f"plan '{name}' records {self.plan_files[index]['rows']} rows for data file "
+                                   f"{data_file.path}, which has {data_file.rows}; re-run 'flashcp plan --force'")
             problem = self.file_problem(index)
             if problem:
                 raise FlashcpError(f"{problem}; re-run 'flashcp plan --force'")
@@ -321,17 +348,23 @@ class PlanStore:
             size = path.stat().st_size
         except OSError as e:
             return f"plan file {path} cannot be read ({e.strerror or e})"
-        if entry.get("bytes") is None:
-            return None  # written before plan.json recorded sizes: only verify's hash can tell
-        if size != entry["bytes"]:
-            return f"plan file {path} has {size:,} bytes but plan.json records {entry['bytes']:,}: it was replaced " \
+        recorded = entry.get("bytes")  # None: written before plan.json recorded sizes
+        if recorded is not None and size != recorded:
+            return f"plan file {path} has {size:,} bytes but plan.json records {recorded:,}: it was replaced " \
                    "or truncated"
         try:
-            _, footer = parquet_fingerprint(path)
+            footer = parquet_footer(path)
         except (OSError, ValueError) as e:
             return f"plan file {path} cannot be read as Parquet ({e})"
-        if footer != entry.get("footer_sha256"):
+        if recorded is not None and footer.sha256 != entry.get("footer_sha256"):
             return f"plan file {path} is not the file plan.json records (its Parquet footer differs)"
+        if footer.num_rows != entry["rows"]:
+            return (f"plan file {path} holds {footer.num_rows:,} rows by its own footer but plan.json records "
+                    f"{entry['rows']:,}")
+        cp = footer.metadata.get(CP_KEY)  # None in plan files written before it was recorded
+        if cp is not None and cp != str(self.cp).encode():
+            return (f"plan file {path} was made for cp {cp.decode(errors='replace')} but plan.json says cp "
+                    f"{self.cp}: plan.json does not describe its plan files")
         return None
 
     def check_fresh(self) -> None:
@@ -383,7 +416,7 @@ class PlanStore:
         """Yield the stored plans of the ``index``-th data file's rows in row order, a row group at a time."""
         pf = self._open(index)
         for g in range(pf.num_row_groups):
-            yield from _stored_plans(pf.read_row_group(g), self.cp)
+            yield from self._checked(index, pf.read_row_group(g))
 
     def read_plans(self, index: int, start: int, stop: int) -> list[StoredPlan]:
         """The stored plans of rows ``[start, stop)`` of the ``index``-th data file.
@@ -405,7 +438,27 @@ class PlanStore:
         if not groups:
             return []
         table = pf.read_row_groups(groups)
-        return list(_stored_plans(table.slice(offset, stop - start), self.cp))
+        return list(self._checked(index, table.slice(offset, stop - start)))
+
+    def _checked(self, index: int, table: pa.Table) -> Iterator[StoredPlan]:
+        """The table's plans, each checked against the plan's ``cp``; PlanError when one is not for it.
+
+        A plan must name ranks in ``[0, cp)`` only and, with exact quotas, give every rank its quota: a plan.json
+        whose ``cp`` was edited never hands ranks empty batches.
+        """
+        quotas = token_quotas(self.context_len, self.cp) if self.token_slack == 0 else None
+        for stored in _stored_plans(table, self.cp):
+            rank = stored.plan.shard_rank
+            if rank.size and (int(rank.min()) < 0 or int(rank.max()) >= self.cp):
+                bad = int(rank.min()) if int(rank.min()) < 0 else int(rank.max())
+                raise PlanError(f"plan file {self.plan_path(index)} names rank {bad} in a plan for cp {self.cp}; "
+                                "re-run 'flashcp plan --force'")
+            if quotas is not None and not np.array_equal(rank_tokens(stored.plan.shard_len, rank, self.cp),
+                                                         quotas):
+                raise PlanError(f"plan file {self.plan_path(index)} does not give every one of its cp {self.cp} "
+                                "ranks its equal-token quota (plan.json's cp may have been edited); re-run "
+                                "'flashcp plan --force'")
+            yield stored
 
 
 def _stored_plans(table: pa.Table, cp: int) -> Iterator[StoredPlan]:

@@ -127,7 +127,8 @@ from flashcp.planner._plus import flashcp_plus_kernel
 from flashcp.planner._search import flashcp2_kernel
 from flashcp.planner.plan import SequencePlan
 
-__all__ = ["DEFAULT_STRATEGY", "MAX_CONTEXT_LEN", "STRATEGIES", "Strategy", "get_strategy", "plan_sequence"]
+__all__ = ["DEFAULT_STRATEGY", "MAX_CONTEXT_LEN", "STRATEGIES", "Strategy", "check_context_len",
+           "get_strategy", "plan_sequence"]
 
 DEFAULT_STRATEGY = "flashcp2"
 """What ``flashcp plan`` uses unless told otherwise."""
@@ -135,7 +136,8 @@ OBJECTIVES = ("time",)
 """Objectives ``flashcp2`` optimises: ``time`` = the projected step time."""
 
 MAX_CONTEXT_LEN = 1 << 24
-"""Longest sequence the kernels accept: keeps every workload sum times ``cp`` inside int64."""
+"""Longest sequence the kernels accept: keeps every workload sum times ``cp`` inside int64. The one limit of
+flashcp: ``pack``, ``synth``, ``plan`` and ``bench`` refuse a longer context before any work."""
 MAX_CP = 1 << 12
 """Largest CP size the kernels accept."""
 
@@ -220,8 +222,10 @@ def resolve_params(strategy: Strategy, target_imbalance: float | None = None, **
         if key not in params:
             raise ValueError(f"strategy '{strategy.name}' takes no {key.replace('_', ' ')}")
         params[key] = value
-    if "chunk_size" in params and not (isinstance(params["chunk_size"], int) and params["chunk_size"] >= 1):
-        raise ValueError(f"chunk size must be a positive integer, got {params['chunk_size']}")
+    if "chunk_size" in params and not (isinstance(params["chunk_size"], int)
+                                       and 1 <= params["chunk_size"] <= MAX_CONTEXT_LEN):
+        raise ValueError(f"chunk size must be a positive integer of at most {MAX_CONTEXT_LEN} (the longest "
+                         f"context), got {params['chunk_size']}")
     if "effort" in params:
         from flashcp.planner.polish import parse_effort
 
@@ -258,9 +262,17 @@ def kernel_args(strategy: Strategy, params: dict) -> dict:
             "slack": float(params.get("token_slack", 0.0))}
 
 
+def check_context_len(context_len: int, what: str = "context length") -> None:
+    """ValueError when ``context_len`` is above ``MAX_CONTEXT_LEN`` (the same sentence for every command)."""
+    if context_len > MAX_CONTEXT_LEN:
+        raise ValueError(f"{what} {context_len:,} is above the longest context flashcp plans, "
+                         f"{MAX_CONTEXT_LEN:,} tokens (2^24); choose a shorter one")
+
+
 def check_shape(context_len: int, cp: int) -> None:
     """ValueError unless ``1 <= cp <= min(MAX_CP, context_len)`` and the context length is supported."""
-    if context_len < 1 or context_len > MAX_CONTEXT_LEN:
+    check_context_len(context_len)
+    if context_len < 1:
         raise ValueError(f"context length must be in [1, {MAX_CONTEXT_LEN}], got {context_len}")
     if cp < 1:
         raise ValueError(f"cp must be at least 1, got {cp}")

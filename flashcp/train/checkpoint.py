@@ -14,6 +14,11 @@ Contents (``torch.save``, loaded with ``weights_only=True``)::
 With FSDP2 (``flashcp.train.parallel``) no rank holds the whole model: ``save_sharded_checkpoint`` writes a
 ``torch.distributed.checkpoint`` folder instead (every rank its shards), with the same step, config and
 loader state in ``flashcp.json`` beside them.
+
+``--ckpt`` follows ``flashcp.outputs``: ``check_checkpoint_target`` (called before training starts) refuses a
+path inside a dataset, a symlink, or anything there that is not a flashcp checkpoint of the run's kind (a
+file, or a sharded checkpoint folder), and the staging and backup folders of a sharded save are marked and
+deleted only with their marker. A save that fails (disk full) fails on every rank with one sentence.
 """
 
 from __future__ import annotations
@@ -21,41 +26,67 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from flashcp.errors import FlashcpError
-from flashcp.fileio import atomic_path
-from flashcp.train.step import group_rank, group_size
+from flashcp.fileio import atomic_path, write_json_atomic
+from flashcp.outputs import OutputKind, check_output, check_removable, make_marked_dir, mark_dir, remove_marked
+from flashcp.train.step import agree_on_errors, group_rank
 
-__all__ = ["CHECKPOINT_FORMAT", "SHARDED_MARKER", "check_sharded_target", "is_sharded_checkpoint",
-           "load_checkpoint", "load_sharded_checkpoint", "save_checkpoint", "save_sharded_checkpoint"]
+__all__ = ["CHECKPOINT_FILE", "CHECKPOINT_FORMAT", "SHARDED_CHECKPOINT", "SHARDED_MARKER",
+           "check_checkpoint_target", "check_sharded_target", "is_sharded_checkpoint", "load_checkpoint",
+           "load_sharded_checkpoint", "save_checkpoint", "save_sharded_checkpoint"]
 
 CHECKPOINT_FORMAT = 1
+_KEYS = ("format", "step", "config", "model", "optimizer", "loader")
+
+
+def _is_checkpoint_file(path: Path) -> bool:
+    """True when ``path`` is a checkpoint ``save_checkpoint`` wrote (its tensors are mapped, not read)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - whatever it is, it is not a flashcp checkpoint
+        return False
+    return isinstance(state, dict) and state.get("format") == CHECKPOINT_FORMAT and all(k in state for k in _KEYS)
+
+
+CHECKPOINT_FILE = OutputKind(what="a flashcp checkpoint", option="--ckpt", recognise=_is_checkpoint_file)
+"""``--ckpt`` of a run that saves one file."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def save_checkpoint(path: str | Path, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     loader: Any, config: dict, group=None) -> None:
     """Write the checkpoint of a run that has done ``step`` steps; call on every rank of the CP ``group``.
 
-    Rank 0 writes ``path`` atomically; every rank returns once the file is in place. ``loader`` is anything
-    with ``state_dict()`` (a ``CPLoader``); ``config`` a JSON-like dict that identifies the run (a resume
-    must present the same).
+    Rank 0 writes ``path`` atomically; every rank returns once the file is in place, or raises the same
+    FlashcpError when it could not be written (the previous checkpoint then stays as it was). ``loader`` is
+    anything with ``state_dict()`` (a ``CPLoader``); ``config`` a JSON-like dict that identifies the run (a
+    resume must present the same).
     """
+    error: Exception | None = None
     if group_rank(group) == 0:
         state = {"format": CHECKPOINT_FORMAT, "step": int(step), "config": dict(config),
                  "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "loader": loader.state_dict()}
-        with atomic_path(path) as tmp:
-            torch.save(state, tmp)
-    if group_size(group) > 1:
-        dist.barrier(group=group)
+        try:
+            check_output(path, CHECKPOINT_FILE)  # again: something may have appeared there while training
+            with atomic_path(path) as tmp:
+                torch.save(state, tmp)
+        except FlashcpError as e:
+            error = e
+        except OSError as e:
+            error = FlashcpError(f"cannot write checkpoint {path}: {e.strerror or e}")
+    agree_on_errors(error, group)  # also the barrier: every rank sees the file when this returns
 
 
 def _check_config(path: Path, saved: dict, config: dict) -> None:
@@ -79,8 +110,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise FlashcpError(f"checkpoint {path} cannot be read ({first_line}); delete it or point --ckpt "
+        raise FlashcpError(f"checkpoint {path} cannot be read ({_first_line(e)}); delete it or point --ckpt "
                            "elsewhere") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
@@ -98,16 +128,45 @@ SHARDED_MARKER = "flashcp.json"
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
-    """True when ``path`` is a folder written by ``save_sharded_checkpoint``."""
-    return (Path(path) / SHARDED_MARKER).is_file()
+    """True when ``path`` is a folder written by ``save_sharded_checkpoint`` (its ``flashcp.json`` is ours)."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        meta = json.loads((path / SHARDED_MARKER).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("format") == CHECKPOINT_FORMAT and "step" in meta and "loader" in meta
+
+
+SHARDED_CHECKPOINT = OutputKind(what="a flashcp sharded checkpoint", option="--ckpt",
+                                recognise=is_sharded_checkpoint, folder=True)
+"""``--ckpt`` of an FSDP2 run: a ``torch.distributed.checkpoint`` folder."""
+
+
+def _staging_paths(path: Path) -> tuple[Path, Path]:
+    """The staging folder a sharded save builds in, and where the previous checkpoint waits during the swap."""
+    return path.parent / f".{path.name}.staging", path.parent / f".{path.name}.old"
+
+
+def check_checkpoint_target(path: str | Path, *, sharded: bool) -> None:
+    """FlashcpError (one sentence) unless flashcp may save a checkpoint at ``path``; call before training.
+
+    See ``flashcp.outputs``: no path inside a dataset or through a symlink, and whatever is at ``path`` must be
+    a flashcp checkpoint of this kind (it is then replaced at the next save). For a sharded checkpoint, a
+    ``.NAME.staging`` or ``.NAME.old`` folder beside it must be flashcp's (marked) or absent.
+    """
+    path = Path(path)
+    check_output(path, SHARDED_CHECKPOINT if sharded else CHECKPOINT_FILE)
+    if sharded:
+        staging, old = _staging_paths(path)
+        check_removable(staging, f"checkpoint {path}")
+        check_removable(old, f"checkpoint {path}")
 
 
 def check_sharded_target(path: str | Path) -> None:
     """Raise FlashcpError when ``path`` exists but is not a sharded checkpoint flashcp may replace."""
-    path = Path(path)
-    if path.exists() and not is_sharded_checkpoint(path):
-        raise FlashcpError(f"checkpoint folder {path} exists and is not a flashcp sharded checkpoint (no "
-                           f"{SHARDED_MARKER}); point --ckpt elsewhere")
+    check_checkpoint_target(path, sharded=True)
 
 
 def save_sharded_checkpoint(path: str | Path, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -116,43 +175,83 @@ def save_sharded_checkpoint(path: str | Path, *, step: int, model: nn.Module, op
 
     Model and optimizer go through DCP (each rank writes its own shards: FSDP2 DTensors or replicated
     tensors alike), and rank 0 writes ``flashcp.json`` beside them: format, step, config and the loader
-    state (the same on every rank, see ``CPLoader``). The folder is built under a staging name next to
-    ``path`` and swapped in at the end (the previous checkpoint moves to ``.NAME.old`` for the two renames
-    and is deleted after), so a run killed while saving leaves the previous checkpoint intact, and
-    ``load_sharded_checkpoint`` finds it. A DCP checkpoint can be loaded on another mesh shape (DCP reshards).
+    state (the same on every rank, see ``CPLoader``). The folder is built under the staging name
+    ``.NAME.staging`` next to ``path`` (marked as flashcp's when it is made) and swapped in at the end (the
+    previous checkpoint, marked, moves to ``.NAME.old`` for the two renames and is deleted after), so a run
+    killed while saving leaves the previous checkpoint intact, and ``load_sharded_checkpoint`` finds it. A
+    DCP checkpoint can be loaded on another mesh shape (DCP reshards). A failed save raises the same
+    FlashcpError on every rank.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     path = Path(path)
-    staging = path.parent / f".{path.name}.staging"
+    staging, old = _staging_paths(path)
     rank = group_rank(group)
-    check_sharded_target(path)  # on every rank: none is left waiting for a rank that refused
+    error: Exception | None = None
+    try:
+        check_checkpoint_target(path, sharded=True)  # on every rank: none is left waiting for one that refused
+    except FlashcpError as e:
+        error = e
+    agree_on_errors(error, group)  # every rank has looked before rank 0 touches anything
     if rank == 0:
-        if staging.exists():  # a previous save killed midway: the staging folder is flashcp's own
-            shutil.rmtree(staging)
-        staging.mkdir(parents=True)
-    if group_size(group) > 1:
-        dist.barrier(group=group)
+        try:
+            remove_marked(staging, f"checkpoint {path}")  # a previous save killed midway
+            make_marked_dir(staging, f"staging folder of checkpoint {path.name}")
+        except FlashcpError as e:
+            error = e
+        except OSError as e:
+            error = FlashcpError(f"cannot write checkpoint {path}: {e.strerror or e}")
+    agree_on_errors(error, group)
     # the model's own state_dict (FSDP2: its DTensor shards), so state_dict hooks that rename tensors (torchtitan's
     # fused QKV saves wq/wk/wv) apply; torch's get_state_dict maps every key back to a module attribute
     model_state, optim_state = model.state_dict(), get_optimizer_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(staging), process_group=group)
+    try:
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(staging),
+                 process_group=group)
+    except Exception as e:  # noqa: BLE001 - DCP wraps every rank's OSError in its own exception, on every rank
+        raise FlashcpError(f"cannot write checkpoint {path}: {_first_line(e)}") from None
     if rank == 0:
-        from flashcp.fileio import write_json_atomic
+        try:
+            write_json_atomic(staging / SHARDED_MARKER, {"format": CHECKPOINT_FORMAT, "step": int(step),
+                                                         "config": dict(config), "loader": loader.state_dict()})
+            if path.exists():
+                remove_marked(old, f"checkpoint {path}")
+                mark_dir(path, f"previous checkpoint {path.name}")  # so that its backup is provably ours
+                os.replace(path, old)
+            os.replace(staging, path)
+            remove_marked(old, f"checkpoint {path}")
+        except FlashcpError as e:
+            error = e
+        except OSError as e:
+            error = FlashcpError(f"cannot write checkpoint {path}: {e.strerror or e}")
+    agree_on_errors(error, group)
 
-        write_json_atomic(staging / SHARDED_MARKER, {"format": CHECKPOINT_FORMAT, "step": int(step),
-                                                     "config": dict(config), "loader": loader.state_dict()})
-        old = path.parent / f".{path.name}.old"
-        if path.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(path, old)
-        os.replace(staging, path)
-        if old.exists():
-            shutil.rmtree(old)
-    if group_size(group) > 1:
-        dist.barrier(group=group)
+
+def _check_complete(path: Path) -> None:
+    """FlashcpError (one sentence) when a DCP folder lacks its ``.metadata`` or any file it lists."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (path / ".metadata").is_file():
+        raise FlashcpError(f"checkpoint {path} is incomplete: its .metadata file is missing; restore the folder "
+                           "or start again without --resume")
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - an unpickling error of any kind: the file is damaged
+        raise FlashcpError(f"checkpoint {path} is damaged: its .metadata cannot be read ({_first_line(e)}); "
+                           "restore the folder or start again without --resume") from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        needed[name] = max(needed.get(name, 0), int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0)))
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            raise FlashcpError(f"checkpoint {path} is incomplete: its shard {name} is missing; restore the folder "
+                               "or start again without --resume")
+        if shard.stat().st_size < size:
+            raise FlashcpError(f"checkpoint {path} is damaged: its shard {name} is shorter than its .metadata "
+                               "records; restore the folder or start again without --resume")
 
 
 def load_sharded_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any,
@@ -160,29 +259,33 @@ def load_sharded_checkpoint(path: str | Path, *, model: nn.Module, optimizer: to
     """Restore model, optimizer and loader from a ``save_sharded_checkpoint`` folder; returns the steps done.
 
     Call on every rank, after ``shard_model`` and building the optimizer. Raises FlashcpError (one sentence)
-    for a missing folder, a folder that is not a flashcp sharded checkpoint, or another run's checkpoint.
+    for a missing folder, a folder that is not a flashcp sharded checkpoint, another run's checkpoint, or a
+    checkpoint missing its ``.metadata`` or one of its shard files (checked before DCP reads anything).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     path = Path(path)
-    old = path.parent / f".{path.name}.old"
+    _, old = _staging_paths(path)
     if not path.exists() and is_sharded_checkpoint(old):  # killed between the two renames of a save
         path = old
     if not path.exists():
         raise FlashcpError(f"checkpoint {path} does not exist; run without --resume to start from step 0")
-    check_sharded_target(path)
-    try:
-        meta = json.loads((path / SHARDED_MARKER).read_text())
-    except (OSError, ValueError) as e:
-        raise FlashcpError(f"checkpoint {path} cannot be read ({e}); delete it or point --ckpt elsewhere") from None
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise FlashcpError(f"checkpoint {path} has format {meta.get('format')}, this flashcp reads format "
-                           f"{CHECKPOINT_FORMAT}")
+    if not is_sharded_checkpoint(path):
+        raise FlashcpError(f"checkpoint folder {path} is not a flashcp sharded checkpoint (no readable "
+                           f"{SHARDED_MARKER}); point --ckpt elsewhere")
+    meta = json.loads((path / SHARDED_MARKER).read_text())
     _check_config(path, meta.get("config", {}), config)
+    _check_complete(path)
+    # the model's own state_dict (FSDP2: its DTensor shards), so state_dict hooks that rename tensors (torchtitan's
+    # fused QKV saves wq/wk/wv) apply; torch's get_state_dict maps every key back to a module attribute
     model_state, optim_state = model.state_dict(), get_optimizer_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=str(path), process_group=group)  # fills the tensors of ``state`` in place
+    try:
+        dcp.load(state, checkpoint_id=str(path), process_group=group)  # fills the tensors of ``state`` in place
+    except Exception as e:  # noqa: BLE001 - DCP reports every rank's failure as its own exception, on every rank
+        raise FlashcpError(f"checkpoint {path} cannot be read ({_first_line(e)}); restore it or start again "
+                           "without --resume") from None
     model.load_state_dict(model_state)  # through the model's load hooks (torchtitan merges wq/wk/wv back)
     set_optimizer_state_dict(model, optimizer, optim_state)
     loader.load_state_dict(meta["loader"])

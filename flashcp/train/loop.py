@@ -38,14 +38,22 @@ from flashcp.runtime import CPLoader
 from flashcp.runtime.loader import Batch
 from flashcp.runtime.prefetch import Prefetcher
 from flashcp.train.checkpoint import (
-    check_sharded_target,
+    check_checkpoint_target,
     load_checkpoint,
     load_sharded_checkpoint,
     save_checkpoint,
     save_sharded_checkpoint,
 )
 from flashcp.train.parallel import SHARDING_MODES, ParallelGroups, build_mesh, shard_model
-from flashcp.train.step import LossSumFn, fold_vocab, group_rank, group_size, tiny_loss_sum, train_step
+from flashcp.train.step import (
+    LossSumFn,
+    agree_on_errors,
+    fold_vocab,
+    group_rank,
+    group_size,
+    tiny_loss_sum,
+    train_step,
+)
 
 __all__ = ["DTYPES", "MODELS", "StepLog", "TrainOptions", "agree_on_errors", "build_model", "default_dtype",
            "run_training"]
@@ -186,17 +194,6 @@ def build_model(options: TrainOptions, device: torch.device,
     return tiny_hf_model(options.model, **shape, ffn_dim=2 * options.dim, dtype=dtype).to(device), hf_loss_sum
 
 
-def agree_on_errors(error: Exception | None, group=None) -> None:
-    """Collective: every rank raises the lowest failing rank's FlashcpError, or none does."""
-    message = None if error is None else str(error)
-    if group_size(group) > 1:
-        messages: list[str | None] = [None] * group_size(group)
-        dist.all_gather_object(messages, message, group=group)
-        message = next((m for m in messages if m is not None), None)
-    if message is not None:
-        raise FlashcpError(message)
-
-
 @dataclass(slots=True)
 class _Run:
     """What set-up produced: the pieces every step uses."""
@@ -297,6 +294,8 @@ def run_training(options: TrainOptions, *, group=None, device: torch.device | st
 
 def _set_up(options: TrainOptions, rank: int, world: int, device: torch.device,
             groups: ParallelGroups | None) -> _Run:
+    if options.ckpt:  # before any work: a path that is not a flashcp checkpoint is refused now
+        check_checkpoint_target(options.ckpt, sharded=options.sharding == "fsdp")
     if groups is not None:
         loader = CPLoader.from_mesh(options.data, options.plan, groups.mesh, seed=options.seed,
                                     shuffle=options.shuffle)
@@ -304,8 +303,6 @@ def _set_up(options: TrainOptions, rank: int, world: int, device: torch.device,
         loader = CPLoader(options.data, options.plan, rank, world, seed=options.seed, shuffle=options.shuffle)
     if len(loader) == 0:
         raise FlashcpError(f"dataset {options.data} holds no sequences")
-    if options.sharding == "fsdp" and options.ckpt:
-        check_sharded_target(options.ckpt)
     torch.manual_seed(options.seed)  # the same initial weights on every rank
     model, loss_sum_fn = build_model(options, device, loader.context_len)
     if groups is not None:

@@ -35,13 +35,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flashcp.errors import FlashcpError
 from flashcp.models.tiny import causal_lm_loss_sum
 from flashcp.runtime import CommStats, CPAttnMeta, cp_attention
 from flashcp.runtime.loader import IGNORE_INDEX, Batch
 from flashcp.train.parallel import ParallelGroups, is_sharded
 
-__all__ = ["CPAttention", "LossSumFn", "StepResult", "all_reduce_gradients", "fold_vocab", "group_rank",
-           "group_size", "tiny_loss_sum", "train_step"]
+__all__ = ["CPAttention", "LossSumFn", "StepResult", "agree_on_errors", "all_reduce_gradients", "fold_vocab",
+           "group_rank", "group_size", "tiny_loss_sum", "train_step"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,6 +103,17 @@ def group_size(group=None) -> int:
 def group_rank(group=None) -> int:
     """The rank of this process in ``group``; 0 when no process group is initialised."""
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def agree_on_errors(error: Exception | None, group=None) -> None:
+    """Collective: every rank raises the lowest failing rank's FlashcpError, or none does."""
+    message = None if error is None else str(error)
+    if group_size(group) > 1:
+        messages: list[str | None] = [None] * group_size(group)
+        dist.all_gather_object(messages, message, group=group)
+        message = next((m for m in messages if m is not None), None)
+    if message is not None:
+        raise FlashcpError(message)
 
 
 def fold_vocab(batch: Batch, vocab_size: int) -> Batch:
