@@ -66,9 +66,9 @@ COMPARE_DEFAULT = 256
 """Sequences compared with the baselines by default (``--compare``), evenly spaced over the dataset.
 
 The comparison reports a ratio of mean projected step times. On WLB-LLM lengths its bootstrap standard error
-at 256 sequences is 1.6-3.8% (128K x cp 8 and 1M x cp 64; twice that at 64 sequences), well inside the gaps it
-reports there (1.5x to 3.4x), while it costs a fixed ~15 ms of CPU per sequence at 1M x cp 64 (a Per-Doc
-plan has 33,000 shards there): a few seconds per run, under a tenth of planning one default 8,192-row file.
+at 256 sequences is 1.6-3.8% (128K x cp 8 and 1M x cp 64; twice that at 64), well inside the gaps it reports
+there (1.6x to 3.4x), while it costs 11-21 ms of CPU per sequence at 1M x cp 64 (a Per-Doc plan has 33,000
+shards there): a few seconds per run, about a tenth of planning one default 8,192-row file (bench/RESULTS.md).
 """
 
 _ERROR_TEXT = {
