@@ -67,7 +67,7 @@ def summary_lines(meta: dict) -> tuple[list[tuple[str, dict]], list[str], bool]:
 
 def _reading(compared: list[tuple[str, dict]], compare: dict, sampled: bool) -> str:
     """One line saying which strategy is fastest by projected step time, and by how much."""
-    steps = {name: s["step_seconds_mean"] for name, s in compared if s.get("step_seconds_mean")}
+    steps = {name: s["step_seconds_mean"] for name, s in compared if s.get("step_seconds_mean") is not None}
     fastest = min(steps, key=steps.__getitem__)
     slower = "".join(f", {name} takes {steps[name] / steps[fastest]:.2f}x as long" for name in steps
                      if name != fastest)
