@@ -316,7 +316,7 @@ def test_plan_on_a_full_disk(ws, monkeypatch):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store, "write_parquet_atomic", full)
+    monkeypatch.setattr(store.PlanFileWriter, "write", full)  # the disk fills while a plan file is written
     unchanged(ws, ["plan", ws / "data", "--cp", 2, "--strategy", "flashcp", "--force"], "No space left on device")
     unchanged(ws, ["plan", ws / "data", "--cp", 4, "--strategy", "flashcp"], "No space left on device")
     monkeypatch.undo()

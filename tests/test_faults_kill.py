@@ -104,7 +104,7 @@ def test_plan_killed_then_rerun(ws, tmp_path, point):
     old = tree(data / "plans" / "cp2-flashcp")
     args = ["plan", data, "--cp", 2, "--strategy", "flashcp", "--force"]  # replaces the 1.2 plan with the default 1.05
     if point == "building":
-        killed(args, "flashcp.planner.pipeline", "write_plan_file", 2)
+        killed(args, "flashcp.planner.store", "PlanFileWriter:write", 2)
         assert tree(data / "plans" / "cp2-flashcp") == old
         assert run("show", data, "--plan", "cp2-flashcp").exit_code == 0
     else:

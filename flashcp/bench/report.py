@@ -107,7 +107,7 @@ def _end_to_end(console: Console, e2e: dict) -> None:
     for p in e2e["plans"]:
         console.print(f"  plan --cp {e2e['cp']} --strategy {p['strategy']} --workers {p['workers']}: "
                       f"{p['seconds']:.1f} s ({p['seqs_per_s']:,.0f} seq/s end to end; read, plan, validate, "
-                      f"baselines on every {p['baselines_every']}th, write)")
+                      f"write, {p['compared']:,} sequences compared with the baselines)")
     console.print(f"  verify ({e2e['verified_plans']} plans): {e2e['verify_s']:.1f} s")
 
 

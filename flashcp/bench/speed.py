@@ -10,8 +10,8 @@ in a source checkout; it runs on the first ``reference_seqs`` sequences, or unti
 (at least one sequence), and the bench checks that the reference's shards equal the kernel's.
 
 Optionally, end to end: a lengths-only dataset of ``e2e_seqs`` sequences is synthesised in a temporary folder
-and planned with ``plan_dataset`` (read, plan, validate, baselines, write) per strategy and worker count, then
-verified.
+and planned with ``plan_dataset`` (read, plan, validate, write, and the comparison with the baselines on
+``--compare``'s default number of sequences) per strategy and worker count, then verified.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def end_to_end(spec: str, cp: int, context_len: int, num_seqs: int, strategies: 
                 elapsed = time.perf_counter() - started
                 result["plans"].append({"strategy": name, "workers": count, "seconds": elapsed,
                                         "seqs_per_s": num_seqs / elapsed,
-                                        "baselines_every": meta["summary"]["baselines_every_nth_sequence"]})
+                                        "compared": meta["summary"]["compare"]["sequences"]})
         started = time.perf_counter()
         report = verify_dataset(root)
         result.update(verify_s=time.perf_counter() - started, verified_plans=len(report.plans))

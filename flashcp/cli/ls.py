@@ -1,6 +1,11 @@
-"""``flashcp ls``: the dataset in one line and one line per plan (strategy, cp, quality, stale or not)."""
+"""``flashcp ls``: the dataset in one line and one line per plan (strategy, cp, quality, stale or not).
+
+Plans are listed by cp (numerically), then strategy, then name; folders without a readable cp come last.
+"""
 
 from __future__ import annotations
+
+import json
 
 import click
 
@@ -44,7 +49,24 @@ def list_dataset(dataset: Dataset) -> dict:
                       "params": store.meta.get("params"), "sequences": s.get("sequences"),
                       "imbalance_mean": s.get("imbalance_mean"), "imbalance_max": s.get("imbalance_max"),
                       "ag_saving_mean": s.get("ag_saving_mean"), "a2a_saving_mean": s.get("a2a_saving_mean")})
+    plans.sort(key=lambda p: _plan_order(p, plans_root / p["name"]))
     return {"dataset": summary, "plans": plans}
+
+
+def _plan_order(entry: dict, folder) -> tuple:
+    """Sort key: cp (numerically), then strategy, then name; plans whose cp cannot be read go last.
+
+    A stale or damaged plan's cp and strategy are read from its plan.json where they can be, so it lists
+    beside its peers.
+    """
+    cp, strategy = entry.get("cp"), entry.get("strategy")
+    if cp is None and entry["status"] in ("stale", "damaged"):
+        try:
+            meta = json.loads((folder / PLAN_JSON).read_text())
+            cp, strategy = int(meta["cp"]), str(meta["strategy"])
+        except (OSError, ValueError, TypeError, KeyError, UnicodeDecodeError):
+            cp, strategy = None, None
+    return (cp is None, cp or 0, strategy or "", entry["name"])
 
 
 def _pct(x) -> str:

@@ -9,29 +9,71 @@ from pathlib import Path
 
 import click
 from click.core import ParameterSource
+from rich import box
 from rich.table import Table
 
 from flashcp.cli.console import console, emit_json, info, progress, set_json_output
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
-from flashcp.planner.pipeline import plan_dataset
+from flashcp.planner.pipeline import BASELINES, COMPARE_DEFAULT, plan_dataset
 from flashcp.planner.strategies import DEFAULT_STRATEGY, STRATEGIES
 
+COLUMNS = ("strategy", "seqs", "imb", "p50", "max", "AG", "EN")
+"""Short column names (a legend line explains them), so the table never needs cutting."""
 
-def summary_table(title: str, rows: dict[str, dict]) -> Table:
-    """A table of imbalance and comm savings, one row per strategy summary."""
-    table = Table(title=title, title_justify="left")
-    table.add_column("strategy")
-    table.add_column("sequences", justify="right")
-    for head in ("imbalance mean", "p50", "max", "all-gather saving", "exact-need saving"):
-        table.add_column(head, justify="right")
-    for name, s in rows.items():
+
+def summary_table(rows: list[tuple[str, dict]], *, priced: bool, split_after_first: bool = False) -> Table:
+    """Imbalance, comm savings and (``priced``) projected step time, one row per ``(strategy, summary)``.
+
+    ``split_after_first`` draws a line under the first row (the plan over every sequence, the rest over the
+    compared ones).
+    """
+    table = Table(box=box.SQUARE, show_edge=False)
+    for head in COLUMNS + (("step ms",) if priced else ()):
+        table.add_column(head, justify="left" if head == "strategy" else "right", no_wrap=True)
+    for index, (name, s) in enumerate(rows):
         if not s.get("sequences"):
             continue
-        table.add_row(name, f"{s['sequences']:,}", f"{s['imbalance_mean']:.4f}", f"{s['imbalance_p50']:.4f}",
-                      f"{s['imbalance_max']:.4f}", f"{100 * s['ag_saving_mean']:.1f}%",
-                      f"{100 * s['a2a_saving_mean']:.1f}%")
+        cells = [name, f"{s['sequences']:,}", f"{s['imbalance_mean']:.4f}", f"{s['imbalance_p50']:.4f}",
+                 f"{s['imbalance_max']:.4f}", f"{100 * s['ag_saving_mean']:.1f}%", f"{100 * s['a2a_saving_mean']:.1f}%"]
+        if priced:
+            step = s.get("step_seconds_mean")
+            cells.append("-" if step is None else f"{1e3 * step:.3f}")
+        table.add_row(*cells, end_section=split_after_first and index == 0)
     return table
+
+
+def summary_lines(meta: dict) -> tuple[list[tuple[str, dict]], list[str], bool]:
+    """What ``plan`` prints under its title: the table's rows, the legend and reading lines, split or not.
+
+    Split: the first row (the plan over every sequence) stands above the compared ones.
+    """
+    summary, strategy = meta["summary"], meta["strategy"]
+    compare = summary.get("compare") or {}
+    legend = ("imb, p50, max: mean, median and largest max/mean rank workload; AG, EN: all-gather and "
+              "exact-need saving against a full K/V all-gather")
+    if not compare.get("sequences"):
+        return [(strategy, summary)], [legend], False
+    model = compare["model"]
+    legend += (f"; step ms: projected step time per sequence ({compare['profile']}; {model['layers']} layer(s) "
+               f"of H={model['num_heads']}, H_kv={model['num_kv_heads']}, D={model['head_dim']}), the baselines' "
+               "layouts priced with the same sharding-aware exchange (their own frameworks gather all K/V: 0%)")
+    compared = [(strategy, compare["strategy"])] + [(name, s) for name, s in summary["baselines"].items()
+                                                    if name != strategy]
+    sampled = compare["sequences"] < summary["sequences"]
+    rows = [(strategy, summary)] + compared if sampled else compared
+    return rows, [legend, _reading(compared, compare, sampled)], sampled
+
+
+def _reading(compared: list[tuple[str, dict]], compare: dict, sampled: bool) -> str:
+    """One line saying which strategy is fastest by projected step time, and by how much."""
+    steps = {name: s["step_seconds_mean"] for name, s in compared if s.get("step_seconds_mean") is not None}
+    fastest = min(steps, key=steps.__getitem__)
+    slower = "".join(f", {name} takes {steps[name] / steps[fastest]:.2f}x as long" for name in steps
+                     if name != fastest)
+    where = f"the same {compare['sequences']:,} sequences (one in {compare['every_nth_sequence']:,}, the rows " \
+        "under the line)" if sampled else f"these {compare['sequences']:,} sequences"
+    return f"projected step time on {where}: {fastest} is fastest{slower}"
 
 
 @click.command("plan")
@@ -54,6 +96,9 @@ def summary_table(title: str, rows: dict[str, dict]) -> Table:
                    "pricing the per-token layers too [default: 0, exact quotas].")
 @click.option("--chunk-size", type=click.IntRange(min=1), default=None,
               help="magi, ptrr: chunk tokens [default: 512 for magi, 128 for ptrr].")
+@click.option("--compare", type=click.IntRange(min=0), default=COMPARE_DEFAULT, show_default=True,
+              help=f"Sequences (evenly spaced) also planned with the baselines {' and '.join(BASELINES)} for the "
+                   "summary, every plan priced by projected step time; 0 skips the comparison.")
 @click.option("--workers", type=int, default=1, show_default=True, help="Worker processes.")
 @click.option("--name", default=None, help="Plan folder name [default: cp{N}-{strategy}].")
 @click.option("--force", is_flag=True, help="Replace an existing plan of the same name.")
@@ -65,8 +110,8 @@ def summary_table(title: str, rows: dict[str, dict]) -> Table:
                    "starting Ray on this machine with --workers CPUs.")
 def command(data: str, cp: int, strategy: str, target_imbalance: float | None, objective: str | None,
             profile: str | None, effort: str | None, token_slack: float | None, chunk_size: int | None,
-            workers: int, name: str | None, force: bool, as_json: bool = False, engine: str = "local",
-            ray_address: str | None = None) -> None:
+            compare: int, workers: int, name: str | None, force: bool, as_json: bool = False,
+            engine: str = "local", ray_address: str | None = None) -> None:
     """Plan every sequence of DATA for CP size N; every plan is validated before it is written."""
     set_json_output(as_json)
     started = time.perf_counter()
@@ -88,7 +133,8 @@ def command(data: str, cp: int, strategy: str, target_imbalance: float | None, o
                      "token_slack": token_slack}
         meta = plan_dataset(data, cp, strategy, target_imbalance=target_imbalance, workers=workers,
                             force=force, name=name, progress=advance, on_note=info,
-                            overrides={k: v for k, v in overrides.items() if v is not None}, run_jobs=run_jobs)
+                            overrides={k: v for k, v in overrides.items() if v is not None}, run_jobs=run_jobs,
+                            compare=compare)
     elapsed = time.perf_counter() - started
     if as_json:
         emit_json({"dataset": str(dataset.root), "plan": meta, "seconds": elapsed})
@@ -96,11 +142,13 @@ def command(data: str, cp: int, strategy: str, target_imbalance: float | None, o
     params = ", ".join(f"{k}={v}" for k, v in meta["params"].items() if v is not None)
     info(f"wrote {dataset.root}/plans/{meta['name']}/ ({len(meta['plan_files'])} plan file(s), "
          f"{summary['sequences']:,} sequences, all validated) in {elapsed:.1f}s")
-    step = summary["baselines_every_nth_sequence"]
-    sampled = "" if step == 1 else f"; baselines on every {step}th sequence"
     title = (f"cp{cp} over {summary['sequences']:,} sequences of {dataset.context_len:,} tokens "
-             f"({meta['strategy']}{': ' + params if params else ''}{sampled})")
-    console.print(summary_table(title, {meta["strategy"]: summary, **summary["baselines"]}))
-    console.print("savings are against a full K/V all-gather: all-gather = 1 - max contribution / (C/N), "
-                  "exact-need = 1 - max received / ((N-1)C/N); the llama3 and perdoc rows price their plans "
-                  "with the same sharding-aware exchange (their own frameworks gather all K/V: 0%)")
+             f"({meta['strategy']}{': ' + params if params else ''})")
+    rows, notes, split = summary_lines(meta)
+    table = summary_table(rows, priced=bool(summary.get("compare", {}).get("sequences")),
+                          split_after_first=split)
+    console.print(title)
+    # never cut: off a terminal the console is 80 columns wide, narrower than the table may be
+    console.print(table, width=max(console.width, console.measure(table).maximum), crop=False)
+    for line in notes:
+        console.print(line)

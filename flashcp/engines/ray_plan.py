@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
 from flashcp.engines.ray_cluster import require_ray
 from flashcp.engines.ray_pack import get_result
 from flashcp.errors import FlashcpError
@@ -24,17 +22,13 @@ def run_jobs(jobs: list, workers: int, progress: Callable[[int], None] | None) -
 
     ``workers`` is not used: the cluster's CPUs set how many jobs run at once.
     """
-    from flashcp.planner.pipeline import BASELINES, _plan_file, plan_rows
+    from flashcp.planner.pipeline import _plan_file, warm_up
 
     ray = require_ray()
     if jobs:
         # compile (and cache) the kernels here once, so that the workers on this node load them instead of
         # each compiling them at the same time
-        job = jobs[0]
-        offsets, lens = np.array([0, job.context_len], np.int64), np.array([job.context_len], np.int64)
-        plan_rows(offsets, lens, job.cp, job.strategy, job.params)
-        for name in BASELINES:
-            plan_rows(offsets, lens, job.cp, name)
+        warm_up(jobs[0])
     plan_file = ray.remote(num_cpus=1)(_plan_file)
     refs = [plan_file.remote(job) for job in jobs]
     results = []

@@ -1,11 +1,17 @@
-"""The planning pipeline: read document lengths, plan, validate, summarise, write ``plans/<name>/``.
+"""The planning pipeline: read document lengths, plan, validate, write ``plans/<name>/``, summarise.
 
 Reusable without the CLI: :func:`plan_dataset` plans a dataset folder, :func:`plan_rows` plans flat arrays
 of sequences, :func:`strategy_metrics` returns per-sequence metrics for lists of ``doc_lens`` (the bench
-uses it). Work is split by data file: a job plans a file's row groups one at a time, validates every plan and
-writes the file's plan file into a staging folder; ``workers > 1`` runs jobs in worker processes, and the
-output does not depend on the number of workers. ``plan.json`` is written last into the staging folder, which
-then takes the place of ``plans/<name>/`` in one swap.
+uses it). Work is split by data file: a job streams the file's row groups through plan, validate and write
+(:class:`flashcp.planner.store.PlanFileWriter`, one plan row group per data row group), so it holds one
+row group's plans at a time whatever the file's size; it keeps only per-sequence metrics. ``workers > 1``
+runs jobs in worker processes, and the output does not depend on the number of workers. ``plan.json`` is
+written last into the staging folder, which then takes the place of ``plans/<name>/`` in one swap.
+
+The summary compares the plan with the baselines (``BASELINES``) on the same sequences: every ``step``-th
+sequence of the dataset (``--compare N`` sequences at most, evenly spaced), each baseline planned one
+sequence at a time and only its metrics kept; every compared plan is also priced by the step-time objective
+(``flashcp.planner.objective``, the model of ``flashcp2`` and ``flashcp bench``).
 """
 
 from __future__ import annotations
@@ -25,32 +31,45 @@ from flashcp.data.dataset import Dataset, numpy_values
 from flashcp.errors import FlashcpError, PlanError
 from flashcp.planner import _batch
 from flashcp.planner.cost import comm_saving, exact_need_saving
+from flashcp.planner.objective import batch_step_seconds
 from flashcp.planner.plan import SequencePlan
 from flashcp.planner.polish import parse_effort, polish_plan
-from flashcp.planner.store import (
-    PlanSlot,
-    plan_name,
-    plan_table,
-    write_plan_file,
-    write_plan_json,
+from flashcp.planner.store import PlanFileWriter, PlanSlot, plan_name, plan_table, write_plan_json
+from flashcp.planner.strategies import (
+    DEFAULT_STRATEGY,
+    Strategy,
+    check_shape,
+    get_strategy,
+    kernel_args,
+    objective_model,
+    resolve_params,
 )
-from flashcp.planner.strategies import Strategy, check_shape, get_strategy, kernel_args, resolve_params
 
 __all__ = [
     "BASELINES",
+    "COMPARE_DEFAULT",
     "PlannedRows",
     "check_rows",
     "describe_error",
     "plan_dataset",
     "plan_rows",
     "read_row_group_lens",
+    "step_params",
     "strategy_metrics",
     "summarize",
+    "warm_up",
 ]
 
 BASELINES = ("llama3", "perdoc")
-BASELINE_MAX_ROWS = 10_000
-"""Baselines are summarised on at most this many evenly spaced sequences (Per-Doc plans are large)."""
+"""What ``flashcp plan`` compares its plan with: Llama3 CP and Per-Doc CP."""
+COMPARE_DEFAULT = 256
+"""Sequences compared with the baselines by default (``--compare``), evenly spaced over the dataset.
+
+The comparison reports a ratio of mean projected step times. On WLB-LLM lengths its bootstrap standard error
+at 256 sequences is 1.6-3.8% (128K x cp 8 and 1M x cp 64; twice that at 64), well inside the gaps it reports
+there (1.6x to 3.4x), while it costs 11-21 ms of CPU per sequence at 1M x cp 64 (a Per-Doc plan has 33,000
+shards there): a few seconds per run, about a tenth of planning one default 8,192-row file (bench/RESULTS.md).
+"""
 
 _ERROR_TEXT = {
     _batch.NO_SHARDS: "has no shards",
@@ -89,32 +108,66 @@ class PlannedRows:
         return SequencePlan(shard_doc=self.shard_doc[lo:hi], shard_start=self.shard_start[lo:hi],
                             shard_len=self.shard_len[lo:hi], shard_rank=self.shard_rank[lo:hi], cp=cp)
 
+    @property
+    def num_rows(self) -> int:
+        """Sequences planned."""
+        return int(self.shard_offsets.size - 1)
+
+    def take(self, rows: np.ndarray) -> PlannedRows:
+        """The plans of ``rows`` (int indices, in that order) alone, copied."""
+        rows = np.asarray(rows, dtype=np.int64)
+        lo, hi = self.shard_offsets[rows], self.shard_offsets[rows + 1]
+        offsets = np.zeros(rows.size + 1, np.int64)
+        offsets[1:] = np.cumsum(hi - lo)
+        index = np.repeat(lo - offsets[:-1], hi - lo) + np.arange(offsets[-1], dtype=np.int64)
+        return PlannedRows(shard_offsets=offsets, shard_doc=self.shard_doc[index],
+                           shard_start=self.shard_start[index], shard_len=self.shard_len[index],
+                           shard_rank=self.shard_rank[index], imbalance=self.imbalance[rows],
+                           ag_comm_tokens=self.ag_comm_tokens[rows], a2a_comm_tokens=self.a2a_comm_tokens[rows])
+
+    def table(self):
+        """The plans as a plan-file table (``flashcp.planner.store.PLAN_SCHEMA``)."""
+        return plan_table(self.shard_offsets, self.shard_doc, self.shard_start, self.shard_len, self.shard_rank,
+                          self.imbalance, self.ag_comm_tokens, self.a2a_comm_tokens)
+
+    def step_seconds(self, cp: int, model: np.ndarray) -> np.ndarray:
+        """(rows,) projected step time of every plan (``objective.batch_step_seconds``; ``model``: its vector)."""
+        return batch_step_seconds(self.shard_offsets, self.shard_doc, self.shard_start, self.shard_len,
+                                  self.shard_rank, cp, model)
+
 
 def describe_error(code: int) -> str:
     """The sentence ending for a :func:`flashcp.planner._batch.check_batch` error code."""
     return _ERROR_TEXT[code]
 
 
-def check_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, context_len: int, where: str) -> None:
-    """FlashcpError unless every row's document lengths are positive and sum to ``context_len``."""
+def check_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, context_len: int, where: str, *,
+               first_row: int = 0) -> None:
+    """FlashcpError unless every row's document lengths are positive and sum to ``context_len``.
+
+    Rows are named ``first_row`` + their index (their row in the data file).
+    """
     if row_offsets.size < 2:
         return
     if (doc_lens <= 0).any():
         raise FlashcpError(f"{where} holds a document of length 0 or less; re-create the dataset")
     counts = np.diff(row_offsets)
     if (counts == 0).any():
-        bad = int(np.argmax(counts == 0))
+        bad = first_row + int(np.argmax(counts == 0))
         raise FlashcpError(f"{where}, row {bad}, has no documents; re-create the dataset")
     sums = np.add.reduceat(doc_lens, row_offsets[:-1])
     if (sums != context_len).any():
         bad = int(np.argmax(sums != context_len))
-        raise FlashcpError(f"{where}, row {bad}: document lengths sum to {int(sums[bad])}, not the context "
+        raise FlashcpError(f"{where}, row {first_row + bad}: document lengths sum to {int(sums[bad])}, not the context "
                            f"length {context_len}; re-create the dataset")
 
 
 def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: str | Strategy,
-              params: dict | None = None, *, where: str = "sequences") -> PlannedRows:
-    """Plan every row of flat ``(row_offsets, doc_lens)``, validate the plans; PlanError names a bad row."""
+              params: dict | None = None, *, where: str = "sequences", first_row: int = 0) -> PlannedRows:
+    """Plan every row of flat ``(row_offsets, doc_lens)``, validate the plans; PlanError names a bad row.
+
+    Rows are named ``first_row`` + their index.
+    """
     chosen = strategy if isinstance(strategy, Strategy) else get_strategy(strategy)
     params = resolve_params(chosen) if params is None else params
     row_offsets = np.ascontiguousarray(row_offsets, dtype=np.int64)
@@ -130,7 +183,8 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
                                                     slack)
     if errors.any():
         bad = int(np.flatnonzero(errors)[0])
-        raise PlanError(f"the {chosen.name} plan of {where}, row {bad}, {_ERROR_TEXT[int(errors[bad])]}")
+        raise PlanError(f"the {chosen.name} plan of {where}, row {first_row + bad}, "
+                        f"{_ERROR_TEXT[int(errors[bad])]}")
     return PlannedRows(shard_offsets=offsets, shard_doc=doc, shard_start=start, shard_len=length,
                        shard_rank=rank, imbalance=imbalance, ag_comm_tokens=ag, a2a_comm_tokens=a2a)
 
@@ -182,6 +236,17 @@ def summarize(imbalance: np.ndarray, ag: np.ndarray, a2a: np.ndarray, context_le
     }
 
 
+def step_params(strategy: str, params: dict) -> dict:
+    """The objective parameters (profile, model shape) the comparison prices plans with.
+
+    A plan's own for a strategy that minimises the step time (``flashcp2``), else ``flashcp2``'s defaults (the
+    bench's H100 profile, one layer of H = H_kv = 32, D = 128), so every row of a comparison has one price.
+    """
+    if "model" in get_strategy(strategy).kernel_params:
+        return params
+    return get_strategy(DEFAULT_STRATEGY).defaults
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _FileJob:
     """One data file to plan; the worker writes its plan file into ``staging``."""
@@ -189,12 +254,13 @@ class _FileJob:
     root: str
     file_index: int
     first_row: int
-    """Global index of the file's first sequence (for baseline sampling)."""
+    """Global index of the file's first sequence (for picking the compared sequences)."""
     cp: int
     strategy: str
     params: dict
     context_len: int
-    baseline_step: int
+    compare_step: int
+    """Every ``compare_step``-th sequence of the dataset is compared with the baselines; 0: none is."""
     staging: str
 
 
@@ -202,35 +268,98 @@ class _FileJob:
 class _FileResult:
     plan_file: dict
     metrics: tuple[np.ndarray, np.ndarray, np.ndarray]
-    baselines: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+    """(imbalance, all-gather, exact-need) of every row."""
+    compared: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+    """Strategy name -> (imbalance, all-gather, exact-need, step seconds) of the compared rows: the plan's
+    strategy first, then ``BASELINES``."""
 
 
 def _plan_file(job: _FileJob) -> _FileResult:
-    """Plan every row group of one data file, validate, write its plan file; runs in worker processes too."""
+    """Plan one data file a row group at a time: plan, validate, write, compare; runs in worker processes too.
+
+    A row group's plans are written and dropped before the next row group is read, so at most one row group's
+    plans (and one baseline sequence's) are held at any time.
+    """
     dataset = Dataset(job.root, check_files=False)  # the parent checked them
     where = f"data file {dataset.files[job.file_index].path}"
-    parts, sampled = [], []
-    first = job.first_row
-    for group in range(dataset.parquet(job.file_index).num_row_groups):
-        offsets, lens = read_row_group_lens(dataset, job.file_index, group)
-        check_rows(offsets, lens, job.context_len, where)
-        parts.append(plan_rows(offsets, lens, job.cp, job.strategy, job.params, where=where))
-        sampled += [lens[offsets[i]:offsets[i + 1]] for i in range(offsets.size - 1)
-                    if (first + i) % job.baseline_step == 0]
-        first += offsets.size - 1
-    rows = _concat(parts)
-    table = plan_table(rows.shard_offsets, rows.shard_doc, rows.shard_start, rows.shard_len, rows.shard_rank,
-                       rows.imbalance, rows.ag_comm_tokens, rows.a2a_comm_tokens)
-    plan_file = write_plan_file(Path(job.staging), job.file_index, table, job.cp)
-    baselines = {}
-    if sampled:
-        sub_offsets = np.zeros(len(sampled) + 1, np.int64)
-        sub_offsets[1:] = np.cumsum([s.size for s in sampled])
+    names = _compared_names(job.strategy) if job.compare_step else []
+    model = objective_model(step_params(job.strategy, job.params)) if names else None
+    metrics: list[tuple] = []
+    compared: dict[str, list[tuple]] = {name: [] for name in names}
+    warm_up(job)
+    first = 0  # the row group's first row in the file
+    writer = PlanFileWriter(Path(job.staging), job.file_index, job.cp)
+    try:
+        for group in range(dataset.parquet(job.file_index).num_row_groups):
+            offsets, lens = read_row_group_lens(dataset, job.file_index, group)
+            check_rows(offsets, lens, job.context_len, where, first_row=first)
+            planned = plan_rows(offsets, lens, job.cp, job.strategy, job.params, where=where, first_row=first)
+            writer.write(planned.table())
+            metrics.append((planned.imbalance, planned.ag_comm_tokens, planned.a2a_comm_tokens))
+            if names:
+                rows = np.flatnonzero((job.first_row + first + np.arange(planned.num_rows)) % job.compare_step == 0)
+                for name, values in _compare(job, offsets, lens, planned, rows, model, where, first).items():
+                    compared[name].append(values)
+            first += planned.num_rows
+            del planned  # before the next row group is planned
+        plan_file = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return _FileResult(plan_file=plan_file, metrics=_joined(metrics, 3),  # type: ignore[arg-type]
+                       compared={name: _joined(parts, 4) for name, parts in compared.items()})
+
+
+def warm_up(job: _FileJob) -> None:
+    """Load (or compile) every kernel a job runs by planning (not polishing) and pricing a one-document sequence.
+
+    Numba's first call of a strategy's batch kernel goes through its dispatcher, which leaves a reference
+    cycle holding that call's frames, and so its plans, until the cyclic collector runs; made on a tiny
+    sequence here, it holds nothing large. Also run by ``flashcp.engines.ray_plan`` before any task starts.
+    """
+    offsets, lens = np.array([0, 1], np.int64), np.array([job.context_len], np.int64)
+    _batch.plan_batch(offsets, lens, job.cp, job.strategy, **kernel_args(get_strategy(job.strategy), job.params))
+    if job.compare_step:
+        model = objective_model(step_params(job.strategy, job.params))
         for name in BASELINES:
-            b = plan_rows(sub_offsets, np.concatenate(sampled), job.cp, name, where=where)
-            baselines[name] = (b.imbalance, b.ag_comm_tokens, b.a2a_comm_tokens)
-    metrics = (rows.imbalance, rows.ag_comm_tokens, rows.a2a_comm_tokens)
-    return _FileResult(plan_file=plan_file, metrics=metrics, baselines=baselines)
+            plan_rows(offsets, lens, job.cp, name).step_seconds(job.cp, model)
+
+
+def _compared_names(strategy: str) -> list[str]:
+    return [strategy] + [name for name in BASELINES if name != strategy]
+
+
+def _compare(job: _FileJob, offsets: np.ndarray, lens: np.ndarray, planned: PlannedRows, rows: np.ndarray,
+             model: np.ndarray | None, where: str, first: int) -> dict[str, tuple]:
+    """(imbalance, all-gather, exact-need, step seconds) of ``rows`` of a row group, per compared strategy.
+
+    The plan's own rows are priced as planned; each baseline plans one row at a time (a Per-Doc plan of a
+    long sequence is large), validated like every plan, and keeps its metrics only. A baseline that is the
+    plan's strategy is the plan itself.
+    """
+    assert model is not None
+    own = planned.take(rows)
+    out = {job.strategy: (own.imbalance, own.ag_comm_tokens, own.a2a_comm_tokens, own.step_seconds(job.cp, model))}
+    del own
+    for name in BASELINES:
+        if name == job.strategy:
+            continue
+        values = np.zeros((4, rows.size))
+        for j, i in enumerate(rows):
+            one_offsets = np.array([0, offsets[i + 1] - offsets[i]], np.int64)
+            one = plan_rows(one_offsets, lens[offsets[i]:offsets[i + 1]], job.cp, name, where=where,
+                            first_row=first + int(i))
+            values[:, j] = one.imbalance[0], one.ag_comm_tokens[0], one.a2a_comm_tokens[0], \
+                one.step_seconds(job.cp, model)[0]
+        out[name] = (values[0], values[1].astype(np.int64), values[2].astype(np.int64), values[3])
+    return out
+
+
+def _joined(parts: list[tuple], width: int) -> tuple:
+    """The per-row-group metric tuples of ``parts`` joined into one tuple of ``width`` arrays."""
+    if not parts:
+        return (np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))[:width]
+    return tuple(np.concatenate(column) for column in zip(*parts))
 
 
 def read_row_group_lens(dataset: Dataset, file_index: int, row_group: int) -> tuple[np.ndarray, np.ndarray]:
@@ -246,28 +375,11 @@ def read_row_group_lens(dataset: Dataset, file_index: int, row_group: int) -> tu
     return offsets - offsets[0], values[offsets[0]:offsets[-1]]
 
 
-def _concat(parts: list[PlannedRows]) -> PlannedRows:
-    if not parts:  # a data file without rows
-        empty = np.zeros(0, np.int64)
-        return PlannedRows(shard_offsets=np.zeros(1, np.int64), shard_doc=empty, shard_start=empty,
-                           shard_len=empty, shard_rank=empty, imbalance=np.zeros(0), ag_comm_tokens=empty,
-                           a2a_comm_tokens=empty)
-    offsets = [np.zeros(1, np.int64)]
-    base = 0
-    for p in parts:
-        offsets.append(p.shard_offsets[1:] + base)
-        base += int(p.shard_offsets[-1])
-    cat = {name: np.concatenate([getattr(p, name) for p in parts])
-           for name in ("shard_doc", "shard_start", "shard_len", "shard_rank", "imbalance", "ag_comm_tokens",
-                        "a2a_comm_tokens")}
-    return PlannedRows(shard_offsets=np.concatenate(offsets), **cat)
-
-
 def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
                  target_imbalance: float | None = None, workers: int = 1, force: bool = False,
                  name: str | None = None, progress: Callable[[int], None] | None = None,
                  on_note: Callable[[str], None] | None = None, overrides: dict | None = None,
-                 run_jobs: Callable | None = None) -> dict:
+                 run_jobs: Callable | None = None, compare: int = COMPARE_DEFAULT) -> dict:
     """Plan every sequence of the dataset at ``root`` and write ``plans/<name>/``; returns its plan.json.
 
     ``name`` defaults to ``cp{N}-{strategy}`` and must be a plain folder name. An existing plan of that name
@@ -275,7 +387,9 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
     swapped, :class:`flashcp.planner.store.PlanSlot`), so a failure leaves it byte-identical.
     ``progress(rows)`` is called as rows finish; ``on_note(sentence)`` hears of staging folders of killed runs
     that were cleaned up. ``overrides`` set the strategy's other parameters (``chunk_size``, ``effort``,
-    ``profile``, ...). The returned dict carries the baselines' summaries under ``summary["baselines"]``.
+    ``profile``, ...). ``compare`` sequences at most, evenly spaced, are planned with the ``BASELINES`` too
+    (0: none); the returned dict carries their summaries, each with its mean projected step time, under
+    ``summary["baselines"]``, and the plan's own on the same sequences under ``summary["compare"]``.
     ``run_jobs(jobs, workers, progress)`` runs the per-file jobs elsewhere (``flashcp.engines.ray_plan``) and
     returns their results in order; by default they run here or in local worker processes.
     """
@@ -291,9 +405,10 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
         raise FlashcpError(str(e)) from None
     if workers < 1:
         raise FlashcpError(f"--workers must be at least 1, got {workers}")
+    if isinstance(compare, bool) or not isinstance(compare, int) or compare < 0:
+        raise FlashcpError(f"--compare must be a whole number of sequences, 0 or more, got {compare}")
     name = plan_name(cp, chosen.name) if name is None else name
-    total_rows = dataset.num_sequences
-    step = max(1, -(-total_rows // BASELINE_MAX_ROWS))
+    step = max(1, -(-dataset.num_sequences // compare)) if compare else 0
     for index, data_file in enumerate(dataset.files):
         rows = dataset.parquet(index).metadata.num_rows
         if rows != data_file.rows:
@@ -302,7 +417,8 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
 
     with PlanSlot(dataset, name, force=force) as slot:
         notes = list(slot.notes)
-        if any(_batch.needs_compile(strategy_name) for strategy_name in (chosen.name, *BASELINES)):
+        if any(_batch.needs_compile(strategy_name)
+               for strategy_name in (chosen.name, *(BASELINES if compare else ()))):
             notes.append("compiling planner kernels, first run only")
         for note in notes:
             (on_note or (lambda message: None))(note)
@@ -312,10 +428,11 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
             for index, data_file in enumerate(dataset.files):
                 jobs.append(_FileJob(root=str(dataset.root), file_index=index, first_row=first_row, cp=cp,
                                      strategy=chosen.name, params=params, context_len=dataset.context_len,
-                                     baseline_step=step, staging=str(staging)))
+                                     compare_step=step, staging=str(staging)))
                 first_row += data_file.rows
             results = (run_jobs or _run_jobs)(jobs, workers, progress)
-            summary = _summary(results, dataset.context_len, cp, step)
+            summary = _summary(results, dataset.context_len, cp, compare, step,
+                               step_params(chosen.name, params))
             meta = write_plan_json(staging, dataset=dataset, strategy=chosen.name, params=params, cp=cp,
                                    plan_files=[r.plan_file for r in results], summary=summary, name=name)
             slot.commit()
@@ -344,17 +461,34 @@ def _run_jobs(jobs: list[_FileJob], workers: int,
     return results
 
 
-def _summary(results: list[_FileResult], context_len: int, cp: int, step: int) -> dict:
-    def joined(metrics: list) -> dict:
-        imbalance, ag, a2a = (np.concatenate(x) for x in zip(*metrics))
-        return summarize(imbalance, ag, a2a, context_len, cp)
+def _summary(results: list[_FileResult], context_len: int, cp: int, compare: int, step: int,
+             priced_by: dict) -> dict:
+    """plan.json's ``summary``: the plan's metrics over every sequence, then the comparison.
+
+    ``baselines`` (name -> metrics, ``step_seconds_mean`` included) and ``baselines_every_nth_sequence`` (0:
+    no comparison) as before; ``compare``: how many sequences were compared, the price's profile and model
+    shape, and the plan's own metrics on those sequences (``strategy``).
+    """
+    def joined(parts: list[tuple]) -> dict:
+        columns = [np.concatenate(column) for column in zip(*parts)]
+        out = summarize(columns[0], columns[1], columns[2], context_len, cp)
+        if len(columns) > 3 and columns[0].size:
+            out["step_seconds_mean"] = float(columns[3].mean())
+        return out
 
     summary = joined([r.metrics for r in results])
-    baselines = {}
-    for name in BASELINES:
-        got = [r.baselines[name] for r in results if name in r.baselines]
-        if got:
-            baselines[name] = joined(got)
-    summary["baselines"] = baselines
+    names = list(results[0].compared) if results else []
+    compared = {name: joined([r.compared[name] for r in results]) for name in names}
+    summary["baselines"] = {name: compared[name] for name in BASELINES if name in compared}
     summary["baselines_every_nth_sequence"] = step
+    summary["compare"] = {"requested": compare, "sequences": compared[names[0]]["sequences"] if names else 0,
+                          "every_nth_sequence": step}
+    if names:
+        from flashcp.bench.profile import load_profile
+
+        summary["compare"].update(
+            profile=load_profile(priced_by.get("profile")).name,
+            model={key: int(priced_by.get(key, default)) for key, default in
+                   (("num_heads", 32), ("num_kv_heads", 32), ("head_dim", 128), ("layers", 1))},
+            strategy=compared[names[0]])
     return summary

@@ -1,7 +1,10 @@
 """Plans on disk: ``DATA/plans/<name>/part-NNNNN.parquet`` (one per data file, same row order) + ``plan.json``.
 
-``plan.json`` is written last; a plan exists once it exists. It records the sha256 of every data file the plan
-was made from: a reader whose dataset's manifest lists other hashes refuses the plan as stale.
+``flashcp plan`` writes a plan file with :class:`PlanFileWriter`, one row group per row group of its data
+file (planned, validated and written before the next is read); ``write_plan_file`` writes a whole table in
+row groups of ``PLAN_ROW_GROUP_ROWS`` (audit, tests). ``plan.json`` is written last; a plan exists once it
+exists. It records the sha256 of every data file the plan was made from: a reader whose dataset's manifest
+lists other hashes refuses the plan as stale.
 
 Writers go through :class:`PlanSlot`: the plan name is checked to be a plain folder name before anything is
 touched, a lock per plan name keeps two writers apart, the new plan is built in a hidden staging folder
@@ -31,7 +34,9 @@ from flashcp import __version__
 from flashcp.data.dataset import Dataset, _arrow, numpy_values
 from flashcp.errors import FlashcpError, PlanError, StalePlanError
 from flashcp.fileio import (
+    PARQUET_COMPRESSION,
     FolderLock,
+    atomic_path,
     check_plain_name,
     is_plain_tree,
     parquet_fingerprint,
@@ -47,6 +52,7 @@ from flashcp.planner.plan import SequencePlan
 
 __all__ = [
     "PLAN_SCHEMA",
+    "PlanFileWriter",
     "PlanSlot",
     "PlanStore",
     "StoredPlan",
@@ -130,6 +136,50 @@ def write_plan_file(plan_dir: Path, index: int, table: pa.Table, cp: int | None 
     size, footer = parquet_fingerprint(path)
     return {"path": path.name, "rows": table.num_rows, "sha256": sha256_file(path), "bytes": size,
             "footer_sha256": footer}
+
+
+class PlanFileWriter:
+    """Writes the plan file matching the ``index``-th data file one row group at a time.
+
+    Each ``write`` appends one row group, so a planner holds only the rows it is writing. Rows go to a temporary
+    file beside the final name (``atomic_path``) with the options of :func:`write_plan_file` (zstd, no
+    statistics); ``close`` renames it into place and returns its plan.json entry, ``abort`` removes it.
+    ``cp`` is recorded in the footer (``CP_KEY``) as :func:`write_plan_file` does.
+    """
+
+    def __init__(self, plan_dir: Path, index: int, cp: int | None = None):
+        self.path = Path(plan_dir) / f"part-{index:05d}.parquet"
+        self._atomic = atomic_path(self.path)
+        schema = PLAN_SCHEMA if cp is None else PLAN_SCHEMA.with_metadata({CP_KEY: str(int(cp)).encode()})
+        tmp = self._atomic.__enter__()
+        try:
+            self._writer = pq.ParquetWriter(tmp, schema, compression=PARQUET_COMPRESSION,
+                                            write_statistics=False, store_schema=True)
+        except BaseException as e:
+            self._atomic.__exit__(type(e), e, e.__traceback__)
+            raise
+        self.rows = 0
+
+    def write(self, table: pa.Table) -> None:
+        """Append ``table`` (:data:`PLAN_SCHEMA`) as one row group."""
+        self._writer.write_table(table, row_group_size=max(1, table.num_rows))
+        self.rows += table.num_rows
+
+    def close(self) -> dict:
+        """Finish the file, move it to its final name, and return its plan.json entry."""
+        self._writer.close()
+        self._atomic.__exit__(None, None, None)
+        size, footer = parquet_fingerprint(self.path)
+        return {"path": self.path.name, "rows": self.rows, "sha256": sha256_file(self.path), "bytes": size,
+                "footer_sha256": footer}
+
+    def abort(self) -> None:
+        """Drop the file being written."""
+        try:
+            self._writer.close()
+        finally:
+            aborted = RuntimeError("plan file aborted")
+            self._atomic.__exit__(RuntimeError, aborted, None)
 
 
 def write_plan_json(plan_dir: Path, *, dataset: Dataset, strategy: str, params: dict, cp: int,
