@@ -327,19 +327,26 @@ def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
             first_start[d] = start[i]
             first_rank[d] = r
     on_many = np.zeros(num_docs, np.bool_)
+    # the ranks holding each document, listed (document d's: holders[holder_at[d]:holder_at[d + 1]]), so
+    # that a shard's sends visit them only, not every rank
+    holders = np.empty(num_shards, np.int64)
+    holder_at = np.zeros(num_docs + 1, np.int64)
     for d in range(num_docs):
         ranks = 0
         for r in range(cp):
             if held[d, r] > 0:
+                holders[holder_at[d] + ranks] = r
                 ranks += 1
                 received[r] += max_end[d, r] - held[d, r]
+        holder_at[d + 1] = holder_at[d] + ranks
         on_many[d] = ranks > 1
     for i in range(num_shards):
         d, b = doc[i], rank[i]
         if on_many[d]:
             if start[i] != last_start[d]:
                 contributed[b] += length[i]
-            for r in range(cp):
+            for h in range(holder_at[d], holder_at[d + 1]):
+                r = holders[h]
                 if r != b:
                     amount = min(length[i], max(0, max_end[d, r] - start[i]))
                     sent[b] += amount
@@ -407,12 +414,15 @@ def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
 
 @functools.lru_cache(maxsize=16)
 def cached_model(profile: str | None, num_heads: int, num_kv_heads: int, head_dim: int,
-                 layers: int, with_tokens: bool = False) -> np.ndarray:
-    """``model_vector`` of a profile file (None: the default profile) and a model shape; do not modify."""
+                 layers: int, with_tokens: bool = False, gpus_per_node: int | None = None) -> np.ndarray:
+    """``model_vector`` of a profile file (None: the default profile) and a model shape; do not modify.
+
+    ``gpus_per_node``: the topology (None: the profile's own).
+    """
     from flashcp.bench.profile import load_profile
 
     shape = ObjectiveShape(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, layers=layers)
-    return model_vector(load_profile(profile), shape, with_tokens=with_tokens)
+    return model_vector(load_profile(profile), shape, with_tokens=with_tokens, gpus_per_node=gpus_per_node)
 
 
 def plan_step_seconds(plan, model: np.ndarray) -> float:

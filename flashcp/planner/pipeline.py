@@ -285,7 +285,7 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
     try:
         chosen = get_strategy(strategy)
         params = resolve_params(chosen, target_imbalance, **(overrides or {}))
-        check_shape(dataset.context_len, cp)
+        check_shape(dataset.context_len, cp, params)
         kernel_args(chosen, params)  # reads the profile: a bad one fails before any work
     except ValueError as e:
         raise FlashcpError(str(e)) from None

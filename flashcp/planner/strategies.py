@@ -165,7 +165,7 @@ class Strategy:
         lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
         if lens.ndim != 1 or lens.size == 0 or (lens <= 0).any():
             raise ValueError("doc_lens must be a non-empty 1-D array of positive lengths")
-        check_shape(int(lens.sum()), cp)
+        check_shape(int(lens.sum()), cp, params)
         doc, start, length, rank = run_kernel(self, lens, cp, params)
         return SequencePlan(shard_doc=doc, shard_start=start, shard_len=length, shard_rank=rank, cp=cp)
 
@@ -187,8 +187,9 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy(name="ptrr", defaults={"chunk_size": 128}, kernel=ptrr_kernel, kernel_params=("chunk",),
              description="PyTorch's PTRR load balancer: blocks by process time, dealt in snake order"),
     Strategy(name="flashcp2",
-             defaults={"target_imbalance": 1.01, "effort": 1, "objective": "time", "profile": None,
-                       "num_heads": 32, "num_kv_heads": 32, "head_dim": 128, "layers": 1, "token_slack": 0.0},
+             defaults={"target_imbalance": 1.05, "effort": 1, "objective": "time", "profile": None,
+                       "num_heads": 32, "num_kv_heads": 32, "head_dim": 128, "layers": 1, "token_slack": 0.0,
+                       "topology": None},
              kernel=flashcp2_kernel, kernel_params=("target", "effort", "model", "slack"),
              description="portfolio + local search under the projected step time, never slower than flashcp+"),
 )}
@@ -231,18 +232,49 @@ def resolve_params(strategy: Strategy, target_imbalance: float | None = None, **
         if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 <= slack < 1:
             raise ValueError(f"token slack must be a number in [0, 1), got {slack}")
         params["token_slack"] = float(slack)
+    if params.get("topology") is not None:
+        params["topology"] = format_topology(*parse_topology(params["topology"]))
     if "objective" in params and params["objective"] not in OBJECTIVES:
         raise ValueError(f"unknown objective '{params['objective']}': choose one of {', '.join(OBJECTIVES)}")
     return params
 
 
+def parse_topology(text) -> tuple[int, int]:
+    """``"NODESxGPUS"`` (e.g. ``"2x8"``) -> (nodes, GPUs per node); ValueError in one sentence otherwise."""
+    nodes, sep, gpus = str(text).lower().partition("x")
+    if not sep or not nodes.isdigit() or not gpus.isdigit() or int(nodes) < 1 or int(gpus) < 1:
+        raise ValueError(f"topology must be NODESxGPUS with two positive whole numbers (e.g. 2x8), got '{text}'")
+    return int(nodes), int(gpus)
+
+
+def format_topology(nodes: int, gpus: int) -> str:
+    """The canonical spelling of a topology, ``"2x8"``."""
+    return f"{nodes}x{gpus}"
+
+
+def gpus_per_node(params: dict) -> int | None:
+    """CP ranks per node of a strategy's parameters: from ``topology``, else None (the profile's)."""
+    topology = params.get("topology")
+    return None if topology is None else parse_topology(topology)[1]
+
+
+def check_topology(params: dict, cp: int) -> None:
+    """ValueError unless a ``topology`` in ``params`` has exactly ``cp`` ranks (NODES x GPUS == cp)."""
+    topology = params.get("topology")
+    if topology is not None:
+        nodes, gpus = parse_topology(topology)
+        if nodes * gpus != cp:
+            raise ValueError(f"topology {topology} holds {nodes * gpus} ranks, not the {cp} of --cp {cp}")
+
+
 def objective_model(params: dict) -> np.ndarray:
-    """The step-time model vector of ``flashcp2`` parameters (profile file, model shape); cached."""
+    """The step-time model vector of ``flashcp2`` parameters (profile file, model shape, topology); cached."""
     from flashcp.planner.objective import cached_model
 
     return cached_model(params.get("profile"), int(params.get("num_heads", 32)),
                         int(params.get("num_kv_heads", 32)), int(params.get("head_dim", 128)),
-                        int(params.get("layers", 1)), float(params.get("token_slack", 0.0)) > 0)
+                        int(params.get("layers", 1)), float(params.get("token_slack", 0.0)) > 0,
+                        gpus_per_node(params))
 
 
 def kernel_args(strategy: Strategy, params: dict) -> dict:
@@ -258,8 +290,9 @@ def kernel_args(strategy: Strategy, params: dict) -> dict:
             "slack": float(params.get("token_slack", 0.0))}
 
 
-def check_shape(context_len: int, cp: int) -> None:
-    """ValueError unless ``1 <= cp <= min(MAX_CP, context_len)`` and the context length is supported."""
+def check_shape(context_len: int, cp: int, params: dict | None = None) -> None:
+    """ValueError unless ``1 <= cp <= min(MAX_CP, context_len)`` and the context length is supported, and a
+    ``topology`` in ``params`` has ``cp`` ranks."""
     if context_len < 1 or context_len > MAX_CONTEXT_LEN:
         raise ValueError(f"context length must be in [1, {MAX_CONTEXT_LEN}], got {context_len}")
     if cp < 1:
@@ -268,6 +301,7 @@ def check_shape(context_len: int, cp: int) -> None:
         raise ValueError(f"cp {cp} is above the {context_len} tokens per sequence: some rank would get none")
     if cp > MAX_CP:
         raise ValueError(f"cp {cp} is above the largest supported CP size {MAX_CP}")
+    check_topology(params or {}, cp)
 
 
 def run_kernel(strategy: Strategy, lens: np.ndarray, cp: int, params: dict):
