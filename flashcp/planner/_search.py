@@ -351,27 +351,27 @@ def _chunk_of(lens, cp, split):
 
 @njit(cache=True)
 def _candidate(lens, cp, c, num, cut, limit, target):
-    """Portfolio candidate ``c``: ``flashcp+`` at the ceiling ``target`` (empty when that is its own
-    ``PLUS_TARGET`` or lower, as the first candidate is that plan), ``num`` chunked assignments of
-    ``AFFINITY``, then Algorithm 1 (R = 1.05, at most ``MAX_ZIGZAG`` Per-Doc documents), ``magi`` at
-    ``(C // N) // 8``, ``llama3``, then ``magi`` at each of ``PORTFOLIO_SPLITS``. ``cut``: ``_affinity_chunks``
-    at each of ``SPLITS``. A candidate that misses imbalance ``limit`` comes back empty."""
+    """Portfolio candidate ``c``: Algorithm 1 (R = 1.05, at most ``MAX_ZIGZAG`` Per-Doc documents),
+    ``flashcp+`` at the ceiling ``target`` (empty when that is its own ``PLUS_TARGET`` or lower, as the
+    first plan is that plan), ``num`` chunked assignments of ``AFFINITY``, ``magi`` at ``(C // N) // 8``,
+    ``llama3``, then ``magi`` at each of ``PORTFOLIO_SPLITS``. ``cut``: ``_affinity_chunks`` at each of
+    ``SPLITS``. A candidate that misses imbalance ``limit`` comes back empty."""
     if c == 0:
+        return flashcp_bounded(lens, cp, 1.05, limit, MAX_ZIGZAG)
+    if c == 1:
         if target <= PLUS_TARGET:
             return lens[:0], lens[:0], lens[:0], lens[:0]
         return flashcp_plus_bounded(lens, cp, target, MAX_ZIGZAG)
-    c -= 1
+    c -= 2
     if c < num:
         split = AFFINITY[c][0]
         return _affinity_assign(lens, cp, cut[0] if split == 4 else cut[1] if split == 8 else cut[2],
                                 AFFINITY[c][1], limit)
     if c == num:
-        return flashcp_bounded(lens, cp, 1.05, limit, MAX_ZIGZAG)
-    if c == num + 1:
         return magi_within(lens, cp, _chunk_of(lens, cp, 8), limit)
-    if c == num + 2:
+    if c == num + 1:
         return llama3_within(lens, cp, limit)
-    return magi_within(lens, cp, _chunk_of(lens, cp, PORTFOLIO_SPLITS[c - num - 3]), limit)
+    return magi_within(lens, cp, _chunk_of(lens, cp, PORTFOLIO_SPLITS[c - num - 2]), limit)
 
 
 @njit(cache=True)
@@ -433,14 +433,18 @@ def flashcp2_kernel(lens, cp, target, effort, model, slack):
         _price_shards(start, length, rank, model, sec_f, sec_b, busiest, True, memo)
         floor = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, busiest)
         within = best_imbalance <= target
-        if within and (floor > plus_time or floor >= best_time * (1.0 + RECEIVE_TIE)):
+        # Algorithm 1 (c == 0) sets the time to beat with flashcp+: it wins when it is faster
+        if within and (floor > plus_time or floor >= best_time * (1.0 + RECEIVE_TIE) or c == 0 and
+                       floor >= best_time):
             continue
         _price_shards(start, length, rank, model, sec_f, sec_b, busiest, False, memo)
         t = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, -1)
-        if within and (t > plus_time or t >= best_time * (1.0 + RECEIVE_TIE)):
+        if within and (t > plus_time or t >= best_time * (1.0 + RECEIVE_TIE) or c == 0 and t >= best_time):
             continue
         received = _exact_need_received(doc, start, length, rank, cp).max()
-        if best_imbalance <= target:
+        if c == 0:
+            plus_time = t
+        elif within:
             # not faster: never less balanced than the best
             if t >= best_time and imbalance > best_imbalance:
                 continue
