@@ -175,6 +175,8 @@ def _profile_from_json(obj, label: str) -> HardwareProfile:
     values = {name: _number(obj, name, label) for name in SCALARS}
     values.update({name: _number(obj, name, label) if name in obj else default
                    for name, default in OPTIONAL.items()})
+    if values["gpus_per_node"] != int(values["gpus_per_node"]) or values["gpus_per_node"] < 0:
+        raise FlashcpError(f"hardware profile {label}: gpus_per_node must be a whole number, 0 or more")
     try:
         return HardwareProfile(
             name=str(obj.get("name", label)), calibrated=bool(obj.get("calibrated", False)),
@@ -185,7 +187,7 @@ def _profile_from_json(obj, label: str) -> HardwareProfile:
             kernel_overhead_us=values["kernel_overhead_us"],
             collective_latency_us=values["collective_latency_us"],
             sequence_overhead_us=values["sequence_overhead_us"], causal_skip=bool(values["causal_skip"]),
-            inter_node_gbps=values["inter_node_gbps"], gpus_per_node=values["gpus_per_node"], sources=sources)
+            inter_node_gbps=values["inter_node_gbps"], gpus_per_node=int(values["gpus_per_node"]), sources=sources)
     except (TypeError, ValueError) as e:
         raise FlashcpError(f"hardware profile {label} is not valid: {e}") from None
 

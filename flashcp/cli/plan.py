@@ -52,6 +52,9 @@ def summary_table(title: str, rows: dict[str, dict]) -> Table:
 @click.option("--token-slack", type=click.FloatRange(min=0, max=1, max_open=True), default=None,
               help="flashcp2: a rank may hold up to F x C/N tokens more or fewer than its quota, the objective "
                    "pricing the per-token layers too [default: 0, exact quotas].")
+@click.option("--topology", default=None, metavar="NODESxGPUS",
+              help="flashcp2: the CP ranks' layout, e.g. 2x8 (rank r on node r // GPUS): inter-node K/V is "
+                   "priced at the profile's inter_node_gbps and reported apart [default: the profile's].")
 @click.option("--chunk-size", type=click.IntRange(min=1), default=None,
               help="magi, ptrr: chunk tokens [default: 512 for magi, 128 for ptrr].")
 @click.option("--workers", type=int, default=1, show_default=True, help="Worker processes.")
@@ -64,9 +67,9 @@ def summary_table(title: str, rows: dict[str, dict]) -> Table:
               help="With --engine ray: join the cluster at ADDRESS ('auto': the running one) instead of "
                    "starting Ray on this machine with --workers CPUs.")
 def command(data: str, cp: int, strategy: str, target_imbalance: float | None, objective: str | None,
-            profile: str | None, effort: str | None, token_slack: float | None, chunk_size: int | None,
-            workers: int, name: str | None, force: bool, as_json: bool = False, engine: str = "local",
-            ray_address: str | None = None) -> None:
+            profile: str | None, effort: str | None, token_slack: float | None, topology: str | None,
+            chunk_size: int | None, workers: int, name: str | None, force: bool, as_json: bool = False,
+            engine: str = "local", ray_address: str | None = None) -> None:
     """Plan every sequence of DATA for CP size N; every plan is validated before it is written."""
     set_json_output(as_json)
     started = time.perf_counter()
@@ -85,7 +88,7 @@ def command(data: str, cp: int, strategy: str, target_imbalance: float | None, o
         advance = stack.enter_context(progress(f"planning cp{cp} {strategy}", dataset.num_sequences))
         overrides = {"objective": objective, "profile": str(Path(profile).resolve()) if profile else None,
                      "effort": int(effort) if effort and effort.isdigit() else effort, "chunk_size": chunk_size,
-                     "token_slack": token_slack}
+                     "token_slack": token_slack, "topology": topology}
         meta = plan_dataset(data, cp, strategy, target_imbalance=target_imbalance, workers=workers,
                             force=force, name=name, progress=advance, on_note=info,
                             overrides={k: v for k, v in overrides.items() if v is not None}, run_jobs=run_jobs)
@@ -101,6 +104,11 @@ def command(data: str, cp: int, strategy: str, target_imbalance: float | None, o
     title = (f"cp{cp} over {summary['sequences']:,} sequences of {dataset.context_len:,} tokens "
              f"({meta['strategy']}{': ' + params if params else ''}{sampled})")
     console.print(summary_table(title, {meta["strategy"]: summary, **summary["baselines"]}))
+    if "topology" in summary:
+        t = summary["topology"]
+        console.print(f"{t['gpus_per_node']} ranks per node: the busiest rank receives "
+                      f"{t['a2a_intra_node_received_pct']:.1f}% inside its node and "
+                      f"{t['a2a_inter_node_received_pct']:.1f}% from other nodes (of (N-1)C/N, mean over sequences)")
     console.print("savings are against a full K/V all-gather: all-gather = 1 - max contribution / (C/N), "
                   "exact-need = 1 - max received / ((N-1)C/N); the llama3 and perdoc rows price their plans "
                   "with the same sharding-aware exchange (their own frameworks gather all K/V: 0%)")

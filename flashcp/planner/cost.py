@@ -59,6 +59,7 @@ __all__ = [
     "imbalance_ratio",
     "kv_bytes_per_token",
     "node_busiest",
+    "node_receive_summary",
     "plan_metrics",
     "rank_tokens",
     "rank_workloads",
@@ -310,8 +311,9 @@ def auto_comm_a2a(a2a_busiest, ag_slot, cp, dtype_bytes):
 
 @njit(cache=True)
 def node_busiest(sent, received, sent_far, received_far):
-    """``(near, far)``: the most rows one rank moves inside its node and across nodes in one exact-need
-    exchange, each the larger of its sending and receiving side (the links are full duplex).
+    """``(near, far)``: the most rows one rank moves inside its node and across nodes (exact-need).
+
+    Each is the larger of the rank's sending and receiving side (the links are full duplex).
 
     ``sent``, ``received`` (cp,): every rank's totals; ``sent_far``, ``received_far``: their parts that cross
     a node boundary (``exact_need_node_volumes``).
@@ -326,8 +328,10 @@ def node_busiest(sent, received, sent_far, received_far):
 
 @njit(cache=True)
 def allgather_node_rows(slot, cp, gpus_per_node):
-    """``(near, far)`` rows of the busiest rank in an all-gather of ``slot`` rows per rank: every rank
-    receives every other rank's slot, from its node peers over the node's link, from the others across nodes.
+    """``(near, far)`` rows of the busiest rank in an all-gather of ``slot`` rows per rank.
+
+    Every rank receives every other rank's slot, from its node peers over the node's link, from the others
+    across nodes.
 
     ``gpus_per_node`` 0 (or at least ``cp``): one node, ``((cp - 1) * slot, 0)``.
     """
@@ -367,8 +371,10 @@ def _exact_need_node_volumes(shard_doc, shard_start, shard_len, shard_rank, cp, 
 
 def exact_need_node_volumes(shard_doc, shard_start, shard_len, shard_rank, cp: int,
                             gpus_per_node: int) -> dict[str, np.ndarray]:
-    """Exact-need rows per rank split by link: ``sent``, ``received`` and their parts ``sent_far``,
-    ``received_far`` that cross a node boundary (rank r on node ``r // gpus_per_node``; 0: one node).
+    """Exact-need rows per rank split by link.
+
+    ``sent``, ``received`` and their parts ``sent_far``, ``received_far`` that cross a node boundary (rank r
+    on node ``r // gpus_per_node``; 0: one node).
 
     Each is (cp,) int64; ``sent`` and ``received`` equal ``exact_need_sent`` and ``exact_need_received``.
     """
@@ -382,8 +388,11 @@ def exact_need_node_volumes(shard_doc, shard_start, shard_len, shard_rank, cp: i
 
 @njit(cache=True)
 def batch_node_received(shard_offsets, shard_doc, shard_start, shard_len, shard_rank, cp, gpus_per_node):
-    """Per row of flat plans: the largest exact-need receive inside a node and across nodes over ranks,
-    ``(rows, 2)`` int64 (a rank's received rows less ``received_far``, and ``received_far``)."""
+    """Per row of flat plans: the largest exact-need receive inside a node and across nodes, (rows, 2) int64.
+
+    Column 0 is the largest of a rank's received rows less ``received_far``, column 1 the largest
+    ``received_far``.
+    """
     rows = shard_offsets.shape[0] - 1
     out = np.zeros((rows, 2), np.int64)
     for row in range(rows):
@@ -396,6 +405,19 @@ def batch_node_received(shard_offsets, shard_doc, shard_start, shard_len, shard_
         out[row, 0] = (v[1] - v[3]).max()
         out[row, 1] = v[3].max()
     return out
+
+
+def node_receive_summary(node_received: np.ndarray, context_len: int, cp: int, gpus_per_node: int) -> dict:
+    """plan.json's intra- and inter-node receive of plans made for a topology.
+
+    The means over sequences of ``batch_node_received``'s columns (tokens), each also as a share of
+    ``(N - 1) C / N``.
+    """
+    full = max(1.0, (cp - 1) * context_len / cp)
+    intra, inter = (float(node_received[:, k].mean()) if node_received.size else 0.0 for k in (0, 1))
+    return {"gpus_per_node": int(gpus_per_node), "a2a_intra_node_tokens_mean": intra,
+            "a2a_inter_node_tokens_mean": inter, "a2a_intra_node_received_pct": 100 * intra / full,
+            "a2a_inter_node_received_pct": 100 * inter / full}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -37,9 +37,9 @@ import numpy as np
 from flashcp._numba import njit
 from flashcp.planner.cost import allgather_node_rows, auto_comm_a2a, node_busiest, workload
 
-__all__ = ["BWD_FLOPS", "ObjectiveShape", "batch_step_seconds", "cached_model", "curve_tflops", "exchange_seconds", "model_vector",
-           "one_shard_seconds", "pair_seconds", "plan_step_seconds", "rank_floor", "shard_seconds", "step_seconds",
-           "step_seconds_of"]
+__all__ = ["BWD_FLOPS", "ObjectiveShape", "batch_step_seconds", "cached_model", "curve_tflops", "exchange_seconds",
+           "model_vector", "one_shard_seconds", "pair_seconds", "plan_step_seconds", "rank_floor", "shard_seconds",
+           "step_seconds", "step_seconds_of"]
 
 BWD_FLOPS = 2.5
 """Backward FLOPs per forward FLOP (the flash-attention benchmark convention the profile's curve uses)."""
@@ -240,8 +240,9 @@ def one_shard_seconds(start, length, model):
 
 @njit(cache=True)
 def exchange_seconds(near_tokens, far_tokens, row_bytes, link_gbps, inter_node_gbps, latency_us):
-    """Seconds of one collective whose busiest rank moves ``near_tokens`` rows inside its node and
-    ``far_tokens`` rows across nodes (``cost.node_busiest``, ``cost.allgather_node_rows``).
+    """Seconds of one collective whose busiest rank moves ``near_tokens`` rows in its node, ``far_tokens`` out.
+
+    The rows come from ``cost.node_busiest`` or ``cost.allgather_node_rows``.
 
     The two links run at once: ``max(near * bytes / link, far * bytes / inter-node link) + latency``; 0 when
     nothing moves (every rank skips the exchange). Without a topology ``far`` is 0: ``near * bytes / link``.

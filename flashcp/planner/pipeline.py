@@ -24,7 +24,7 @@ import pyarrow as pa
 from flashcp.data.dataset import Dataset, numpy_values
 from flashcp.errors import FlashcpError, PlanError
 from flashcp.planner import _batch
-from flashcp.planner.cost import comm_saving, exact_need_saving
+from flashcp.planner.cost import batch_node_received, comm_saving, exact_need_saving, node_receive_summary
 from flashcp.planner.plan import SequencePlan
 from flashcp.planner.polish import parse_effort, polish_plan
 from flashcp.planner.store import (
@@ -34,7 +34,14 @@ from flashcp.planner.store import (
     write_plan_file,
     write_plan_json,
 )
-from flashcp.planner.strategies import Strategy, check_shape, get_strategy, kernel_args, resolve_params
+from flashcp.planner.strategies import (
+    Strategy,
+    check_shape,
+    get_strategy,
+    kernel_args,
+    plan_gpus_per_node,
+    resolve_params,
+)
 
 __all__ = [
     "BASELINES",
@@ -120,7 +127,10 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
     row_offsets = np.ascontiguousarray(row_offsets, dtype=np.int64)
     doc_lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
     args = kernel_args(chosen, params)
-    offsets, doc, start, length, rank = _batch.plan_batch(row_offsets, doc_lens, cp, chosen.name, **args)
+    if chosen.rows is not None:  # planned in Python (dcp)
+        offsets, doc, start, length, rank = chosen.rows(row_offsets, doc_lens, cp, params)
+    else:
+        offsets, doc, start, length, rank = _batch.plan_batch(row_offsets, doc_lens, cp, chosen.name, **args)
     ilp_seconds = parse_effort(params["effort"])[1] if "effort" in params else None
     if ilp_seconds is not None:
         offsets, doc, start, length, rank = _polish_rows(row_offsets, doc_lens, cp, args["model"], ilp_seconds,
@@ -203,6 +213,8 @@ class _FileResult:
     plan_file: dict
     metrics: tuple[np.ndarray, np.ndarray, np.ndarray]
     baselines: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+    node_received: np.ndarray | None = None  # (rows, 2) intra/inter-node receive under a topology
+    gpus_per_node: int = 0
 
 
 def _plan_file(job: _FileJob) -> _FileResult:
@@ -230,7 +242,11 @@ def _plan_file(job: _FileJob) -> _FileResult:
             b = plan_rows(sub_offsets, np.concatenate(sampled), job.cp, name, where=where)
             baselines[name] = (b.imbalance, b.ag_comm_tokens, b.a2a_comm_tokens)
     metrics = (rows.imbalance, rows.ag_comm_tokens, rows.a2a_comm_tokens)
-    return _FileResult(plan_file=plan_file, metrics=metrics, baselines=baselines)
+    per_node = plan_gpus_per_node(job.params)
+    node_received = batch_node_received(rows.shard_offsets, rows.shard_doc, rows.shard_start, rows.shard_len,
+                                        rows.shard_rank, job.cp, per_node) if 0 < per_node < job.cp else None
+    return _FileResult(plan_file=plan_file, metrics=metrics, baselines=baselines, node_received=node_received,
+                       gpus_per_node=per_node)
 
 
 def read_row_group_lens(dataset: Dataset, file_index: int, row_group: int) -> tuple[np.ndarray, np.ndarray]:
@@ -302,7 +318,8 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
 
     with PlanSlot(dataset, name, force=force) as slot:
         notes = list(slot.notes)
-        if any(_batch.needs_compile(strategy_name) for strategy_name in (chosen.name, *BASELINES)):
+        if any(_batch.needs_compile(strategy_name) for strategy_name in (chosen.name, *BASELINES)
+               if get_strategy(strategy_name).kernel is not None):
             notes.append("compiling planner kernels, first run only")
         for note in notes:
             (on_note or (lambda message: None))(note)
@@ -357,4 +374,7 @@ def _summary(results: list[_FileResult], context_len: int, cp: int, step: int) -
             baselines[name] = joined(got)
     summary["baselines"] = baselines
     summary["baselines_every_nth_sequence"] = step
+    if results and all(r.node_received is not None for r in results):  # made for a topology
+        summary["topology"] = node_receive_summary(np.concatenate([r.node_received for r in results]),
+                                                   context_len, cp, results[0].gpus_per_node)
     return summary

@@ -125,6 +125,7 @@ from flashcp.planner._kernels import flashcp_kernel, llama3_kernel, perdoc_kerne
 from flashcp.planner._peers import magi_kernel, ptrr_kernel
 from flashcp.planner._plus import flashcp_plus_kernel
 from flashcp.planner._search import flashcp2_kernel
+from flashcp.planner.hypergraph import MISSING, dcp_available, dcp_rows
 from flashcp.planner.plan import SequencePlan
 
 __all__ = ["DEFAULT_STRATEGY", "MAX_CONTEXT_LEN", "STRATEGIES", "Strategy", "get_strategy", "plan_sequence"]
@@ -150,11 +151,17 @@ class Strategy:
     """Parameters and their defaults (``target_imbalance`` for the flashcp family)."""
     description: str
     """One line for help texts."""
-    kernel: Callable
+    kernel: Callable | None
     """The per-sequence Numba kernel: ``kernel(lens, cp, *kernel_params) -> (doc, start, len, rank)``."""
     kernel_params: tuple[str, ...] = ()
     """What the kernel takes after ``(lens, cp)``, from ``_batch.KERNEL_PARAMS`` (``kernel_args`` builds
     them from the parameters)."""
+    rows: Callable | None = None
+    """A strategy planned in Python instead (``dcp``: a C++ partitioner behind a Python binding):
+    ``rows(row_offsets, doc_lens, cp, params)`` returns what ``_batch.plan_batch`` returns; ``kernel`` is
+    then None."""
+    missing: Callable[[], str | None] | None = None
+    """A check run before planning: the sentence refusing the strategy (a missing package), or None."""
 
     def plan(self, doc_lens, cp: int, *, target_imbalance: float | None = None, **overrides) -> SequencePlan:
         """Plan one packed sequence: ``doc_lens`` (num_docs,) positive integers -> SequencePlan.
@@ -186,6 +193,9 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              description="MagiAttention's MinHeap dispatch of chunk_size-token chunks"),
     Strategy(name="ptrr", defaults={"chunk_size": 128}, kernel=ptrr_kernel, kernel_params=("chunk",),
              description="PyTorch's PTRR load balancer: blocks by process time, dealt in snake order"),
+    Strategy(name="dcp", defaults={"chunk_size": 512}, kernel=None, kernel_params=("chunk",), rows=dcp_rows,
+             missing=lambda: None if dcp_available() else MISSING,
+             description="DCP's hypergraph partitioning of blocks (needs pip install 'flashcp[hypergraph]')"),
     Strategy(name="flashcp2",
              defaults={"target_imbalance": 1.05, "effort": 1, "objective": "time", "profile": None,
                        "num_heads": 32, "num_kv_heads": 32, "head_dim": 128, "layers": 1, "token_slack": 0.0,
@@ -258,6 +268,21 @@ def gpus_per_node(params: dict) -> int | None:
     return None if topology is None else parse_topology(topology)[1]
 
 
+def plan_gpus_per_node(params: dict) -> int:
+    """CP ranks per node a plan was made for (0: every rank in one node).
+
+    Its ``topology``, else its profile's ``gpus_per_node`` (for a strategy that takes a profile), else 0.
+    """
+    per_node = gpus_per_node(params)
+    if per_node is not None:
+        return per_node
+    if "profile" not in params:
+        return 0
+    from flashcp.bench.profile import load_profile
+
+    return load_profile(params["profile"]).gpus_per_node
+
+
 def check_topology(params: dict, cp: int) -> None:
     """ValueError unless a ``topology`` in ``params`` has exactly ``cp`` ranks (NODES x GPUS == cp)."""
     topology = params.get("topology")
@@ -284,6 +309,9 @@ def kernel_args(strategy: Strategy, params: dict) -> dict:
     """
     from flashcp.planner.polish import parse_effort
 
+    refusal = strategy.missing() if strategy.missing is not None else None
+    if refusal:
+        raise ValueError(refusal)
     model = objective_model(params) if "model" in strategy.kernel_params else None
     return {"target": float(params.get("target_imbalance", 1.0)), "chunk": int(params.get("chunk_size", 1)),
             "effort": parse_effort(params.get("effort", 0))[0], "model": model,
@@ -291,8 +319,10 @@ def kernel_args(strategy: Strategy, params: dict) -> dict:
 
 
 def check_shape(context_len: int, cp: int, params: dict | None = None) -> None:
-    """ValueError unless ``1 <= cp <= min(MAX_CP, context_len)`` and the context length is supported, and a
-    ``topology`` in ``params`` has ``cp`` ranks."""
+    """ValueError unless ``1 <= cp <= min(MAX_CP, context_len)`` and the context length is supported.
+
+    A ``topology`` in ``params`` must hold ``cp`` ranks.
+    """
     if context_len < 1 or context_len > MAX_CONTEXT_LEN:
         raise ValueError(f"context length must be in [1, {MAX_CONTEXT_LEN}], got {context_len}")
     if cp < 1:
@@ -310,7 +340,10 @@ def run_kernel(strategy: Strategy, lens: np.ndarray, cp: int, params: dict):
     One compiled entry point per strategy, shared with ``pipeline.plan_rows``.
     """
     rows = np.array([0, lens.size], np.int64)
-    return _batch.plan_batch(rows, lens, cp, strategy.name, **kernel_args(strategy, params))[1:]
+    args = kernel_args(strategy, params)
+    if strategy.rows is not None:
+        return strategy.rows(rows, lens, cp, params)[1:]
+    return _batch.plan_batch(rows, lens, cp, strategy.name, **args)[1:]
 
 
 def plan_sequence(strategy: str, doc_lens, cp: int, *, target_imbalance: float | None = None,
