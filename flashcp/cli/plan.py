@@ -40,7 +40,8 @@ def summary_table(title: str, rows: dict[str, dict]) -> Table:
 @click.option("--strategy", default=DEFAULT_STRATEGY, show_default=True,
               help=f"One of: {', '.join(STRATEGIES)}.")
 @click.option("--target-imbalance", type=float, default=None,
-              help="Target max/mean workload R (flashcp: 1.05, flashcp+ and flashcp2: 1.01 by default).")
+              help="Target max/mean workload R (flashcp: 1.05, flashcp+: 1.01 by default); for flashcp2 a "
+                   "ceiling (default 1.05): inside it the projected step time decides.")
 @click.option("--objective", type=click.Choice(["time"]), default=None,
               help="flashcp2: what the search minimises (time = projected step time) [default: time].")
 @click.option("--profile", type=click.Path(dir_okay=False), default=None,

@@ -85,26 +85,52 @@ identical plans.
     torch requires) this is torch's assignment; otherwise a rank without room for its block takes the head
     that fits and the rest goes on to the rank with room and the least process time so far.
 
-``flashcp2`` (parameters ``target_imbalance`` 1.01, ``effort`` 1, ``objective`` "time", ``profile``, shape)
+``dcp`` (DCP's hypergraph partitioning, SOSP'25; parameter ``chunk_size``, default 512; needs ``mtkahypar``)
+    Every document is cut into ``chunk_size``-token blocks from its start; blocks are vertices weighted by
+    their workload, and block b's K/V need (b and every later block of its document) is a net weighted by
+    its tokens, so the partitioner's connectivity objective is the plan's total exact-need traffic.
+    Mt-KaHyPar splits the blocks into N parts (epsilon 0.01, deterministic, one thread); then, as
+    Algorithm 1's Whole-Doc step does, the rank most over its quota moves the head of its piece with the
+    shortest prefix to the under-filled rank with the least workload until every rank holds its quota
+    (``flashcp.planner.hypergraph``). Planned in Python; without the package it refuses in one sentence.
+
+``flashcp2`` (parameters ``target_imbalance`` 1.05, ``effort`` 1, ``objective`` "time", ``profile``, shape,
+``topology``)
     Per sequence, a portfolio under the step-time objective (``flashcp.planner.objective``: the projected
     step time of ``flashcp bench`` for one layer of H = H_kv = 32, D = 128 by default, auto comm with local
-    shards overlapping the exchange). ``flashcp+`` comes first; then, in order, chunked assignments that keep
-    documents contiguous (``_search.affinity_kernel``: every document cut into chunks from its end, chunks by
-    decreasing workload to the least-loaded rank with room, except that the rank holding the next chunk of
-    the same document takes it while it stays within the mean workload and within ``tolerance * mean`` of
-    the least-loaded rank; chunks are fractions of a rank's quota ``q = C // N``: (chunk, tolerance) =
-    (q/4, 0.03), (q/8, 0.1), (q/8, 0.01), (q/16, 0.01), (q/8, 0.03), (q/4, 0.01), (q/16, 0.03), (q/16, 0.1),
-    i.e. 2048, 1024 and 512 tokens at C = 131072, N = 16), ``flashcp`` (R = 1.05), ``magi`` at q/8 tokens,
-    ``llama3``; effort 2 and more add ``magi`` at q/16 and q/4; effort 0 tries only the first three chunked
-    assignments and ``flashcp``. A candidate within ``limit = max(target, imbalance of flashcp+)`` and not
-    slower than ``flashcp+`` replaces the best one when it is faster by more than ``RECEIVE_TIE`` (2%) of the
-    best time, or within that share and has a lower largest exact-need receive (equal: faster); so the result
-    is never slower than ``flashcp+``. A candidate whose busiest rank alone (``objective.rank_floor``) is too
-    slow to win is skipped unpriced, which changes nothing. Then, with ``effort``
-    > 0, local search: paired moves of two document boundaries between the same two ranks by the same
-    shift (1024, 256, 64, 16 tokens) so every rank keeps its quota, kept when the step time drops, the
-    imbalance stays within ``limit`` and the largest receive does not grow; passes repeat while one
-    improves, for at most ``16 * effort`` evaluations.
+    shards overlapping the exchange). ``target_imbalance`` is a ceiling, not a goal: inside it the step
+    time, which charges the slowest rank, decides; a candidate above it is never taken. The first plan is
+    ``flashcp+`` at its own target 1.01 (or the ceiling when lower), its search stopped at 8 zigzagged
+    documents (``_bounded.flashcp_plus_bounded``: the same plan whenever ``flashcp+`` needs no more). Then,
+    in order: Algorithm 1 (R = 1.05) when it needs at most 8 Per-Doc documents, which replaces the first
+    plan when faster (the two set the time to beat: the result is never slower than either of them when
+    they meet the ceiling); ``flashcp+`` at the ceiling (when above 1.01, same bound); chunked assignments
+    that keep documents contiguous (``_search.affinity_kernel``: every document cut into chunks from its
+    end, chunks by decreasing workload to the least-loaded rank with room, except that the rank holding the
+    next chunk of the same document takes it while it stays within the mean workload and within
+    ``tolerance * mean`` of the least-loaded rank; chunks are fractions of a rank's quota ``q = C // N``:
+    (chunk, tolerance) = (q/4, 0.03), (q/8, 0.1), (q/8, 0.01), (q/16, 0.01), (q/8, 0.03), (q/4, 0.01),
+    (q/16, 0.03), (q/16, 0.1), i.e. 2048, 1024 and 512 tokens at C = 131072, N = 16), ``magi`` at q/8
+    tokens, ``llama3``; effort 2 and more add ``magi`` at q/16 and q/4; effort 0 tries only the first three
+    chunked assignments. A candidate with more than ``num_docs + 32 N`` shards (``MAX_EXTRA_SHARDS``) is
+    not taken. When the first plan misses the ceiling, the first candidate within it replaces it; otherwise
+    a candidate not slower than the time to beat replaces the best one when it is faster by more than
+    ``RECEIVE_TIE`` (2%) of the best time, or not faster but no less balanced and within that share with a
+    lower largest exact-need receive (equal: faster). A candidate whose busiest rank alone
+    (``objective.rank_floor``) is too slow to win is skipped unpriced, which changes nothing. Then, with
+    ``effort`` > 0, local search: paired moves of two document boundaries between the same two ranks by the
+    same shift (1024, 256, 64, 16 tokens) so every rank keeps its quota, kept when the step time drops, the
+    imbalance stays within the ceiling (or the chosen plan's own, when above) and the largest receive does
+    not grow; passes repeat while one improves, for at most ``16 * effort`` evaluations. The bounds keep the
+    planning time of a sequence to a few candidates and a fixed search budget, whatever the sequence.
+
+    Topology (``topology`` "NODESxGPUS", or the profile's ``gpus_per_node``): rank r is on node
+    ``r // GPUS``; the objective prices rows between nodes at the profile's ``inter_node_gbps`` and rows
+    inside one at ``link_gbps`` (both links at once: the slower side of the busiest rank decides). Every
+    candidate's ranks are then placed on nodes before it is priced (``_topology.relabel_kernel``): ranks of
+    equal tokens are swapped between nodes while the largest cross-node rows of one rank (then the total
+    crossing) drop, which keeps a document's pieces inside one node where the plan allows it; the search
+    then prices moves with both links.
 
     Token slack (``token_slack`` F, default 0, beyond the paper): a rank may hold up to ``floor(F C / N)``
     tokens more or fewer than its quota. The objective then also prices every rank's per-token layers
