@@ -234,3 +234,62 @@ def test_flashcp2_within_the_ceiling_and_the_shard_bound(case):
         assert plan.metrics().imbalance <= max(target, base) + 1e-12
         assert plan.num_shards <= max(len(lens) + _search.MAX_EXTRA_SHARDS * cp,
                                       len(naive_flashcp_plus(lens, cp, min(target, 1.01), _search.MAX_ZIGZAG)))
+
+
+def test_plan_json_and_show_report_intra_and_inter_node_receive(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from flashcp.cli import cli
+
+    def run(*args):
+        return CliRunner().invoke(cli, [str(a) for a in args])
+
+    root = tmp_path / "d"
+    synth = run("synth", root, "--dist", "prolong", "--num-seqs", 3, "--context-len", 16384, "--no-tokens")
+    assert synth.exit_code == 0
+    result = run("plan", root, "--cp", 4, "--topology", "2x2", "--name", "nodes")
+    assert result.exit_code == 0, result.output
+    meta = json.loads((root / "plans" / "nodes" / "plan.json").read_text())
+    assert meta["params"]["topology"] == "2x2"
+    summary = meta["summary"]["topology"]
+    assert summary["gpus_per_node"] == 2 and summary["a2a_inter_node_tokens_mean"] >= 0
+    assert "from other nodes" in result.output
+    shown = run("show", root, "--plan", "nodes", "--seq", 1, "--json")
+    assert shown.exit_code == 0, shown.output
+    got = json.loads(shown.stdout)
+    assert got["gpus_per_node"] == 2 and [r["node"] for r in got["ranks"]] == [0, 0, 1, 1]
+    assert got["a2a_inter_node_tokens"] == max(r["received_inter_node"] for r in got["ranks"])
+    assert run("verify", root).exit_code == 0
+    result = run("plan", root, "--cp", 4, "--topology", "3x2", "--name", "bad")
+    assert result.exit_code == 1 and "holds 6 ranks, not the 4" in result.output
+    plain = json.loads((root / "plans" / "nodes" / "plan.json").read_text())
+    assert run("plan", root, "--cp", 4).exit_code == 0
+    assert "topology" not in json.loads((root / "plans" / "cp4-flashcp2" / "plan.json").read_text())["summary"]
+    assert plain == meta
+
+
+def test_profile_inter_node_fields(tmp_path):
+    import json
+
+    from flashcp.bench.profile import load_profile, save_profile
+    from flashcp.errors import FlashcpError
+
+    profile = load_profile()
+    assert profile.inter_node_gbps == 50.0 and profile.gpus_per_node == 0
+    obj = profile.to_json()
+    del obj["inter_node_gbps"], obj["gpus_per_node"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(obj))
+    old = load_profile(path)  # a profile without the fields: one node, the inter-node link as NVLink
+    assert old.inter_node_gbps == old.link_gbps and old.gpus_per_node == 0
+    obj["gpus_per_node"] = {"value": 8, "source": "a DGX node"}
+    path.write_text(json.dumps(obj))
+    assert load_profile(path).gpus_per_node == 8
+    save_profile(load_profile(path), tmp_path / "again.json")
+    assert load_profile(tmp_path / "again.json").gpus_per_node == 8
+    obj["gpus_per_node"] = {"value": 7.5, "source": "half a GPU"}
+    path.write_text(json.dumps(obj))
+    with pytest.raises(FlashcpError, match="gpus_per_node must be a whole number"):
+        load_profile(path)
