@@ -165,11 +165,15 @@ def naive_perdoc(doc_lens: list[int], cp: int) -> list[tuple[int, int, int, int]
     return naive_finish(naive_perdoc_pieces(doc_lens, list(range(len(doc_lens))), cp))
 
 
-def naive_flashcp(doc_lens: list[int], cp: int, target: float = 1.05) -> list[tuple[int, int, int, int]]:
-    """Algorithm 1 as documented in flashcp/planner/strategies.py."""
+def naive_flashcp(doc_lens: list[int], cp: int, target: float = 1.05,
+                  max_perdoc: int | None = None) -> list[tuple[int, int, int, int]] | None:
+    """Algorithm 1 as documented in flashcp/planner/strategies.py; None when it needs more than
+    ``max_perdoc`` Per-Doc documents (flashcp2's bounded candidate)."""
     quotas = naive_quotas(sum(doc_lens), cp)
     order = sorted(range(len(doc_lens)), key=lambda d: (-doc_lens[d], d))
     for num_perdoc in range(len(order) + 1):
+        if max_perdoc is not None and num_perdoc > max_perdoc:
+            return None
         fixed = naive_perdoc_pieces(doc_lens, sorted(order[:num_perdoc]), cp)
         work, tokens = [0] * cp, [0] * cp
         for _, start, length, rank in fixed:
@@ -209,8 +213,10 @@ def _sign_round(x: int, unit: int) -> int:
     return q if x >= 0 else -q
 
 
-def naive_flashcp_plus(doc_lens: list[int], cp: int, target: float = 1.01) -> list[tuple[int, int, int, int]]:
-    """flashcp+ as documented in flashcp/planner/strategies.py."""
+def naive_flashcp_plus(doc_lens: list[int], cp: int, target: float = 1.01,
+                       max_zigzag: int | None = None) -> list[tuple[int, int, int, int]]:
+    """flashcp+ as documented in flashcp/planner/strategies.py; with ``max_zigzag``, its search for the
+    target stops there (flashcp2's bounded candidate)."""
     n = len(doc_lens)
     quotas = naive_quotas(sum(doc_lens), cp)
     order = sorted(range(n), key=lambda d: (-doc_lens[d], d))
@@ -220,7 +226,7 @@ def naive_flashcp_plus(doc_lens: list[int], cp: int, target: float = 1.01) -> li
     if ratio <= target:
         return naive_finish(pieces)
     best_ratio, best = ratio, pieces
-    for popped in range(max(1, heavy), n + 1):
+    for popped in range(max(1, heavy), (n if max_zigzag is None else min(n, max_zigzag)) + 1):
         ratio, pieces = _plus_candidate(doc_lens, cp, quotas, order, popped, False, mean, target)
         if ratio < best_ratio:
             best_ratio, best = ratio, pieces
@@ -722,9 +728,10 @@ def naive_local_search(shards: list[tuple[int, int, int, int]], cp: int, step_ti
     return [tuple(s) for s in shards]  # type: ignore[misc]
 
 
-def naive_step_time(cp: int):
+def naive_step_time(cp: int, gpus_per_node: int = 0):
     """The step time as ``flashcp bench`` computes it (numpy projection: default profile, H = H_kv = 32,
-    D = 128, auto comm, overlap), for plans given as (doc, start, len, rank) shards."""
+    D = 128, auto comm, overlap, ``gpus_per_node`` ranks per node), for plans given as (doc, start, len, rank)
+    shards."""
     from flashcp.bench.profile import load_profile
     from flashcp.bench.projection import ModelShape, project_step
     from flashcp.planner.plan import SequencePlan
@@ -734,47 +741,123 @@ def naive_step_time(cp: int):
 
     def step_time(shards):
         plan = SequencePlan.from_arrays(*zip(*shards), cp=cp)
-        return project_step(plan, shape, profile, "auto", True).total
+        return project_step(plan, shape, profile, "auto", True, gpus_per_node=gpus_per_node).total
 
     return step_time
 
 
-def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float = 1.01,
-                   effort: int = 1, token_slack: float = 0.0, tie: float = 0.02) -> list[tuple[int, int, int, int]]:
-    """flashcp2 from the references: flashcp+ first, then the portfolio in the kernel's order; a candidate
-    within max(target, flashcp+'s imbalance) and not slower than flashcp+ under ``step_time`` (default
-    ``naive_step_time``) wins when it is faster by more than ``tie`` (a share of the best time), or within
-    ``tie`` with a lower largest receive (equal receive: faster); then the local search with 16 evaluations
-    per unit of effort. (The kernel also skips candidates whose busiest rank alone is too slow to win: that
+def naive_traffic(shards, cp: int) -> list[list[int]]:
+    """``T[b][r]``: exact-need tokens rank b sends rank r (the prefix of each document up to r's last token)."""
+    max_end: dict[tuple[int, int], int] = {}
+    for d, s, n, r in shards:
+        max_end[d, r] = max(max_end.get((d, r), 0), s + n)
+    traffic = [[0] * cp for _ in range(cp)]
+    for d, s, n, b in shards:
+        for r in range(cp):
+            if r != b:
+                traffic[b][r] += min(n, max(0, max_end.get((d, r), 0) - s))
+    return traffic
+
+
+def naive_relabel(shards, cp: int, gpus_per_node: int) -> list[tuple[int, int, int, int]]:
+    """flashcp2's placement of ranks on nodes: swap ranks of equal tokens between nodes (pairs a < b in
+    order, passes until none helps, at most 4) while ``(largest cross-node tokens of one rank, sent or
+    received; total cross-node tokens)`` drops."""
+    if gpus_per_node <= 0 or gpus_per_node >= cp:
+        return list(shards)
+    traffic = naive_traffic(shards, cp)
+    tokens = [sum(n for _, _, n, r in shards if r == rank) for rank in range(cp)]
+    node = [r // gpus_per_node for r in range(cp)]
+    slot = list(range(cp))
+
+    def score():
+        sent = [sum(traffic[b][r] for r in range(cp) if node[r] != node[b]) for b in range(cp)]
+        got = [sum(traffic[b][r] for b in range(cp) if node[r] != node[b]) for r in range(cp)]
+        return max(max(sent), max(got)), sum(sent)
+
+    best = score()
+    for _ in range(4):
+        improved = False
+        for a in range(cp):
+            for b in range(a + 1, cp):
+                if node[a] == node[b] or tokens[a] != tokens[b]:
+                    continue
+                node[a], node[b] = node[b], node[a]
+                got = score()
+                if got < best:
+                    best, improved = got, True
+                    slot[a], slot[b] = slot[b], slot[a]
+                else:
+                    node[a], node[b] = node[b], node[a]
+        if not improved:
+            break
+    return naive_finish([(d, s, n, slot[r]) for d, s, n, r in shards])
+
+
+def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float = 1.05,
+                   effort: int = 1, token_slack: float = 0.0, tie: float = 0.02,
+                   gpus_per_node: int = 0) -> list[tuple[int, int, int, int]]:
+    """flashcp2 from the references: flashcp+ (at most 8 zigzagged documents) at min(target, 1.01) first,
+    then Algorithm 1 (when it needs at most 8 Per-Doc documents) if faster, then the portfolio in the
+    kernel's order (flashcp+ at the ceiling ``target`` when above 1.01, the chunked assignments, ...), each
+    placed on nodes under a topology. A candidate with more than ``num_docs + 32 N`` shards or over the
+    ceiling is not taken; one within it replaces a first plan over it; otherwise a candidate not slower
+    than flashcp+ and Algorithm 1 (those of them that meet the ceiling) under ``step_time`` (default
+    ``naive_step_time``) wins when it is faster
+    by more than ``tie`` (a share of the best time), or not faster but no less balanced and within ``tie``
+    with a lower largest receive (equal receive: faster); then the local search with 16 evaluations per
+    unit of effort. (The kernel also skips candidates whose busiest rank alone is too slow to win: that
     must not change the plan.)"""
-    step_time = step_time or naive_step_time(cp)
-    best = naive_flashcp_plus(doc_lens, cp, target)
+    step_time = step_time or naive_step_time(cp, gpus_per_node)
+    zigzag = 8
+
+    def place(plan):
+        return naive_relabel(plan, cp, gpus_per_node)
+
+    best = place(naive_flashcp_plus(doc_lens, cp, min(target, 1.01), zigzag))
     best_time = step_time(best)
-    limit = max(target, naive_metrics(best, cp)[0])
+    best_imbalance, _, best_received = naive_metrics(best, cp)
+    plus_time = best_time if best_imbalance <= target else math.inf
     quota = sum(doc_lens) // cp
+    most_shards = len(doc_lens) + 32 * cp
 
     def chunk(split):
         return max(1, quota // split)
 
     affinity = [(4, 0.03), (8, 0.1), (8, 0.01), (16, 0.01), (8, 0.03), (4, 0.01), (16, 0.03), (16, 0.1)]
-    candidates = [lambda s=s, t=t: naive_affinity(doc_lens, cp, chunk(s), t) for s, t in affinity[:8 if effort else 3]]
-    candidates.append(lambda: naive_flashcp(doc_lens, cp, 1.05))
+    anchor = naive_flashcp(doc_lens, cp, 1.05, zigzag)  # Algorithm 1 sets the time to beat with flashcp+
+    if anchor is not None and len(anchor) <= most_shards and naive_metrics(anchor, cp)[0] <= target:
+        plan = place(anchor)
+        t = step_time(plan)
+        if best_imbalance > target or t < best_time:
+            best, best_time, plus_time = plan, t, t
+            best_imbalance, _, best_received = naive_metrics(plan, cp)
+    candidates = [lambda: naive_flashcp_plus(doc_lens, cp, target, zigzag) if target > 1.01 else None]
+    candidates += [lambda s=s, t=t: naive_affinity(doc_lens, cp, chunk(s), t) for s, t in affinity[:8 if effort else 3]]
     if effort:
         candidates += [lambda: naive_magi(doc_lens, cp, chunk(8)), lambda: naive_llama3(doc_lens, cp)]
     if effort > 1:
         candidates += [lambda: naive_magi(doc_lens, cp, chunk(16)), lambda: naive_magi(doc_lens, cp, chunk(4))]
-    plus_time, best_received = best_time, naive_metrics(best, cp)[2]
     for make in candidates:
         plan = make()
-        t = step_time(plan)
+        if plan is None or len(plan) > most_shards:
+            continue
         imbalance, _, received = naive_metrics(plan, cp)
-        if imbalance > limit or t > plus_time or t >= best_time * (1 + tie):
+        if imbalance > target:
             continue
-        # within ``tie`` of the best time: the lower receive wins, then the faster
-        if t >= best_time * (1 - tie) and (received, t) >= (best_received, best_time):
-            continue
-        best, best_time, best_received = plan, t, received
+        plan = place(plan)
+        t = step_time(plan)
+        if best_imbalance <= target:
+            if t > plus_time or t >= best_time * (1 + tie):
+                continue
+            if t >= best_time and imbalance > best_imbalance:
+                continue
+            # within ``tie`` of the best time: the lower receive wins, then the faster
+            if t >= best_time * (1 - tie) and (received, t) >= (best_received, best_time):
+                continue
+        best, best_time, best_received, best_imbalance = plan, t, received, imbalance
     if effort:
         window = math.floor(token_slack * sum(doc_lens) / cp)
-        best = naive_finish(naive_local_search(best, cp, step_time, limit, 16 * effort, window=window))
+        best = naive_finish(naive_local_search(best, cp, step_time, max(target, best_imbalance), 16 * effort,
+                                               window=window))
     return best

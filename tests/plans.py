@@ -80,7 +80,7 @@ def random_plan_builder(seed: int):
     return build
 
 
-PEERS = ("magi", "ptrr")
+PEERS = ("magi", "ptrr", "dcp")
 """Strategies of other systems, left out of the end-to-end builders (their chunked layouts add nothing the
 random plans and ``perdoc`` do not already cover, and every builder costs a distributed training run)."""
 

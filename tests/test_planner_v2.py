@@ -208,7 +208,7 @@ def test_flashcp2_never_slower_than_flashcp_plus(dist):
             ours = plan_sequence("flashcp2", doc_lens, cp)
             ours.validate(doc_lens)
             assert plan_step_seconds(ours, MODEL) <= plan_step_seconds(plus, MODEL)
-            assert ours.metrics().imbalance <= max(1.01, plus.metrics().imbalance)
+            assert ours.metrics().imbalance <= max(1.05, plus.metrics().imbalance)
 
 
 @examples(60)
@@ -219,7 +219,7 @@ def test_flashcp2_never_slower_than_flashcp_plus_on_random_sequences(case):
     ours = plan_sequence("flashcp2", lens, cp)
     ours.validate(lens)
     assert plan_step_seconds(ours, MODEL) <= plan_step_seconds(plus, MODEL)
-    assert naive_metrics(as_tuples(ours), cp)[0] <= max(1.01, plus.metrics().imbalance)
+    assert naive_metrics(as_tuples(ours), cp)[0] <= max(1.05, plus.metrics().imbalance)
 
 
 def test_parameters_are_checked():

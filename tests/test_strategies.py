@@ -8,7 +8,8 @@ from flashcp.planner import _batch
 from flashcp.planner.cost import PlanMetrics, token_quotas
 from flashcp.planner.pipeline import plan_rows, strategy_metrics
 from flashcp.planner.plan import SequencePlan, check_metrics
-from flashcp.planner.strategies import STRATEGIES, get_strategy, plan_sequence
+from flashcp.planner.strategies import STRATEGIES as REGISTRY
+from flashcp.planner.strategies import get_strategy, plan_sequence
 from tests.naive import (
     naive_flashcp,
     naive_flashcp_plus,
@@ -21,6 +22,10 @@ from tests.naive import (
 
 REFERENCES = {"llama3": naive_llama3, "perdoc": naive_perdoc, "flashcp": naive_flashcp,
               "flashcp+": naive_flashcp_plus, "ring": naive_ring_plan}
+
+
+# the Numba strategies (dcp plans in Python with an optional package: tests/test_dcp.py)
+STRATEGIES = {name: s for name, s in REGISTRY.items() if s.kernel is not None}
 
 
 def examples(n):

@@ -14,7 +14,10 @@ A profile file (``flashcp/bench/profiles/h100-sxm-nvlink.json`` is the default) 
 - ``hbm_gbps``: memory bandwidth for the runtime's gathers (GB/s);
 - ``kernel_overhead_us``: fixed cost of one attention kernel call;
 - ``sequence_overhead_us``: fixed cost of each sequence (shard) inside a call (optional, default 0);
-- ``collective_latency_us``: fixed cost of one collective or ring step.
+- ``collective_latency_us``: fixed cost of one collective or ring step;
+- ``inter_node_gbps``: bandwidth per GPU and direction between nodes (optional, default ``link_gbps``);
+- ``gpus_per_node``: CP ranks per node, rank r on node ``r // gpus_per_node`` (optional, default 0: every
+  rank in one node); ``flashcp plan --topology NODESxGPUS`` overrides it for one plan.
 
 Defaults come from public specs and published FlashAttention benchmarks; what no spec gives is marked
 ASSUMPTION in the file. ``flashcp bench --calibrate`` replaces the attention curve and the overheads with
@@ -42,7 +45,7 @@ DEFAULT_PROFILE = "h100-sxm-nvlink.json"
 PROFILE_FORMAT = "flashcp-hardware-profile"
 SCALARS = ("peak_tflops", "query_tile", "link_gbps", "hbm_gbps", "kernel_overhead_us",
            "collective_latency_us")
-OPTIONAL = {"sequence_overhead_us": 0.0, "causal_skip": 1.0}
+OPTIONAL = {"sequence_overhead_us": 0.0, "causal_skip": 1.0, "inter_node_gbps": 0.0, "gpus_per_node": 0.0}
 """Parameters a profile file may leave out, with their defaults."""
 
 
@@ -76,10 +79,19 @@ class HardwareProfile:
     """Fixed cost of each sequence (shard) of a kernel call, microseconds."""
     causal_skip: bool = True
     """Whether the kernel skips the masked pairs above the causal diagonal (else computes the rectangle)."""
+    inter_node_gbps: float = 0.0
+    """Bandwidth between GPUs of different nodes, per GPU and direction, GB/s (0: ``link_gbps``)."""
+    gpus_per_node: int = 0
+    """CP ranks per node (rank r on node ``r // gpus_per_node``); 0: every rank in one node."""
     sources: dict = field(default_factory=dict)
     """Parameter name -> citation sentence (or how it was measured)."""
 
     def __post_init__(self):
+        if self.inter_node_gbps == 0:
+            object.__setattr__(self, "inter_node_gbps", self.link_gbps)
+        if self.gpus_per_node < 0 or self.gpus_per_node != int(self.gpus_per_node):
+            raise ValueError(f"gpus_per_node must be a whole number, 0 or more, got {self.gpus_per_node}")
+        object.__setattr__(self, "gpus_per_node", int(self.gpus_per_node))
         if not self.lengths or len(self.lengths) != len(self.forward_tflops) or \
                 len(self.lengths) != len(self.backward_tflops):
             raise ValueError("attention_tflops needs equally long, non-empty lengths, forward and backward "
@@ -87,7 +99,7 @@ class HardwareProfile:
         if any(b <= a for a, b in zip(self.lengths, self.lengths[1:])) or self.lengths[0] < 1:
             raise ValueError(f"attention_tflops lengths must be positive and increasing, got "
                              f"{list(self.lengths)}")
-        for name in ("peak_tflops", "link_gbps", "hbm_gbps"):
+        for name in ("peak_tflops", "link_gbps", "hbm_gbps", "inter_node_gbps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if min(self.forward_tflops) <= 0 or min(self.backward_tflops) <= 0:
@@ -163,6 +175,8 @@ def _profile_from_json(obj, label: str) -> HardwareProfile:
     values = {name: _number(obj, name, label) for name in SCALARS}
     values.update({name: _number(obj, name, label) if name in obj else default
                    for name, default in OPTIONAL.items()})
+    if values["gpus_per_node"] != int(values["gpus_per_node"]) or values["gpus_per_node"] < 0:
+        raise FlashcpError(f"hardware profile {label}: gpus_per_node must be a whole number, 0 or more")
     try:
         return HardwareProfile(
             name=str(obj.get("name", label)), calibrated=bool(obj.get("calibrated", False)),
@@ -173,7 +187,7 @@ def _profile_from_json(obj, label: str) -> HardwareProfile:
             kernel_overhead_us=values["kernel_overhead_us"],
             collective_latency_us=values["collective_latency_us"],
             sequence_overhead_us=values["sequence_overhead_us"], causal_skip=bool(values["causal_skip"]),
-            sources=sources)
+            inter_node_gbps=values["inter_node_gbps"], gpus_per_node=int(values["gpus_per_node"]), sources=sources)
     except (TypeError, ValueError) as e:
         raise FlashcpError(f"hardware profile {label} is not valid: {e}") from None
 

@@ -20,6 +20,10 @@ The model (every number from a ``HardwareProfile``; every formula for work and v
   ``a2a``; the backward moves as many rows: the reversed all-to-all in the K/V dtype, the reduce-scatter
   (``allgather``, ``full``) in float32 (``cost.grad_bytes_per_token``: it sums inside the collective).
   ``auto`` resolves with the runtime's own rule (``cost.auto_comm_a2a``, ``CPAttnMeta.auto_comm``).
+  With a topology (``gpus_per_node``: rank r on node ``r // gpus_per_node``; the profile's by default),
+  rows inside a node move over ``link_gbps`` and rows between nodes over ``inter_node_gbps`` at once:
+  ``objective.exchange_seconds`` of the busiest rank's rows on each link (``cost.node_busiest``,
+  ``cost.allgather_node_rows``); the ring's block transfer then crosses nodes.
 - Other: the runtime's copies (query and key/value gathers, the send buffer, the concatenation with the
   receive buffer, the output merge), each read and written once at ``hbm_gbps``; the backward's scatters
   are taken to cost the same as the forward's gathers.
@@ -42,7 +46,7 @@ import numpy as np
 
 from flashcp.bench.profile import HardwareProfile
 from flashcp.planner import cost
-from flashcp.planner.objective import pair_seconds
+from flashcp.planner.objective import exchange_seconds, pair_seconds
 from flashcp.planner.plan import SequencePlan
 
 __all__ = ["ModelShape", "RankWork", "StepLatency", "comm_volumes", "local_only_mask", "project_step",
@@ -188,10 +192,12 @@ def _pair_seconds(pairs, eq_len, shape: ModelShape, profile: HardwareProfile, ba
     return seconds.reshape(pairs.shape)
 
 
-def comm_volumes(plan: SequencePlan) -> dict[str, dict[str, np.ndarray]]:
+def comm_volumes(plan: SequencePlan, gpus_per_node: int = 0) -> dict[str, dict[str, np.ndarray]]:
     """Per comm mode, the rows each rank sends and receives in its forward collective (``send``, ``recv``).
 
     Each is (cp,) int64; all-gather rows include the padding to the largest slot, as the runtime sends them.
+    ``near`` and ``far``: the busiest rank's rows inside its node and across nodes (``gpus_per_node`` ranks
+    per node, 0: one node), which set the collective's time.
     """
     cp = plan.cp
     tokens = cost.rank_tokens(plan.shard_len, plan.shard_rank, cp)
@@ -199,12 +205,15 @@ def comm_volumes(plan: SequencePlan) -> dict[str, dict[str, np.ndarray]]:
     quota = int(tokens.max())
 
     def gathered(rows):
+        near, far = cost.allgather_node_rows(rows, cp, gpus_per_node)
         return {"send": np.full(cp, rows), "recv": np.full(cp, cp * rows),
-                "wire": np.full(cp, (cp - 1) * rows)}
+                "wire": np.full(cp, (cp - 1) * rows), "near": int(near), "far": int(far)}
 
+    need = cost.exact_need_node_volumes(*_arrays(plan), cp, gpus_per_node)
+    near, far = cost.node_busiest(need["sent"], need["received"], need["sent_far"], need["received_far"])
     return {"full": gathered(quota), "allgather": gathered(slot),
-            "a2a": {"send": cost.exact_need_sent(*_arrays(plan), cp),
-                    "recv": cost.exact_need_received(*_arrays(plan), cp)}}
+            "a2a": {"send": need["sent"], "recv": need["received"], "recv_far": need["received_far"],
+                    "near": int(near), "far": int(far)}}
 
 
 def resolve_comm(comm: str, volumes: dict, dtype_bytes: int = 2) -> str:
@@ -232,11 +241,8 @@ def _row_bytes(mode: str, shape: ModelShape, backward: bool) -> int:
 def _collective_seconds(mode: str, volumes: dict, shape: ModelShape, profile: HardwareProfile,
                         backward: bool = False) -> float:
     vol = volumes[mode]
-    tokens = int(vol["wire"].max()) if mode != "a2a" else int(np.maximum(vol["send"], vol["recv"]).max())
-    if tokens == 0:  # every rank skips an exchange that moves nothing
-        return 0.0
-    return (tokens * _row_bytes(mode, shape, backward) / (profile.link_gbps * 1e9)
-            + profile.collective_latency_us * 1e-6)
+    return exchange_seconds(vol["near"], vol["far"], float(_row_bytes(mode, shape, backward)), profile.link_gbps,
+                            profile.inter_node_gbps, profile.collective_latency_us)
 
 
 def _wire_bytes(mode: str, volumes: dict, shape: ModelShape) -> int:
@@ -290,18 +296,20 @@ def _pass(comm: float, first_kernel, first_copy, second_kernel, second_copy, oth
 
 
 def project_step(plan: SequencePlan, shape: ModelShape, profile: HardwareProfile, comm: str, overlap: bool,
-                 work: RankWork | None = None) -> StepLatency:
+                 work: RankWork | None = None, gpus_per_node: int | None = None) -> StepLatency:
     """Latency of one layer's attention forward + backward under ``plan``, exchanging K/V with ``comm``.
 
     ``comm`` is ``full``, ``allgather``, ``a2a``, ``auto`` or ``ring``; ``overlap`` computes local shards
     while the exchange is in flight (ignored for ``ring``, which always overlaps step by step). ``work``
-    replaces the projected per-rank compute (e.g. with measured kernel times).
+    replaces the projected per-rank compute (e.g. with measured kernel times). ``gpus_per_node``: ranks per
+    node (0: one node; None: the profile's).
     """
     if comm not in COMM_CHOICES:
         raise ValueError(f"unknown comm mode '{comm}' (choose from {', '.join(COMM_CHOICES)})")
+    per_node = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
     if comm == "ring":
-        return _project_ring(plan, shape, profile)
-    volumes = comm_volumes(plan)
+        return _project_ring(plan, shape, profile, per_node)
+    volumes = comm_volumes(plan, per_node)
     mode = resolve_comm(comm, volumes, shape.dtype_bytes)
     work = rank_work(plan, shape, profile, mode, volumes) if work is None else work
     seconds = _collective_seconds(mode, volumes, shape, profile)
@@ -318,7 +326,8 @@ def project_step(plan: SequencePlan, shape: ModelShape, profile: HardwareProfile
                        kernels=int(work.kernels.max()), measured=work.measured)
 
 
-def _project_ring(plan: SequencePlan, shape: ModelShape, profile: HardwareProfile) -> StepLatency:
+def _project_ring(plan: SequencePlan, shape: ModelShape, profile: HardwareProfile,
+                  gpus_per_node: int = 0) -> StepLatency:
     cp = plan.cp
     steps = cost.ring_step_work(*_arrays(plan), cp)
     tokens = cost.rank_tokens(plan.shard_len, plan.shard_rank, cp)
@@ -332,8 +341,11 @@ def _project_ring(plan: SequencePlan, shape: ModelShape, profile: HardwareProfil
                      * (shape.head_dim + 1) * 4, 0.0)
     gathers = 2.0 * (steps.key_tokens * shape.kv_row_bytes + steps.query_tokens * shape.q_row_bytes)
     copy = (gathers + merge) / hbm
-    block = (int(tokens.max()) * shape.kv_row_bytes / (profile.link_gbps * 1e9)
-             + profile.collective_latency_us * 1e-6)
+    # every step, rank r sends to r + 1: some pair crosses a node boundary when there are several nodes
+    crosses = 0 < gpus_per_node < cp
+    block = exchange_seconds(0 if crosses else int(tokens.max()), int(tokens.max()) if crosses else 0,
+                             float(shape.kv_row_bytes), profile.link_gbps, profile.inter_node_gbps,
+                             profile.collective_latency_us)
     sends = np.arange(cp) < cp - 1  # step s overlaps the transfer of the block used at step s + 1
     totals, attn, copies = [], [], []
     for backward, transfer in ((False, block), (True, 2 * block)):

@@ -50,16 +50,28 @@ def _quality(console: Console, quality: dict) -> None:
                    f"H100 H=32 D=128, {priced})", "source", "C", "cp", "strategy", "imbal mean", "p50", "max",
                    "all-gather saving", "exact-need received", "shards/rank", "mean shard len", "step ms",
                    "plan s")
+    nodes = any("inter_pct" in r for r in rows)
+    timed = any("plan_ms_p50" in r for r in rows)
+    if nodes:
+        table.add_column("intra-node recv", justify="right")
+        table.add_column("inter-node recv", justify="right")
+    if timed:
+        table.add_column("plan ms p50/p99/max (CPU)", justify="right")
     table.columns[3].min_width = max(len(r["strategy"]) for r in rows)  # specs in full, never cut
     last = None
     for r in rows:
         if last is not None and (r["source"], r["cp"]) != last:
             table.add_section()
         last = (r["source"], r["cp"])
+        extra = []
+        if nodes:
+            extra += [f"{r['intra_pct']:.1f}%", f"{r['inter_pct']:.1f}%"] if "inter_pct" in r else ["-", "-"]
+        if timed:
+            extra.append(f"{r['plan_ms_p50']:.2f}/{r['plan_ms_p99']:.2f}/{r['plan_ms_max']:.2f}")
         table.add_row(r["source"], str(r["context_len"]), str(r["cp"]), r["strategy"],
                       f"{r['imbalance_mean']:.4f}", f"{r['imbalance_p50']:.4f}", f"{r['imbalance_max']:.4f}",
                       _pct(r["ag_saving_mean"]), f"{r['received_pct']:.1f}%", f"{r['shards_per_rank']:.1f}",
-                      f"{r['shard_len_mean']:.0f}", f"{r['step_ms']:.3f}", f"{r['seconds']:.2f}")
+                      f"{r['shard_len_mean']:.0f}", f"{r['step_ms']:.3f}", f"{r['seconds']:.2f}", *extra)
     _show(console, table)
 
 

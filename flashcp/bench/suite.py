@@ -53,6 +53,11 @@ class BenchConfig:
     """Strategy specs for plan quality (``flashcp+@1.05``, ``flashcp2:effort=4``); None: every strategy."""
     price_tokens: bool = False
     """Plan quality's projected step time also prices the per-token layers (plans made with token slack)."""
+    gpus_per_node: int = 0
+    """Plan quality prices every plan with this many CP ranks per node and reports inter-node receive (0: one
+    node)."""
+    time_sequences: bool = False
+    """Plan quality also times every sequence alone (CPU ms p50 / p99 / max)."""
     heads: tuple[int, ...] = (16, 32)
     """Attention heads for the latency projection (head dim 128, bf16)."""
     context_len: int = 131072
@@ -181,7 +186,8 @@ def run_bench(config: BenchConfig, profile: HardwareProfile, log=print) -> dict:
     if "quality" in config.scenarios:
         specs = list(config.strategies or strategies)
         timed("quality", lambda: plan_quality(book, sources, specs, list(config.cps), config.context_len,
-                                              config.num_seqs, config.price_tokens))
+                                              config.num_seqs, config.price_tokens, config.gpus_per_node,
+                                              config.time_sequences))
     if "ring-cost" in config.scenarios:
         timed("ring-cost", lambda: ring_cost(book, sources, strategies, list(config.cps), config.context_len,
                                              config.num_seqs, config.seed))

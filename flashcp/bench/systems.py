@@ -76,9 +76,13 @@ def _ring_comm_available() -> bool:
 
 
 def available_strategies() -> list[str]:
-    """Registry strategy names in registry order, then ``ring`` when the ring layout is available."""
+    """Registry strategy names in registry order, then ``ring`` when the ring layout is available.
+
+    Strategies planned in Python (``dcp``, seconds per sequence) are left out: name them in ``--strategies``.
+    """
     module = _strategies_module()
-    names = list(getattr(module, "STRATEGIES", {})) if module is not None else []
+    registry = getattr(module, "STRATEGIES", {}) if module is not None else {}
+    names = [name for name, entry in registry.items() if getattr(entry, "rows", None) is None]
     # the registry names ``ring`` itself now; add it only where an older registry lacked it (not twice)
     return names + (["ring"] if "ring" not in names and _ring_plan() is not None else [])
 

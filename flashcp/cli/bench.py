@@ -43,6 +43,11 @@ def _names(value: str | None) -> tuple[str, ...] | None:
                    "'flashcp+@1.05,flashcp2:effort=4' (default: every strategy).")
 @click.option("--price-tokens", is_flag=True,
               help="Plan quality's step ms also prices the per-token layers (to compare token-slack plans).")
+@click.option("--gpus-per-node", type=click.IntRange(min=0), default=None,
+              help="Plan quality prices every plan with this many CP ranks per node (inter-node K/V at the "
+                   "profile's inter_node_gbps) and shows intra- and inter-node receive [default: 0, one node].")
+@click.option("--time-sequences", is_flag=True,
+              help="Plan quality also plans every sequence alone and shows CPU ms per sequence (p50/p99/max).")
 @click.option("--heads", metavar="LIST", help="Attention heads for the latency projection (default 16,32).")
 @click.option("--context-len", type=click.IntRange(min=16), help="Context length of distributions "
               "(default 131072; DATA keeps its own).")
@@ -88,7 +93,8 @@ def _names(value: str | None) -> tuple[str, ...] | None:
               "bench report there is replaced; anything else is refused).")
 @click.option("--plot", "plot_path", type=click.Path(),
               help="Write the figure-style charts to this PNG.")
-def command(data, quick, scenarios, dists, cps, strategies, price_tokens, heads, context_len, seqs, speed_seqs,
+def command(data, quick, scenarios, dists, cps, strategies, price_tokens, gpus_per_node, time_sequences, heads,
+            context_len, seqs, speed_seqs,
             reference_seqs, e2e_seqs, e2e_strategies, workers,
             runtime_context_len, runtime_cp, runtime_cases, runtime_seqs, runtime_reps, runtime_heads,
             runtime_kv_heads, runtime_head_dim, seed, profile_path, calibrate, profile_out, measured, measure_budget,
@@ -122,7 +128,8 @@ def command(data, quick, scenarios, dists, cps, strategies, price_tokens, heads,
     try:
         config = bench_config(quick=quick, data=data, dists=_names(dists), scenarios=chosen,
                               cps=_ints(cps, "--cp"), strategies=_names(strategies),
-                              price_tokens=price_tokens or None, heads=_ints(heads, "--heads"),
+                              price_tokens=price_tokens or None, gpus_per_node=gpus_per_node,
+                              time_sequences=time_sequences or None, heads=_ints(heads, "--heads"),
                               context_len=context_len,
                               num_seqs=seqs, speed_seqs=speed_seqs, reference_seqs=reference_seqs,
                               e2e_seqs=e2e_seqs, e2e_strategies=_names(e2e_strategies),

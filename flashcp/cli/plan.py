@@ -82,7 +82,8 @@ def _reading(compared: list[tuple[str, dict]], compare: dict, sampled: bool) -> 
 @click.option("--strategy", default=DEFAULT_STRATEGY, show_default=True,
               help=f"One of: {', '.join(STRATEGIES)}.")
 @click.option("--target-imbalance", type=float, default=None,
-              help="Target max/mean workload R (flashcp: 1.05, flashcp+ and flashcp2: 1.01 by default).")
+              help="Target max/mean workload R (flashcp: 1.05, flashcp+: 1.01 by default); for flashcp2 a "
+                   "ceiling (default 1.05): inside it the projected step time decides.")
 @click.option("--objective", type=click.Choice(["time"]), default=None,
               help="flashcp2: what the search minimises (time = projected step time) [default: time].")
 @click.option("--profile", type=click.Path(dir_okay=False), default=None,
@@ -94,6 +95,9 @@ def _reading(compared: list[tuple[str, dict]], compare: dict, sampled: bool) -> 
 @click.option("--token-slack", type=click.FloatRange(min=0, max=1, max_open=True), default=None,
               help="flashcp2: a rank may hold up to F x C/N tokens more or fewer than its quota, the objective "
                    "pricing the per-token layers too [default: 0, exact quotas].")
+@click.option("--topology", default=None, metavar="NODESxGPUS",
+              help="flashcp2: the CP ranks' layout, e.g. 2x8 (rank r on node r // GPUS): inter-node K/V is "
+                   "priced at the profile's inter_node_gbps and reported apart [default: the profile's].")
 @click.option("--chunk-size", type=click.IntRange(min=1), default=None,
               help="magi, ptrr: chunk tokens [default: 512 for magi, 128 for ptrr].")
 @click.option("--compare", type=click.IntRange(min=0), default=COMPARE_DEFAULT, show_default=True,
@@ -109,8 +113,9 @@ def _reading(compared: list[tuple[str, dict]], compare: dict, sampled: bool) -> 
               help="With --engine ray: join the cluster at ADDRESS ('auto': the running one) instead of "
                    "starting Ray on this machine with --workers CPUs.")
 def command(data: str, cp: int, strategy: str, target_imbalance: float | None, objective: str | None,
-            profile: str | None, effort: str | None, token_slack: float | None, chunk_size: int | None,
-            compare: int, workers: int, name: str | None, force: bool, as_json: bool = False,
+            profile: str | None, effort: str | None, token_slack: float | None, topology: str | None,
+            chunk_size: int | None, compare: int, workers: int, name: str | None, force: bool,
+            as_json: bool = False,
             engine: str = "local", ray_address: str | None = None) -> None:
     """Plan every sequence of DATA for CP size N; every plan is validated before it is written."""
     set_json_output(as_json)
@@ -130,7 +135,7 @@ def command(data: str, cp: int, strategy: str, target_imbalance: float | None, o
         advance = stack.enter_context(progress(f"planning cp{cp} {strategy}", dataset.num_sequences))
         overrides = {"objective": objective, "profile": str(Path(profile).resolve()) if profile else None,
                      "effort": int(effort) if effort and effort.isdigit() else effort, "chunk_size": chunk_size,
-                     "token_slack": token_slack}
+                     "token_slack": token_slack, "topology": topology}
         meta = plan_dataset(data, cp, strategy, target_imbalance=target_imbalance, workers=workers,
                             force=force, name=name, progress=advance, on_note=info,
                             overrides={k: v for k, v in overrides.items() if v is not None}, run_jobs=run_jobs,
@@ -150,5 +155,10 @@ def command(data: str, cp: int, strategy: str, target_imbalance: float | None, o
     console.print(title)
     # never cut: off a terminal the console is 80 columns wide, narrower than the table may be
     console.print(table, width=max(console.width, console.measure(table).maximum), crop=False)
+    if "topology" in summary:
+        t = summary["topology"]
+        console.print(f"{t['gpus_per_node']} ranks per node: the busiest rank receives "
+                      f"{t['a2a_intra_node_received_pct']:.1f}% inside its node and "
+                      f"{t['a2a_inter_node_received_pct']:.1f}% from other nodes (of (N-1)C/N, mean over sequences)")
     for line in notes:
         console.print(line)

@@ -12,12 +12,14 @@ from flashcp.errors import FlashcpError
 from flashcp.planner.cost import (
     allgather_contributions,
     comm_saving,
+    exact_need_node_volumes,
     exact_need_received,
     exact_need_saving,
     rank_workloads,
 )
 from flashcp.planner.plan import SequencePlan
 from flashcp.planner.store import PLAN_JSON, PLANS_DIR, PlanStore
+from flashcp.planner.strategies import plan_gpus_per_node
 
 PALETTE = ("red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "bright_green", "bright_yellow",
            "bright_blue", "bright_magenta", "bright_cyan", "orange3", "purple", "turquoise2", "gold3")
@@ -88,9 +90,15 @@ def _shard_bar(plan: SequencePlan, rank: int, split_docs: set[int]) -> Text:
     return text
 
 
-def render(plan: SequencePlan, doc_lens: np.ndarray, title: str) -> list[Text | str]:
-    """Lines of the picture: per rank its shards in local order, workload and token bars, what it receives."""
+def render(plan: SequencePlan, doc_lens: np.ndarray, title: str, gpus_per_node: int = 0) -> list[Text | str]:
+    """Lines of the picture: per rank its shards in local order, workload and token bars, what it receives.
+
+    Under a topology (``gpus_per_node`` > 0) the receive is split into inside the rank's node and from others.
+    """
     cp = plan.cp
+    split = 0 < gpus_per_node < cp
+    far = exact_need_node_volumes(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp,
+                                  gpus_per_node)["received_far"]
     work = rank_workloads(plan.shard_start, plan.shard_len, plan.shard_rank, cp)
     tokens = np.bincount(plan.shard_rank, weights=plan.shard_len, minlength=cp).astype(np.int64)
     contrib = allgather_contributions(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
@@ -108,6 +116,9 @@ def render(plan: SequencePlan, doc_lens: np.ndarray, title: str) -> list[Text | 
         Text("█ whole on one rank   ▓ document spread over ranks (colour = document)", style="dim"),
         "",
     ]
+    if split:
+        lines.insert(2, f"{gpus_per_node} ranks per node: busiest rank receives {int((received - far).max()):,} "
+                        f"tokens inside its node, {int(far.max()):,} from other nodes")
     for rank in range(cp):
         lines.append(Text(f"rank {rank:<3d} ", style="bold") + _shard_bar(plan, rank, split_docs))
         lines.append(Text("         work ") + _bar(work[rank] / work.max(), SMALL_BAR, "green")
@@ -116,7 +127,9 @@ def render(plan: SequencePlan, doc_lens: np.ndarray, title: str) -> list[Text | 
         ranges = received_ranges(plan, rank)
         shown = ", ".join(f"doc {d} [{s:,}, {e:,})" for d, s, e in ranges[:MAX_RANGES])
         more = f" and {len(ranges) - MAX_RANGES} more" if len(ranges) > MAX_RANGES else ""
-        lines.append(Text(f"         receives {int(received[rank]):,} tokens of K/V"
+        nodes = f" ({int(received[rank] - far[rank]):,} in node {rank // gpus_per_node}, {int(far[rank]):,} " \
+            "from other nodes)" if split else ""
+        lines.append(Text(f"         receives {int(received[rank]):,} tokens of K/V{nodes}"
                           f"{': ' + shown + more if ranges else ''}; all-gather contribution "
                           f"{int(contrib[rank]):,}", style="dim"))
     if split_docs:
@@ -151,15 +164,18 @@ def command(data: str, plan_name: str | None, seq: int, as_json: bool) -> None:
     stored = store.read_plans(index, row, row + 1)[0]
     title = (f"sequence {seq} ({dataset.files[index].path} row {row}): {doc_lens.size} documents, "
              f"{int(doc_lens.sum()):,} tokens; plan {store.name} ({store.strategy}, cp {store.cp})")
+    per_node = plan_gpus_per_node(store.meta.get("params") or {})
     if as_json:
-        emit_json(_to_json(stored.plan, doc_lens, sequence=seq, data_file=dataset.files[index].path, row=row,
-                           plan_name=store.name, strategy=store.strategy))
-    for line in render(stored.plan, doc_lens, title):
+        emit_json(_to_json(stored.plan, doc_lens, per_node, sequence=seq, data_file=dataset.files[index].path,
+                           row=row, plan_name=store.name, strategy=store.strategy))
+    for line in render(stored.plan, doc_lens, title, per_node):
         console.print(line)
 
 
-def _to_json(plan: SequencePlan, doc_lens: np.ndarray, **where) -> dict:
+def _to_json(plan: SequencePlan, doc_lens: np.ndarray, gpus_per_node: int = 0, **where) -> dict:
     cp = plan.cp
+    far = exact_need_node_volumes(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp,
+                                  gpus_per_node)["received_far"]
     work = rank_workloads(plan.shard_start, plan.shard_len, plan.shard_rank, cp)
     tokens = np.bincount(plan.shard_rank, weights=plan.shard_len, minlength=cp).astype(np.int64)
     contrib = allgather_contributions(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
@@ -167,9 +183,12 @@ def _to_json(plan: SequencePlan, doc_lens: np.ndarray, **where) -> dict:
     return {
         **where, "cp": cp, "doc_lens": doc_lens.tolist(), "imbalance": float(work.max() / work.mean()),
         "ag_comm_tokens": int(contrib.max()), "a2a_comm_tokens": int(received.max()),
+        "gpus_per_node": gpus_per_node, "a2a_intra_node_tokens": int((received - far).max()),
+        "a2a_inter_node_tokens": int(far.max()),
         "shards": {"doc": plan.shard_doc.tolist(), "start": plan.shard_start.tolist(),
                    "len": plan.shard_len.tolist(), "rank": plan.shard_rank.tolist()},
         "ranks": [{"rank": r, "workload": float(work[r]), "tokens": int(tokens[r]),
                    "ag_contribution": int(contrib[r]), "received": int(received[r]),
+                   "received_inter_node": int(far[r]), "node": r // gpus_per_node if gpus_per_node else 0,
                    "received_ranges": [list(x) for x in received_ranges(plan, r)]} for r in range(cp)],
     }

@@ -10,11 +10,12 @@ import numpy as np
 
 from flashcp._numba import njit
 from flashcp.planner._batch import slack_tokens
-from flashcp.planner._kernels import _finish, _quotas, flashcp_within, llama3_within
+from flashcp.planner._bounded import flashcp_bounded, flashcp_plus_bounded
+from flashcp.planner._kernels import _finish, _quotas, llama3_within
 from flashcp.planner._peers import magi_within
-from flashcp.planner._plus import flashcp_plus_kernel
+from flashcp.planner._topology import relabel_kernel, traffic_matrix
 from flashcp.planner.cost import _exact_need_received, _order_of, _rank_workloads, workload
-from flashcp.planner.objective import one_shard_seconds, shard_seconds, step_seconds_of
+from flashcp.planner.objective import _NODE, one_shard_seconds, shard_seconds, step_seconds_of
 
 __all__ = ["affinity_kernel", "flashcp2_kernel", "local_search", "slack_tokens"]
 
@@ -36,6 +37,13 @@ lower largest receive wins (never one slower than ``flashcp+``). 2% closes the r
 at cp 4 for about 0.5% of step time there (bench/RESULTS.md)."""
 STEPS = (1024, 256, 64, 16)
 """Boundary shifts the local search tries, largest first."""
+PLUS_TARGET = 1.01
+"""``flashcp+``'s own target: the portfolio's first candidate runs at it (or at the ceiling when lower)."""
+MAX_EXTRA_SHARDS = 32
+"""Shards per rank a candidate may add beyond one per document (``N * 32`` in all): more are not taken."""
+MAX_ZIGZAG = 8
+"""Documents the ``flashcp+`` and Algorithm 1 candidates may zigzag (each adds about two shards per rank):
+a bound on their planning time (each further document is one more plan built)."""
 
 
 @njit(cache=True)
@@ -342,79 +350,117 @@ def _chunk_of(lens, cp, split):
 
 
 @njit(cache=True)
-def _candidate(lens, cp, c, num, cut, limit):
-    """Portfolio candidate ``c``: ``num`` chunked assignments of ``AFFINITY``, then ``flashcp``, ``magi`` at
-    ``(C // N) // 8``, ``llama3``, then ``magi`` at each of ``PORTFOLIO_SPLITS``. ``cut``:
-    ``_affinity_chunks`` at each of ``SPLITS``. A candidate that misses imbalance ``limit`` comes back
-    empty."""
+def _candidate(lens, cp, c, num, cut, limit, target):
+    """Portfolio candidate ``c``: Algorithm 1 (R = 1.05, at most ``MAX_ZIGZAG`` Per-Doc documents),
+    ``flashcp+`` at the ceiling ``target`` (empty when that is its own ``PLUS_TARGET`` or lower, as the
+    first plan is that plan), ``num`` chunked assignments of ``AFFINITY``, ``magi`` at ``(C // N) // 8``,
+    ``llama3``, then ``magi`` at each of ``PORTFOLIO_SPLITS``. ``cut``: ``_affinity_chunks`` at each of
+    ``SPLITS``. A candidate that misses imbalance ``limit`` comes back empty."""
+    if c == 0:
+        return flashcp_bounded(lens, cp, 1.05, limit, MAX_ZIGZAG)
+    if c == 1:
+        if target <= PLUS_TARGET:
+            return lens[:0], lens[:0], lens[:0], lens[:0]
+        return flashcp_plus_bounded(lens, cp, target, MAX_ZIGZAG)
+    c -= 2
     if c < num:
         split = AFFINITY[c][0]
         return _affinity_assign(lens, cp, cut[0] if split == 4 else cut[1] if split == 8 else cut[2],
                                 AFFINITY[c][1], limit)
     if c == num:
-        return flashcp_within(lens, cp, 1.05, limit)
-    if c == num + 1:
         return magi_within(lens, cp, _chunk_of(lens, cp, 8), limit)
-    if c == num + 2:
+    if c == num + 1:
         return llama3_within(lens, cp, limit)
-    return magi_within(lens, cp, _chunk_of(lens, cp, PORTFOLIO_SPLITS[c - num - 3]), limit)
+    return magi_within(lens, cp, _chunk_of(lens, cp, PORTFOLIO_SPLITS[c - num - 2]), limit)
+
+
+@njit(cache=True)
+def _on_nodes(lens, doc, start, length, rank, cp, per_node):
+    """The plan with its ranks placed on nodes (``_topology.relabel_kernel``), sorted again; the plan itself
+    without a topology (``per_node`` 0 or at least ``cp``)."""
+    if per_node <= 0 or per_node >= cp or doc.shape[0] == 0:
+        return doc, start, length, rank
+    tokens = np.zeros(cp, np.int64)
+    for i in range(doc.shape[0]):
+        tokens[rank[i]] += length[i]
+    placed = relabel_kernel(rank, tokens, traffic_matrix(doc, start, length, rank, cp), cp, per_node)
+    return _finish(doc.copy(), start.copy(), length.copy(), placed, doc.shape[0], lens)
 
 
 @njit(cache=True)
 def flashcp2_kernel(lens, cp, target, effort, model, slack):
     """Portfolio of candidate plans, the best under the step time, then local search (see strategies.py)."""
-    best_doc, best_start, best_len, best_rank = flashcp_plus_kernel(lens, cp, target)
+    per_node = np.int64(model[_NODE])
+    best_doc, best_start, best_len, best_rank = flashcp_plus_bounded(lens, cp, min(target, PLUS_TARGET),
+                                                                     MAX_ZIGZAG)
+    best_doc, best_start, best_len, best_rank = _on_nodes(lens, best_doc, best_start, best_len, best_rank, cp,
+                                                          per_node)
     memo = _new_memo()
     best_f = np.empty(best_doc.shape[0], np.float64)
     best_b = np.empty(best_doc.shape[0], np.float64)
     _price_shards(best_start, best_len, best_rank, model, best_f, best_b, -1, False, memo)
     best_time = step_seconds_of(best_doc, best_start, best_len, best_rank, cp, model, best_f, best_b, -1)
-    # the imbalance every candidate must meet: the target, or flashcp+'s own when it misses the target
-    limit = max(target, _imbalance(best_start, best_len, best_rank, cp))
-    plus_time = best_time
+    # every candidate must meet the ceiling; flashcp+ sets the time to beat when it meets it too, else
+    # the first candidate within the ceiling replaces it
+    best_imbalance = _imbalance(best_start, best_len, best_rank, cp)
+    limit = target
+    plus_time = best_time if best_imbalance <= target else np.inf
     best_received = _exact_need_received(best_doc, best_start, best_len, best_rank, cp).max()
+    most_shards = lens.shape[0] + MAX_EXTRA_SHARDS * cp
     num = len(AFFINITY) if effort > 0 else FAST
     # FAST uses no split 16 (1 << 40 tokens: one chunk a document, cut for nothing)
     cut = (_affinity_chunks(lens, _chunk_of(lens, cp, 4)), _affinity_chunks(lens, _chunk_of(lens, cp, 8)),
            _affinity_chunks(lens, _chunk_of(lens, cp, 16) if effort > 0 else 1 << 40))
-    count = num + 1
+    count = num + 2
     if effort > 0:
         count += 2
     if effort > 1:
         count += len(PORTFOLIO_SPLITS)
     for c in range(count):
-        doc, start, length, rank = _candidate(lens, cp, c, num, cut, limit)
-        if doc.shape[0] == 0:  # over the limit
+        doc, start, length, rank = _candidate(lens, cp, c, num, cut, limit, target)
+        if doc.shape[0] == 0 or doc.shape[0] > most_shards:  # over the limit, or too many shards
             continue
         work = _rank_workloads(start, length, rank, cp)
-        if _imbalance_of(work, cp) > limit:  # cheap test first
+        imbalance = _imbalance_of(work, cp)
+        if imbalance > limit:  # cheap test first
             continue
+        doc, start, length, rank = _on_nodes(lens, doc, start, length, rank, cp, per_node)
         # the busiest rank's own time bounds the step time from below (``rank_floor``): skip what cannot
         # win; its shards' seconds then serve the step time too
-        busiest = np.argmax(work)
+        busiest = np.argmax(_rank_workloads(start, length, rank, cp))
         sec_f = np.zeros(doc.shape[0], np.float64)
         sec_b = np.zeros(doc.shape[0], np.float64)
         _price_shards(start, length, rank, model, sec_f, sec_b, busiest, True, memo)
         floor = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, busiest)
-        if floor > plus_time or floor >= best_time * (1.0 + RECEIVE_TIE):
+        within = best_imbalance <= target
+        # Algorithm 1 (c == 0) sets the time to beat with flashcp+: it wins when it is faster
+        if within and (floor > plus_time or floor >= best_time * (1.0 + RECEIVE_TIE) or c == 0 and
+                       floor >= best_time):
             continue
         _price_shards(start, length, rank, model, sec_f, sec_b, busiest, False, memo)
         t = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, -1)
-        if t > plus_time or t >= best_time * (1.0 + RECEIVE_TIE):
+        if within and (t > plus_time or t >= best_time * (1.0 + RECEIVE_TIE) or c == 0 and t >= best_time):
             continue
         received = _exact_need_received(doc, start, length, rank, cp).max()
-        # as fast within RECEIVE_TIE: the lower receive wins, then the faster
-        if t >= best_time * (1.0 - RECEIVE_TIE) and (received > best_received or
-                                                     received == best_received and t >= best_time):
-            continue
+        if c == 0:
+            plus_time = t
+        elif within:
+            # not faster: never less balanced than the best
+            if t >= best_time and imbalance > best_imbalance:
+                continue
+            # as fast within RECEIVE_TIE: the lower receive wins, then the faster
+            if t >= best_time * (1.0 - RECEIVE_TIE) and (received > best_received or
+                                                         received == best_received and t >= best_time):
+                continue
         best_doc, best_start, best_len, best_rank, best_time = doc, start, length, rank, t
         best_f, best_b = sec_f, sec_b
         best_received = received
+        best_imbalance = imbalance
     if effort > 0:
         start = best_start.copy()
         length = best_len.copy()
-        _local_search_priced(best_doc, start, length, best_rank, cp, model, limit, effort * EVALS_PER_EFFORT,
-                             slack_tokens(slack, lens.sum(), cp), best_f, best_b)
+        _local_search_priced(best_doc, start, length, best_rank, cp, model, max(limit, best_imbalance),
+                             effort * EVALS_PER_EFFORT, slack_tokens(slack, lens.sum(), cp), best_f, best_b)
         return _finish(best_doc, start, length, best_rank, best_doc.shape[0], lens)
     return best_doc, best_start, best_len, best_rank
 

@@ -46,15 +46,20 @@ __all__ = [
     "PlanMetrics",
     "RingStepWork",
     "allgather_contributions",
+    "allgather_node_rows",
     "allgather_shard_mask",
     "auto_comm_a2a",
+    "batch_node_received",
     "comm_saving",
+    "exact_need_node_volumes",
     "exact_need_received",
     "exact_need_saving",
     "exact_need_sent",
     "grad_bytes_per_token",
     "imbalance_ratio",
     "kv_bytes_per_token",
+    "node_busiest",
+    "node_receive_summary",
     "plan_metrics",
     "rank_tokens",
     "rank_workloads",
@@ -307,6 +312,117 @@ def auto_comm_a2a(a2a_busiest, ag_slot, cp, dtype_bytes):
     a2a_bytes = 2 * a2a_busiest * dtype_bytes
     ag_bytes = (cp - 1) * ag_slot * (dtype_bytes + max(dtype_bytes, 4))
     return a2a_bytes < ag_bytes
+
+
+@njit(cache=True)
+def node_busiest(sent, received, sent_far, received_far):
+    """``(near, far)``: the most rows one rank moves inside its node and across nodes (exact-need).
+
+    Each is the larger of the rank's sending and receiving side (the links are full duplex).
+
+    ``sent``, ``received`` (cp,): every rank's totals; ``sent_far``, ``received_far``: their parts that cross
+    a node boundary (``exact_need_node_volumes``).
+    """
+    near = 0
+    far = 0
+    for r in range(sent.shape[0]):
+        near = max(near, sent[r] - sent_far[r], received[r] - received_far[r])
+        far = max(far, sent_far[r], received_far[r])
+    return near, far
+
+
+@njit(cache=True)
+def allgather_node_rows(slot, cp, gpus_per_node):
+    """``(near, far)`` rows of the busiest rank in an all-gather of ``slot`` rows per rank.
+
+    Every rank receives every other rank's slot, from its node peers over the node's link, from the others
+    across nodes.
+
+    ``gpus_per_node`` 0 (or at least ``cp``): one node, ``((cp - 1) * slot, 0)``.
+    """
+    if gpus_per_node <= 0 or gpus_per_node >= cp:
+        return (cp - 1) * slot, 0
+    near = 0
+    far = 0
+    for first in range(0, cp, gpus_per_node):
+        size = min(gpus_per_node, cp - first)
+        near = max(near, (size - 1) * slot)
+        far = max(far, (cp - size) * slot)
+    return near, far
+
+
+@njit(cache=True)
+def _exact_need_node_volumes(shard_doc, shard_start, shard_len, shard_rank, cp, gpus_per_node):
+    num_docs = 0
+    for i in range(shard_doc.shape[0]):
+        num_docs = max(num_docs, shard_doc[i] + 1)
+    max_end = np.zeros((num_docs, cp), dtype=np.int64)
+    for i in range(shard_doc.shape[0]):
+        d, r = shard_doc[i], shard_rank[i]
+        max_end[d, r] = max(max_end[d, r], shard_start[i] + shard_len[i])
+    out = np.zeros((4, cp), dtype=np.int64)  # sent, received, sent across nodes, received across nodes
+    for i in range(shard_doc.shape[0]):
+        d, b = shard_doc[i], shard_rank[i]
+        for r in range(cp):
+            if r != b:
+                amount = min(shard_len[i], max(0, max_end[d, r] - shard_start[i]))
+                out[0, b] += amount
+                out[1, r] += amount
+                if gpus_per_node > 0 and b // gpus_per_node != r // gpus_per_node:
+                    out[2, b] += amount
+                    out[3, r] += amount
+    return out
+
+
+def exact_need_node_volumes(shard_doc, shard_start, shard_len, shard_rank, cp: int,
+                            gpus_per_node: int) -> dict[str, np.ndarray]:
+    """Exact-need rows per rank split by link.
+
+    ``sent``, ``received`` and their parts ``sent_far``, ``received_far`` that cross a node boundary (rank r
+    on node ``r // gpus_per_node``; 0: one node).
+
+    Each is (cp,) int64; ``sent`` and ``received`` equal ``exact_need_sent`` and ``exact_need_received``.
+    """
+    arrays = _as_int64(shard_doc, shard_start, shard_len, shard_rank)
+    if arrays[0].size == 0:
+        out = np.zeros((4, cp), dtype=np.int64)
+    else:
+        out = _exact_need_node_volumes(*arrays, cp, int(gpus_per_node))
+    return {"sent": out[0], "received": out[1], "sent_far": out[2], "received_far": out[3]}
+
+
+@njit(cache=True)
+def batch_node_received(shard_offsets, shard_doc, shard_start, shard_len, shard_rank, cp, gpus_per_node):
+    """Per row of flat plans: the largest exact-need receive inside a node and across nodes, (rows, 2) int64.
+
+    Column 0 is the largest of a rank's received rows less ``received_far``, column 1 the largest
+    ``received_far``.
+    """
+    rows = shard_offsets.shape[0] - 1
+    out = np.zeros((rows, 2), np.int64)
+    for row in range(rows):
+        lo = shard_offsets[row]
+        hi = shard_offsets[row + 1]
+        if hi == lo:
+            continue
+        v = _exact_need_node_volumes(shard_doc[lo:hi], shard_start[lo:hi], shard_len[lo:hi], shard_rank[lo:hi],
+                                     cp, gpus_per_node)
+        out[row, 0] = (v[1] - v[3]).max()
+        out[row, 1] = v[3].max()
+    return out
+
+
+def node_receive_summary(node_received: np.ndarray, context_len: int, cp: int, gpus_per_node: int) -> dict:
+    """plan.json's intra- and inter-node receive of plans made for a topology.
+
+    The means over sequences of ``batch_node_received``'s columns (tokens), each also as a share of
+    ``(N - 1) C / N``.
+    """
+    full = max(1.0, (cp - 1) * context_len / cp)
+    intra, inter = (float(node_received[:, k].mean()) if node_received.size else 0.0 for k in (0, 1))
+    return {"gpus_per_node": int(gpus_per_node), "a2a_intra_node_tokens_mean": intra,
+            "a2a_inter_node_tokens_mean": inter, "a2a_intra_node_received_pct": 100 * intra / full,
+            "a2a_inter_node_received_pct": 100 * inter / full}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

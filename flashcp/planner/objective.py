@@ -35,19 +35,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from flashcp._numba import njit
-from flashcp.planner.cost import auto_comm_a2a, workload
+from flashcp.planner.cost import allgather_node_rows, auto_comm_a2a, node_busiest, workload
 
-__all__ = ["BWD_FLOPS", "ObjectiveShape", "batch_step_seconds", "cached_model", "curve_tflops", "model_vector",
-           "one_shard_seconds", "pair_seconds", "plan_step_seconds", "rank_floor", "shard_seconds", "step_seconds",
-           "step_seconds_of"]
+__all__ = ["BWD_FLOPS", "ObjectiveShape", "batch_step_seconds", "cached_model", "curve_tflops", "exchange_seconds",
+           "model_vector", "one_shard_seconds", "pair_seconds", "plan_step_seconds", "rank_floor", "shard_seconds",
+           "step_seconds", "step_seconds_of"]
 
 BWD_FLOPS = 2.5
 """Backward FLOPs per forward FLOP (the flash-attention benchmark convention the profile's curve uses)."""
 
 # layout of the model vector
 _H, _HKV, _D, _BYTES, _LAYERS, _TILE, _SKIP, _LINK, _HBM, _KERNEL, _SEQ, _COLL, _PEAK, _TOKEN_FLOPS, \
-    _TOKEN_TFLOPS, _K = range(16)
-_HEADER = 16
+    _TOKEN_TFLOPS, _NODE, _INTER, _K = range(18)
+_HEADER = 18
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,10 +88,13 @@ class ObjectiveShape:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
-def model_vector(profile, shape: ObjectiveShape, *, with_tokens: bool = False) -> np.ndarray:
+def model_vector(profile, shape: ObjectiveShape, *, with_tokens: bool = False,
+                 gpus_per_node: int | None = None) -> np.ndarray:
     """The float64 vector the Numba objective reads: shape, profile scalars, then the attention curve.
 
     ``with_tokens`` prices the per-token layers too (only unequal token counts make them differ by rank).
+    ``gpus_per_node``: CP ranks per node (rank r on node ``r // gpus_per_node``; 0: all ranks in one node);
+    None takes the profile's own.
     """
     k = len(profile.lengths)
     vec = np.zeros(_HEADER + 3 * k, np.float64)
@@ -104,6 +107,8 @@ def model_vector(profile, shape: ObjectiveShape, *, with_tokens: bool = False) -
     vec[_PEAK] = profile.peak_tflops
     vec[_TOKEN_FLOPS] = shape.token_flops() if with_tokens else 0.0
     vec[_TOKEN_TFLOPS] = profile.peak_tflops
+    vec[_NODE] = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
+    vec[_INTER] = profile.inter_node_gbps
     vec[_K] = k
     vec[_HEADER:_HEADER + k] = np.log(np.asarray(profile.lengths, np.float64))
     vec[_HEADER + k:_HEADER + 2 * k] = np.log(np.asarray(profile.forward_tflops, np.float64))
@@ -234,6 +239,21 @@ def one_shard_seconds(start, length, model):
 
 
 @njit(cache=True)
+def exchange_seconds(near_tokens, far_tokens, row_bytes, link_gbps, inter_node_gbps, latency_us):
+    """Seconds of one collective whose busiest rank moves ``near_tokens`` rows in its node, ``far_tokens`` out.
+
+    The rows come from ``cost.node_busiest`` or ``cost.allgather_node_rows``.
+
+    The two links run at once: ``max(near * bytes / link, far * bytes / inter-node link) + latency``; 0 when
+    nothing moves (every rank skips the exchange). Without a topology ``far`` is 0: ``near * bytes / link``.
+    """
+    if near_tokens <= 0 and far_tokens <= 0:
+        return 0.0
+    return max(near_tokens * row_bytes / (link_gbps * 1e9), far_tokens * row_bytes / (inter_node_gbps * 1e9)) \
+        + latency_us * 1e-6
+
+
+@njit(cache=True)
 def step_seconds(doc, start, length, rank, cp, model):
     """Projected step time (seconds) of one plan: auto comm, local shards overlapping the exchange.
 
@@ -276,12 +296,17 @@ def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
         num_docs = max(num_docs, doc[i] + 1)
     big = np.iinfo(np.int64).max
     # one allocation for every integer table (this runs once per move of the search)
-    table = np.zeros(4 * cp + num_docs * (2 * cp + 4), np.int64)
+    table = np.zeros(6 * cp + num_docs * (2 * cp + 4), np.int64)
     tokens = table[:cp]
     received = table[cp:2 * cp]
     sent = table[2 * cp:3 * cp]
     contributed = table[3 * cp:4 * cp]
-    at = 4 * cp
+    # the parts of sent and received that cross a node boundary (topology: model[_NODE] ranks per node)
+    sent_far = table[4 * cp:5 * cp]
+    received_far = table[5 * cp:6 * cp]
+    per_node = np.int64(model[_NODE])
+    split = per_node > 0 and cp > per_node
+    at = 6 * cp
     max_end = table[at:at + num_docs * cp].reshape((num_docs, cp))
     held = table[at + num_docs * cp:at + 2 * num_docs * cp].reshape((num_docs, cp))
     at += 2 * num_docs * cp
@@ -303,37 +328,45 @@ def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
             first_start[d] = start[i]
             first_rank[d] = r
     on_many = np.zeros(num_docs, np.bool_)
+    # the ranks holding each document, listed (document d's: holders[holder_at[d]:holder_at[d + 1]]), so
+    # that a shard's sends visit them only, not every rank
+    holders = np.empty(num_shards, np.int64)
+    holder_at = np.zeros(num_docs + 1, np.int64)
     for d in range(num_docs):
         ranks = 0
         for r in range(cp):
             if held[d, r] > 0:
+                holders[holder_at[d] + ranks] = r
                 ranks += 1
                 received[r] += max_end[d, r] - held[d, r]
+        holder_at[d + 1] = holder_at[d] + ranks
         on_many[d] = ranks > 1
     for i in range(num_shards):
         d, b = doc[i], rank[i]
         if on_many[d]:
             if start[i] != last_start[d]:
                 contributed[b] += length[i]
-            for r in range(cp):
+            for h in range(holder_at[d], holder_at[d + 1]):
+                r = holders[h]
                 if r != b:
-                    sent[b] += min(length[i], max(0, max_end[d, r] - start[i]))
+                    amount = min(length[i], max(0, max_end[d, r] - start[i]))
+                    sent[b] += amount
+                    if split and b // per_node != r // per_node:
+                        sent_far[b] += amount
+                        received_far[r] += amount
         if b != first_rank[d]:
             switch[d] = min(switch[d], start[i])
     slot = contributed.max()
     busiest = max(sent.max(), received.max())
     use_a2a = auto_comm_a2a(busiest, slot, cp, np.int64(model[_BYTES]))
     if use_a2a:
-        moved = busiest
+        near, far = node_busiest(sent, received, sent_far, received_far)
         grad_row = kv_row
     else:
-        moved = (cp - 1) * slot
+        near, far = allgather_node_rows(slot, cp, per_node)
         grad_row = 2.0 * model[_HKV] * model[_D] * max(model[_BYTES], 4.0)  # reduce-scatter sums in float32
-    comm = 0.0
-    comm_b = 0.0
-    if moved > 0:
-        comm = moved * kv_row / (model[_LINK] * 1e9) + model[_COLL] * 1e-6
-        comm_b = moved * grad_row / (model[_LINK] * 1e9) + model[_COLL] * 1e-6
+    comm = exchange_seconds(near, far, kv_row, model[_LINK], model[_INTER], model[_COLL])
+    comm_b = exchange_seconds(near, far, grad_row, model[_LINK], model[_INTER], model[_COLL])
 
     # per rank and part (0 local: the whole key prefix on the shard's own rank, 1 remote): forward,
     # backward kernel seconds, query rows, key rows, busy
@@ -382,12 +415,15 @@ def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
 
 @functools.lru_cache(maxsize=16)
 def cached_model(profile: str | None, num_heads: int, num_kv_heads: int, head_dim: int,
-                 layers: int, with_tokens: bool = False) -> np.ndarray:
-    """``model_vector`` of a profile file (None: the default profile) and a model shape; do not modify."""
+                 layers: int, with_tokens: bool = False, gpus_per_node: int | None = None) -> np.ndarray:
+    """``model_vector`` of a profile file (None: the default profile) and a model shape; do not modify.
+
+    ``gpus_per_node``: the topology (None: the profile's own).
+    """
     from flashcp.bench.profile import load_profile
 
     shape = ObjectiveShape(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, layers=layers)
-    return model_vector(load_profile(profile), shape, with_tokens=with_tokens)
+    return model_vector(load_profile(profile), shape, with_tokens=with_tokens, gpus_per_node=gpus_per_node)
 
 
 def plan_step_seconds(plan, model: np.ndarray) -> float:

@@ -30,7 +30,7 @@ import pyarrow as pa
 from flashcp.data.dataset import Dataset, numpy_values
 from flashcp.errors import FlashcpError, PlanError
 from flashcp.planner import _batch
-from flashcp.planner.cost import comm_saving, exact_need_saving
+from flashcp.planner.cost import batch_node_received, comm_saving, exact_need_saving, node_receive_summary
 from flashcp.planner.objective import batch_step_seconds
 from flashcp.planner.plan import SequencePlan
 from flashcp.planner.polish import parse_effort, polish_plan
@@ -42,6 +42,7 @@ from flashcp.planner.strategies import (
     get_strategy,
     kernel_args,
     objective_model,
+    plan_gpus_per_node,
     resolve_params,
 )
 
@@ -173,7 +174,10 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
     row_offsets = np.ascontiguousarray(row_offsets, dtype=np.int64)
     doc_lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
     args = kernel_args(chosen, params)
-    offsets, doc, start, length, rank = _batch.plan_batch(row_offsets, doc_lens, cp, chosen.name, **args)
+    if chosen.rows is not None:  # planned in Python (dcp)
+        offsets, doc, start, length, rank = chosen.rows(row_offsets, doc_lens, cp, params)
+    else:
+        offsets, doc, start, length, rank = _batch.plan_batch(row_offsets, doc_lens, cp, chosen.name, **args)
     ilp_seconds = parse_effort(params["effort"])[1] if "effort" in params else None
     if ilp_seconds is not None:
         offsets, doc, start, length, rank = _polish_rows(row_offsets, doc_lens, cp, args["model"], ilp_seconds,
@@ -272,6 +276,9 @@ class _FileResult:
     compared: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
     """Strategy name -> (imbalance, all-gather, exact-need, step seconds) of the compared rows: the plan's
     strategy first, then ``BASELINES``."""
+    node_received: np.ndarray | None = None
+    """(rows, 2) intra- and inter-node receive of every row, for a plan made for a topology."""
+    gpus_per_node: int = 0
 
 
 def _plan_file(job: _FileJob) -> _FileResult:
@@ -286,6 +293,8 @@ def _plan_file(job: _FileJob) -> _FileResult:
     model = objective_model(step_params(job.strategy, job.params)) if names else None
     metrics: list[tuple] = []
     compared: dict[str, list[tuple]] = {name: [] for name in names}
+    per_node = plan_gpus_per_node(job.params)
+    node_received: list[np.ndarray] | None = [] if 0 < per_node < job.cp else None
     warm_up(job)
     first = 0  # the row group's first row in the file
     writer = PlanFileWriter(Path(job.staging), job.file_index, job.cp)
@@ -296,6 +305,10 @@ def _plan_file(job: _FileJob) -> _FileResult:
             planned = plan_rows(offsets, lens, job.cp, job.strategy, job.params, where=where, first_row=first)
             writer.write(planned.table())
             metrics.append((planned.imbalance, planned.ag_comm_tokens, planned.a2a_comm_tokens))
+            if node_received is not None:
+                node_received.append(batch_node_received(planned.shard_offsets, planned.shard_doc,
+                                                         planned.shard_start, planned.shard_len,
+                                                         planned.shard_rank, job.cp, per_node))
             if names:
                 rows = np.flatnonzero((job.first_row + first + np.arange(planned.num_rows)) % job.compare_step == 0)
                 for name, values in _compare(job, offsets, lens, planned, rows, model, where, first).items():
@@ -307,7 +320,10 @@ def _plan_file(job: _FileJob) -> _FileResult:
         writer.abort()
         raise
     return _FileResult(plan_file=plan_file, metrics=_joined(metrics, 3),  # type: ignore[arg-type]
-                       compared={name: _joined(parts, 4) for name, parts in compared.items()})
+                       compared={name: _joined(parts, 4) for name, parts in compared.items()},
+                       node_received=None if node_received is None else
+                       np.concatenate(node_received) if node_received else np.zeros((0, 2), np.int64),
+                       gpus_per_node=per_node)
 
 
 def warm_up(job: _FileJob) -> None:
@@ -318,7 +334,9 @@ def warm_up(job: _FileJob) -> None:
     sequence here, it holds nothing large. Also run by ``flashcp.engines.ray_plan`` before any task starts.
     """
     offsets, lens = np.array([0, 1], np.int64), np.array([job.context_len], np.int64)
-    _batch.plan_batch(offsets, lens, job.cp, job.strategy, **kernel_args(get_strategy(job.strategy), job.params))
+    chosen = get_strategy(job.strategy)
+    if chosen.kernel is not None:  # a strategy planned in Python (dcp) has nothing to load
+        _batch.plan_batch(offsets, lens, job.cp, job.strategy, **kernel_args(chosen, job.params))
     if job.compare_step:
         model = objective_model(step_params(job.strategy, job.params))
         for name in BASELINES:
@@ -399,7 +417,7 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
     try:
         chosen = get_strategy(strategy)
         params = resolve_params(chosen, target_imbalance, **(overrides or {}))
-        check_shape(dataset.context_len, cp)
+        check_shape(dataset.context_len, cp, params)
         kernel_args(chosen, params)  # reads the profile: a bad one fails before any work
     except ValueError as e:
         raise FlashcpError(str(e)) from None
@@ -418,7 +436,8 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
     with PlanSlot(dataset, name, force=force) as slot:
         notes = list(slot.notes)
         if any(_batch.needs_compile(strategy_name)
-               for strategy_name in (chosen.name, *(BASELINES if compare else ()))):
+               for strategy_name in (chosen.name, *(BASELINES if compare else ()))
+               if get_strategy(strategy_name).kernel is not None):
             notes.append("compiling planner kernels, first run only")
         for note in notes:
             (on_note or (lambda message: None))(note)
@@ -491,4 +510,7 @@ def _summary(results: list[_FileResult], context_len: int, cp: int, compare: int
             model={key: int(priced_by.get(key, default)) for key, default in
                    (("num_heads", 32), ("num_kv_heads", 32), ("head_dim", 128), ("layers", 1))},
             strategy=compared[names[0]])
+    if results and all(r.node_received is not None for r in results):  # made for a topology
+        summary["topology"] = node_receive_summary(np.concatenate([r.node_received for r in results]),
+                                                   context_len, cp, results[0].gpus_per_node)
     return summary

@@ -85,26 +85,52 @@ identical plans.
     torch requires) this is torch's assignment; otherwise a rank without room for its block takes the head
     that fits and the rest goes on to the rank with room and the least process time so far.
 
-``flashcp2`` (parameters ``target_imbalance`` 1.01, ``effort`` 1, ``objective`` "time", ``profile``, shape)
+``dcp`` (DCP's hypergraph partitioning, SOSP'25; parameter ``chunk_size``, default 512; needs ``mtkahypar``)
+    Every document is cut into ``chunk_size``-token blocks from its start; blocks are vertices weighted by
+    their workload, and block b's K/V need (b and every later block of its document) is a net weighted by
+    its tokens, so the partitioner's connectivity objective is the plan's total exact-need traffic.
+    Mt-KaHyPar splits the blocks into N parts (epsilon 0.01, deterministic, one thread); then, as
+    Algorithm 1's Whole-Doc step does, the rank most over its quota moves the head of its piece with the
+    shortest prefix to the under-filled rank with the least workload until every rank holds its quota
+    (``flashcp.planner.hypergraph``). Planned in Python; without the package it refuses in one sentence.
+
+``flashcp2`` (parameters ``target_imbalance`` 1.05, ``effort`` 1, ``objective`` "time", ``profile``, shape,
+``topology``)
     Per sequence, a portfolio under the step-time objective (``flashcp.planner.objective``: the projected
     step time of ``flashcp bench`` for one layer of H = H_kv = 32, D = 128 by default, auto comm with local
-    shards overlapping the exchange). ``flashcp+`` comes first; then, in order, chunked assignments that keep
-    documents contiguous (``_search.affinity_kernel``: every document cut into chunks from its end, chunks by
-    decreasing workload to the least-loaded rank with room, except that the rank holding the next chunk of
-    the same document takes it while it stays within the mean workload and within ``tolerance * mean`` of
-    the least-loaded rank; chunks are fractions of a rank's quota ``q = C // N``: (chunk, tolerance) =
-    (q/4, 0.03), (q/8, 0.1), (q/8, 0.01), (q/16, 0.01), (q/8, 0.03), (q/4, 0.01), (q/16, 0.03), (q/16, 0.1),
-    i.e. 2048, 1024 and 512 tokens at C = 131072, N = 16), ``flashcp`` (R = 1.05), ``magi`` at q/8 tokens,
-    ``llama3``; effort 2 and more add ``magi`` at q/16 and q/4; effort 0 tries only the first three chunked
-    assignments and ``flashcp``. A candidate within ``limit = max(target, imbalance of flashcp+)`` and not
-    slower than ``flashcp+`` replaces the best one when it is faster by more than ``RECEIVE_TIE`` (2%) of the
-    best time, or within that share and has a lower largest exact-need receive (equal: faster); so the result
-    is never slower than ``flashcp+``. A candidate whose busiest rank alone (``objective.rank_floor``) is too
-    slow to win is skipped unpriced, which changes nothing. Then, with ``effort``
-    > 0, local search: paired moves of two document boundaries between the same two ranks by the same
-    shift (1024, 256, 64, 16 tokens) so every rank keeps its quota, kept when the step time drops, the
-    imbalance stays within ``limit`` and the largest receive does not grow; passes repeat while one
-    improves, for at most ``16 * effort`` evaluations.
+    shards overlapping the exchange). ``target_imbalance`` is a ceiling, not a goal: inside it the step
+    time, which charges the slowest rank, decides; a candidate above it is never taken. The first plan is
+    ``flashcp+`` at its own target 1.01 (or the ceiling when lower), its search stopped at 8 zigzagged
+    documents (``_bounded.flashcp_plus_bounded``: the same plan whenever ``flashcp+`` needs no more). Then,
+    in order: Algorithm 1 (R = 1.05) when it needs at most 8 Per-Doc documents, which replaces the first
+    plan when faster (the two set the time to beat: the result is never slower than either of them when
+    they meet the ceiling); ``flashcp+`` at the ceiling (when above 1.01, same bound); chunked assignments
+    that keep documents contiguous (``_search.affinity_kernel``: every document cut into chunks from its
+    end, chunks by decreasing workload to the least-loaded rank with room, except that the rank holding the
+    next chunk of the same document takes it while it stays within the mean workload and within
+    ``tolerance * mean`` of the least-loaded rank; chunks are fractions of a rank's quota ``q = C // N``:
+    (chunk, tolerance) = (q/4, 0.03), (q/8, 0.1), (q/8, 0.01), (q/16, 0.01), (q/8, 0.03), (q/4, 0.01),
+    (q/16, 0.03), (q/16, 0.1), i.e. 2048, 1024 and 512 tokens at C = 131072, N = 16), ``magi`` at q/8
+    tokens, ``llama3``; effort 2 and more add ``magi`` at q/16 and q/4; effort 0 tries only the first three
+    chunked assignments. A candidate with more than ``num_docs + 32 N`` shards (``MAX_EXTRA_SHARDS``) is
+    not taken. When the first plan misses the ceiling, the first candidate within it replaces it; otherwise
+    a candidate not slower than the time to beat replaces the best one when it is faster by more than
+    ``RECEIVE_TIE`` (2%) of the best time, or not faster but no less balanced and within that share with a
+    lower largest exact-need receive (equal: faster). A candidate whose busiest rank alone
+    (``objective.rank_floor``) is too slow to win is skipped unpriced, which changes nothing. Then, with
+    ``effort`` > 0, local search: paired moves of two document boundaries between the same two ranks by the
+    same shift (1024, 256, 64, 16 tokens) so every rank keeps its quota, kept when the step time drops, the
+    imbalance stays within the ceiling (or the chosen plan's own, when above) and the largest receive does
+    not grow; passes repeat while one improves, for at most ``16 * effort`` evaluations. The bounds keep the
+    planning time of a sequence to a few candidates and a fixed search budget, whatever the sequence.
+
+    Topology (``topology`` "NODESxGPUS", or the profile's ``gpus_per_node``): rank r is on node
+    ``r // GPUS``; the objective prices rows between nodes at the profile's ``inter_node_gbps`` and rows
+    inside one at ``link_gbps`` (both links at once: the slower side of the busiest rank decides). Every
+    candidate's ranks are then placed on nodes before it is priced (``_topology.relabel_kernel``): ranks of
+    equal tokens are swapped between nodes while the largest cross-node rows of one rank (then the total
+    crossing) drop, which keeps a document's pieces inside one node where the plan allows it; the search
+    then prices moves with both links.
 
     Token slack (``token_slack`` F, default 0, beyond the paper): a rank may hold up to ``floor(F C / N)``
     tokens more or fewer than its quota. The objective then also prices every rank's per-token layers
@@ -125,6 +151,7 @@ from flashcp.planner._kernels import flashcp_kernel, llama3_kernel, perdoc_kerne
 from flashcp.planner._peers import magi_kernel, ptrr_kernel
 from flashcp.planner._plus import flashcp_plus_kernel
 from flashcp.planner._search import flashcp2_kernel
+from flashcp.planner.hypergraph import MISSING, dcp_available, dcp_rows
 from flashcp.planner.plan import SequencePlan
 
 __all__ = ["DEFAULT_STRATEGY", "MAX_CONTEXT_LEN", "STRATEGIES", "Strategy", "check_context_len",
@@ -152,11 +179,17 @@ class Strategy:
     """Parameters and their defaults (``target_imbalance`` for the flashcp family)."""
     description: str
     """One line for help texts."""
-    kernel: Callable
+    kernel: Callable | None
     """The per-sequence Numba kernel: ``kernel(lens, cp, *kernel_params) -> (doc, start, len, rank)``."""
     kernel_params: tuple[str, ...] = ()
     """What the kernel takes after ``(lens, cp)``, from ``_batch.KERNEL_PARAMS`` (``kernel_args`` builds
     them from the parameters)."""
+    rows: Callable | None = None
+    """A strategy planned in Python instead (``dcp``: a C++ partitioner behind a Python binding):
+    ``rows(row_offsets, doc_lens, cp, params)`` returns what ``_batch.plan_batch`` returns; ``kernel`` is
+    then None."""
+    missing: Callable[[], str | None] | None = None
+    """A check run before planning: the sentence refusing the strategy (a missing package), or None."""
 
     def plan(self, doc_lens, cp: int, *, target_imbalance: float | None = None, **overrides) -> SequencePlan:
         """Plan one packed sequence: ``doc_lens`` (num_docs,) positive integers -> SequencePlan.
@@ -167,7 +200,7 @@ class Strategy:
         lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
         if lens.ndim != 1 or lens.size == 0 or (lens <= 0).any():
             raise ValueError("doc_lens must be a non-empty 1-D array of positive lengths")
-        check_shape(int(lens.sum()), cp)
+        check_shape(int(lens.sum()), cp, params)
         doc, start, length, rank = run_kernel(self, lens, cp, params)
         return SequencePlan(shard_doc=doc, shard_start=start, shard_len=length, shard_rank=rank, cp=cp)
 
@@ -188,9 +221,13 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              description="MagiAttention's MinHeap dispatch of chunk_size-token chunks"),
     Strategy(name="ptrr", defaults={"chunk_size": 128}, kernel=ptrr_kernel, kernel_params=("chunk",),
              description="PyTorch's PTRR load balancer: blocks by process time, dealt in snake order"),
+    Strategy(name="dcp", defaults={"chunk_size": 512}, kernel=None, kernel_params=("chunk",), rows=dcp_rows,
+             missing=lambda: None if dcp_available() else MISSING,
+             description="DCP's hypergraph partitioning of blocks (needs pip install 'flashcp[hypergraph]')"),
     Strategy(name="flashcp2",
-             defaults={"target_imbalance": 1.01, "effort": 1, "objective": "time", "profile": None,
-                       "num_heads": 32, "num_kv_heads": 32, "head_dim": 128, "layers": 1, "token_slack": 0.0},
+             defaults={"target_imbalance": 1.05, "effort": 1, "objective": "time", "profile": None,
+                       "num_heads": 32, "num_kv_heads": 32, "head_dim": 128, "layers": 1, "token_slack": 0.0,
+                       "topology": None},
              kernel=flashcp2_kernel, kernel_params=("target", "effort", "model", "slack"),
              description="portfolio + local search under the projected step time, never slower than flashcp+"),
 )}
@@ -235,18 +272,64 @@ def resolve_params(strategy: Strategy, target_imbalance: float | None = None, **
         if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 <= slack < 1:
             raise ValueError(f"token slack must be a number in [0, 1), got {slack}")
         params["token_slack"] = float(slack)
+    if params.get("topology") is not None:
+        params["topology"] = format_topology(*parse_topology(params["topology"]))
     if "objective" in params and params["objective"] not in OBJECTIVES:
         raise ValueError(f"unknown objective '{params['objective']}': choose one of {', '.join(OBJECTIVES)}")
     return params
 
 
+def parse_topology(text) -> tuple[int, int]:
+    """``"NODESxGPUS"`` (e.g. ``"2x8"``) -> (nodes, GPUs per node); ValueError in one sentence otherwise."""
+    nodes, sep, gpus = str(text).lower().partition("x")
+    if not sep or not nodes.isdigit() or not gpus.isdigit() or int(nodes) < 1 or int(gpus) < 1:
+        raise ValueError(f"topology must be NODESxGPUS with two positive whole numbers (e.g. 2x8), got '{text}'")
+    return int(nodes), int(gpus)
+
+
+def format_topology(nodes: int, gpus: int) -> str:
+    """The canonical spelling of a topology, ``"2x8"``."""
+    return f"{nodes}x{gpus}"
+
+
+def gpus_per_node(params: dict) -> int | None:
+    """CP ranks per node of a strategy's parameters: from ``topology``, else None (the profile's)."""
+    topology = params.get("topology")
+    return None if topology is None else parse_topology(topology)[1]
+
+
+def plan_gpus_per_node(params: dict) -> int:
+    """CP ranks per node a plan was made for (0: every rank in one node).
+
+    Its ``topology``, else its profile's ``gpus_per_node`` (for a strategy that takes a profile), else 0.
+    """
+    per_node = gpus_per_node(params)
+    if per_node is not None:
+        return per_node
+    if "profile" not in params:
+        return 0
+    from flashcp.bench.profile import load_profile
+
+    return load_profile(params["profile"]).gpus_per_node
+
+
+def check_topology(params: dict, cp: int) -> None:
+    """ValueError unless a ``topology`` in ``params`` has exactly ``cp`` ranks (NODES x GPUS == cp)."""
+    topology = params.get("topology")
+    if topology is not None:
+        nodes, gpus = parse_topology(topology)
+        if nodes * gpus != cp:
+            raise ValueError(f"topology {topology} holds {nodes * gpus} ranks, not the {cp} of --cp {cp}")
+
+
 def objective_model(params: dict) -> np.ndarray:
-    """The step-time model vector of ``flashcp2`` parameters (profile file, model shape); cached."""
+    """The step-time model vector of ``flashcp2`` parameters (profile file, model shape, topology); cached."""
     from flashcp.planner.objective import cached_model
 
     return cached_model(params.get("profile"), int(params.get("num_heads", 32)),
                         int(params.get("num_kv_heads", 32)), int(params.get("head_dim", 128)),
-                        int(params.get("layers", 1)), float(params.get("token_slack", 0.0)) > 0)
+                        int(params.get("layers", 1)), float(params.get("token_slack", 0.0)) > 0,
+                        gpus_per_node(params))
 
 
 def kernel_args(strategy: Strategy, params: dict) -> dict:
@@ -256,6 +339,9 @@ def kernel_args(strategy: Strategy, params: dict) -> dict:
     """
     from flashcp.planner.polish import parse_effort
 
+    refusal = strategy.missing() if strategy.missing is not None else None
+    if refusal:
+        raise ValueError(refusal)
     model = objective_model(params) if "model" in strategy.kernel_params else None
     return {"target": float(params.get("target_imbalance", 1.0)), "chunk": int(params.get("chunk_size", 1)),
             "effort": parse_effort(params.get("effort", 0))[0], "model": model,
@@ -269,8 +355,11 @@ def check_context_len(context_len: int, what: str = "context length") -> None:
                          f"{MAX_CONTEXT_LEN:,} tokens (2^24); choose a shorter one")
 
 
-def check_shape(context_len: int, cp: int) -> None:
-    """ValueError unless ``1 <= cp <= min(MAX_CP, context_len)`` and the context length is supported."""
+def check_shape(context_len: int, cp: int, params: dict | None = None) -> None:
+    """ValueError unless ``1 <= cp <= min(MAX_CP, context_len)`` and the context length is supported.
+
+    A ``topology`` in ``params`` must hold ``cp`` ranks.
+    """
     check_context_len(context_len)
     if context_len < 1:
         raise ValueError(f"context length must be in [1, {MAX_CONTEXT_LEN}], got {context_len}")
@@ -280,6 +369,7 @@ def check_shape(context_len: int, cp: int) -> None:
         raise ValueError(f"cp {cp} is above the {context_len} tokens per sequence: some rank would get none")
     if cp > MAX_CP:
         raise ValueError(f"cp {cp} is above the largest supported CP size {MAX_CP}")
+    check_topology(params or {}, cp)
 
 
 def run_kernel(strategy: Strategy, lens: np.ndarray, cp: int, params: dict):
@@ -288,7 +378,10 @@ def run_kernel(strategy: Strategy, lens: np.ndarray, cp: int, params: dict):
     One compiled entry point per strategy, shared with ``pipeline.plan_rows``.
     """
     rows = np.array([0, lens.size], np.int64)
-    return _batch.plan_batch(rows, lens, cp, strategy.name, **kernel_args(strategy, params))[1:]
+    args = kernel_args(strategy, params)
+    if strategy.rows is not None:
+        return strategy.rows(rows, lens, cp, params)[1:]
+    return _batch.plan_batch(rows, lens, cp, strategy.name, **args)[1:]
 
 
 def plan_sequence(strategy: str, doc_lens, cp: int, *, target_imbalance: float | None = None,

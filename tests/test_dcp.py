@@ -1,0 +1,71 @@
+"""The ``dcp`` peer: DCP's hypergraph formulation on Mt-KaHyPar, converted to valid plans."""
+
+import numpy as np
+import pytest
+
+from flashcp.planner import hypergraph
+from flashcp.planner.cost import exact_need_sent, token_quotas, workload
+from flashcp.planner.plan import SequencePlan
+from flashcp.planner.strategies import plan_sequence
+
+
+def test_refuses_in_one_sentence_without_the_package(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    import flashcp.planner.strategies as strategies
+    from flashcp.cli import cli
+
+    entry = _without_package(strategies.STRATEGIES["dcp"])
+    with pytest.raises(ValueError, match="needs the hypergraph partitioner mtkahypar"):
+        strategies.kernel_args(entry, {"chunk_size": 512})
+    root = tmp_path / "d"
+    assert CliRunner().invoke(cli, ["synth", str(root), "--dist", "wlb", "--num-seqs", "2", "--context-len", "4096",
+                                    "--no-tokens"]).exit_code == 0
+    monkeypatch.setitem(strategies.STRATEGIES, "dcp", entry)
+    result = CliRunner().invoke(cli, ["plan", str(root), "--cp", "2", "--strategy", "dcp"])
+    assert result.exit_code == 1 and "pip install 'flashcp[hypergraph]'" in result.output
+    assert "Traceback" not in result.output and not (root / "plans" / "cp2-dcp").exists()
+
+
+def _without_package(entry):
+    from dataclasses import replace
+
+    return replace(entry, missing=lambda: hypergraph.MISSING)
+
+
+needs_mtkahypar = pytest.mark.skipif(not hypergraph.dcp_available(), reason="pip install 'flashcp[hypergraph]'")
+
+
+@needs_mtkahypar
+def test_connectivity_objective_is_the_exact_need_volume():
+    """The partition's KM1 (sum over nets of weight x (lambda - 1)) is the total exact-need K/V the block
+    plan sends: the formulation prices exactly what a rank receives."""
+    rng = np.random.default_rng(3)
+    for _ in range(4):
+        lens = rng.integers(1, 5000, rng.integers(2, 20)).astype(np.int64)
+        cp = int(rng.integers(2, 6))
+        doc, start, length = hypergraph._blocks(lens, 256)
+        part = hypergraph._partition(doc, start, length, cp)
+        km1 = 0
+        for b in range(doc.size):
+            later = np.flatnonzero((doc == doc[b]) & (start >= start[b]))
+            km1 += int(length[b]) * (len(set(part[later].tolist())) - 1)
+        plan = SequencePlan.from_arrays(doc, start, length, part, cp=cp)
+        assert km1 == int(exact_need_sent(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank,
+                                          cp).sum())
+
+
+@needs_mtkahypar
+@pytest.mark.parametrize("cp", [1, 3, 8])
+def test_plans_are_valid_with_exact_quotas(cp):
+    rng = np.random.default_rng(cp)
+    for _ in range(3):
+        lens = rng.integers(1, 9000, rng.integers(1, 25)).astype(np.int64)
+        if lens.sum() < cp:
+            continue
+        plan = plan_sequence("dcp", lens, cp)
+        plan.validate(lens)
+        tokens = np.bincount(plan.shard_rank, weights=plan.shard_len, minlength=cp)
+        assert np.array_equal(tokens, token_quotas(int(lens.sum()), cp))
+        assert int(workload(plan.shard_start, plan.shard_len).sum()) == int(workload(0, lens).sum())
+        assert plan_sequence("dcp", lens, cp).metrics() == plan.metrics()  # deterministic
