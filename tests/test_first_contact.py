@@ -5,7 +5,8 @@ on-disk cache: machine code cached by ``plan --strategy flashcp`` once made the 
 reject every plan it made (``flashcp._numba`` says why). These tests run flashcp as a new user does: each
 command a fresh process, the cache empty before the first. Every plan of every step is validated by the
 command itself and again by ``verify``. ``bench/cache_pairs.py`` runs every ordered pair of strategies the
-same way (too long for CI).
+same way (too long for CI). The two orders run at once, and the README's compiles into the suite's
+cache (``tests/conftest.py``), which every later test then loads.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -58,20 +60,58 @@ def flashcp(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Compl
     return done
 
 
-def test_the_readme_main_job_runs_from_an_empty_cache(tmp_path):
-    steps = readme_main_job()
-    assert [s[0] for s in steps] == ["pack", "plan", "plan", "verify", "show", "bench"]
-    corpus = small_corpus(tmp_path / "corpus")
-    env = fresh_env(tmp_path / "numba-cache")
+def compiled_files(cache: Path) -> list[Path]:
+    return [p for p in cache.rglob("*") if p.suffix in (".nbi", ".nbc")] if cache.is_dir() else []
+
+
+def readme_chain(tmp: Path, cache: Path) -> list[str]:
+    """The README's main job on a small corpus, each command a process; the output of each."""
+    corpus = small_corpus(tmp / "corpus")
+    env = fresh_env(cache)
     outputs = []
-    for step in steps:
+    for step in readme_main_job():
         args = [str(corpus) if a == "$S" else a for a in step]
         if "--context-len" in args:
             args[args.index("--context-len") + 1] = str(CONTEXT_LEN)
         if args[0] == "bench":  # small settings: plan quality of every strategy on the demo data
             args += ["--scenario", "quality", "--cp", "4"]
-        outputs.append(flashcp(args, env, tmp_path))
-    pack, plan_flashcp, plan_default, verify, show, bench = (o.stdout + o.stderr for o in outputs)
+        done = flashcp(args, env, tmp)
+        outputs.append(done.stdout + done.stderr)
+    return outputs
+
+
+def reverse_chain(tmp: Path, cache: Path) -> str:
+    """The README's order reversed: flashcp2 compiled first, then strategies it links in part; verify's JSON."""
+    data = tmp / "data"
+    env = fresh_env(cache)
+    flashcp(["synth", str(data), "--dist", "wlb", "--num-seqs", "6", "--context-len", str(CONTEXT_LEN),
+             "--no-tokens"], env, tmp)
+    for strategy in ("flashcp2", "flashcp", "magi"):
+        flashcp(["plan", str(data), "--cp", "8", "--strategy", strategy], env, tmp)
+    return flashcp(["verify", str(data), "--json"], env, tmp).stdout
+
+
+@pytest.fixture(scope="module")
+def chains(tmp_path_factory):
+    """Both orders at once (each compile is one core's work), each from an empty cache.
+
+    The README's order compiles into the suite's own cache (``tests/conftest.py``) while it is still empty, so
+    the tests after this module load what these processes compiled; anywhere else (the module run after
+    other tests) it takes a folder of its own. The reverse order always has its own.
+    """
+    suite_cache = Path(os.environ["NUMBA_CACHE_DIR"])
+    readme_cache = suite_cache if not compiled_files(suite_cache) else tmp_path_factory.mktemp("cache-readme")
+    reverse_cache = tmp_path_factory.mktemp("cache-reverse")
+    with ThreadPoolExecutor(2) as pool:
+        readme = pool.submit(readme_chain, tmp_path_factory.mktemp("readme"), readme_cache)
+        reverse = pool.submit(reverse_chain, tmp_path_factory.mktemp("reverse"), reverse_cache)
+        wait([readme, reverse])
+    return readme, reverse
+
+
+def test_the_readme_main_job_runs_from_an_empty_cache(chains):
+    assert [s[0] for s in readme_main_job()] == ["pack", "plan", "plan", "verify", "show", "bench"]
+    pack, plan_flashcp, plan_default, verify, show, bench = chains[0].result()
     assert "packed" in pack
     assert "compiling planner kernels, first run only" in plan_flashcp
     assert "cp8-flashcp/" in plan_flashcp and "all validated" in plan_flashcp
@@ -82,14 +122,7 @@ def test_the_readme_main_job_runs_from_an_empty_cache(tmp_path):
         assert name in bench
 
 
-def test_the_default_first_then_algorithm_1_and_a_peer(tmp_path):
-    """The README's order reversed: flashcp2 compiled first, then strategies it links in part."""
-    data = tmp_path / "data"
-    env = fresh_env(tmp_path / "numba-cache")
-    flashcp(["synth", str(data), "--dist", "wlb", "--num-seqs", "6", "--context-len", str(CONTEXT_LEN),
-             "--no-tokens"], env, tmp_path)
-    for strategy in ("flashcp2", "flashcp", "magi"):
-        flashcp(["plan", str(data), "--cp", "8", "--strategy", strategy], env, tmp_path)
-    verify = flashcp(["verify", str(data), "--json"], env, tmp_path)
-    assert '"ok": true' in verify.stdout
-    assert all(f'"cp8-{s}": 6' in verify.stdout for s in ("flashcp2", "flashcp", "magi"))
+def test_the_default_first_then_algorithm_1_and_a_peer(chains):
+    verify = chains[1].result()
+    assert '"ok": true' in verify
+    assert all(f'"cp8-{s}": 6' in verify for s in ("flashcp2", "flashcp", "magi"))

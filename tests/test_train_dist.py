@@ -5,7 +5,8 @@ One dataset (3 packed sequences of 256 tokens) with plans from every builder of 
 (the plain-PyTorch TinyDecoder and, with transformers installed, stock LlamaForCausalLM and Qwen2ForCausalLM
 attending through flashcp), 3 AdamW steps with CP must give the losses and parameters of 3 steps on the whole
 sequences in one process with a document-masked dense attention (float64, 1e-10). The comm modes rotate over
-the cases so that every model and every plan meets every mode. One spawn per world size runs all cases, the
+the cases so that every model and every plan meets every mode on 2 ranks; on 4 every plan runs once, the
+models and modes rotating. One spawn per world size runs all cases, the
 resume checks (2 ranks) and the checkpoint refusals; a torchrun launch checks the refusal of a plan made for
 another number of ranks.
 """
@@ -107,14 +108,18 @@ def references(planned):
     return out
 
 
-def _cases(builders):
-    return [(builder, kind, COMMS[(i + j) % len(COMMS)])
-            for i, builder in enumerate(builders) for j, kind in enumerate(MODELS)]
+def _cases(builders, world):
+    """On 2 ranks every (plan, model) pair; on 4 every plan once, the models and comm modes rotating."""
+    cases = [(builder, kind, COMMS[(i + j) % len(COMMS)])
+             for i, builder in enumerate(builders) for j, kind in enumerate(MODELS)]
+    if world == 2:
+        return cases
+    return [cases[i * len(MODELS) + i % len(MODELS)] for i in range(len(builders))]
 
 
 def _worker(rank, world, root, builders, references, ckpt_dir):
     failures = []
-    for builder, kind, comm in _cases(builders):
+    for builder, kind, comm in _cases(builders, world):
         where = f"cp{world} plan={builder} model={kind} comm={comm}"
         init, ref_losses, ref_params = references[kind]
         model = make_model(kind, cp=True)
