@@ -6,7 +6,8 @@ run does, whatever earlier runs left in the checkout. The first-contact tests ru
 (``tests/test_first_contact.py``): the README's main job, each command a process of its own, compiles into
 this empty folder, and every later test, in this process or in the ranks and commands it starts, loads what
 those processes cached. Kernels loaded from the cache by another process are so exercised by the whole suite.
-The folder is removed at the end of the run.
+The folder is removed at the end of the run. ``FLASHCP_TEST_NUMBA_CACHE=DIR`` keeps one across runs instead
+(faster when running a few tests again and again; the first-contact tests then take folders of their own).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import os
 import shutil
 import tempfile
 
-SUITE_CACHE = tempfile.mkdtemp(prefix="flashcp-suite-numba-")
+KEPT = os.environ.get("FLASHCP_TEST_NUMBA_CACHE")
+SUITE_CACHE = KEPT or tempfile.mkdtemp(prefix="flashcp-suite-numba-")
 os.environ["NUMBA_CACHE_DIR"] = SUITE_CACHE
 
 FIRST = "tests.test_first_contact"
@@ -27,4 +29,5 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(SUITE_CACHE, ignore_errors=True)
+    if not KEPT:
+        shutil.rmtree(SUITE_CACHE, ignore_errors=True)

@@ -801,9 +801,9 @@ def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float =
     then Algorithm 1 (when it needs at most 8 Per-Doc documents) if faster, then the portfolio in the
     kernel's order (flashcp+ at the ceiling ``target`` when above 1.01, the chunked assignments, ...), each
     placed on nodes under a topology. A candidate with more than ``num_docs + 32 N`` shards or over the
-    ceiling is not taken; one within it replaces a first plan over it; otherwise a candidate not slower
-    than flashcp+ and Algorithm 1 (those of them that meet the ceiling) under ``step_time`` (default
-    ``naive_step_time``) wins when it is faster
+    ceiling or slower than flashcp+ is not taken; one within it replaces a first plan over it; otherwise a
+    candidate not slower than flashcp+ and Algorithm 1 (when it meets the ceiling) under ``step_time``
+    (default ``naive_step_time``) wins when it is faster
     by more than ``tie`` (a share of the best time), or not faster but no less balanced and within ``tie``
     with a lower largest receive (equal receive: faster); then the local search with 16 evaluations per
     unit of effort. (The kernel also skips candidates whose busiest rank alone is too slow to win: that
@@ -817,7 +817,7 @@ def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float =
     best = place(naive_flashcp_plus(doc_lens, cp, min(target, 1.01), zigzag))
     best_time = step_time(best)
     best_imbalance, _, best_received = naive_metrics(best, cp)
-    plus_time = best_time if best_imbalance <= target else math.inf
+    plus_time = best_time
     quota = sum(doc_lens) // cp
     most_shards = len(doc_lens) + 32 * cp
 
@@ -829,7 +829,7 @@ def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float =
     if anchor is not None and len(anchor) <= most_shards and naive_metrics(anchor, cp)[0] <= target:
         plan = place(anchor)
         t = step_time(plan)
-        if best_imbalance > target or t < best_time:
+        if t < best_time or best_imbalance > target and t <= best_time:
             best, best_time, plus_time = plan, t, t
             best_imbalance, _, best_received = naive_metrics(plan, cp)
     candidates = [lambda: naive_flashcp_plus(doc_lens, cp, target, zigzag) if target > 1.01 else None]
@@ -847,8 +847,10 @@ def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float =
             continue
         plan = place(plan)
         t = step_time(plan)
+        if t > plus_time:
+            continue
         if best_imbalance <= target:
-            if t > plus_time or t >= best_time * (1 + tie):
+            if t >= best_time * (1 + tie):
                 continue
             if t >= best_time and imbalance > best_imbalance:
                 continue

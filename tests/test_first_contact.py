@@ -73,8 +73,9 @@ def readme_chain(tmp: Path, cache: Path) -> list[str]:
         args = [str(corpus) if a == "$S" else a for a in step]
         if "--context-len" in args:
             args[args.index("--context-len") + 1] = str(CONTEXT_LEN)
-        if args[0] == "bench":  # small settings: plan quality of every strategy on the demo data
-            args += ["--scenario", "quality", "--cp", "4"]
+        if args[0] == "bench":  # --quick on small settings (those of tests/test_bench_cli.py's smoke test)
+            args += ["--dist", "wlb,pile", "--context-len", "16384", "--seqs", "2", "--cp", "2,4", "--heads", "8",
+                     "--runtime-context-len", "256", "--runtime-cp", "2"]
         done = flashcp(args, env, tmp)
         outputs.append(done.stdout + done.stderr)
     return outputs

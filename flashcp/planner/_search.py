@@ -400,11 +400,11 @@ def flashcp2_kernel(lens, cp, target, effort, model, slack):
     best_b = np.empty(best_doc.shape[0], np.float64)
     _price_shards(best_start, best_len, best_rank, model, best_f, best_b, -1, False, memo)
     best_time = step_seconds_of(best_doc, best_start, best_len, best_rank, cp, model, best_f, best_b, -1)
-    # every candidate must meet the ceiling; flashcp+ sets the time to beat when it meets it too, else
-    # the first candidate within the ceiling replaces it
+    # every candidate must meet the ceiling, and flashcp+ sets the time to beat; when flashcp+ misses the
+    # ceiling, the first candidate within it that is not slower replaces it
     best_imbalance = _imbalance(best_start, best_len, best_rank, cp)
     limit = target
-    plus_time = best_time if best_imbalance <= target else np.inf
+    plus_time = best_time
     best_received = _exact_need_received(best_doc, best_start, best_len, best_rank, cp).max()
     most_shards = lens.shape[0] + MAX_EXTRA_SHARDS * cp
     num = len(AFFINITY) if effort > 0 else FAST
@@ -434,12 +434,12 @@ def flashcp2_kernel(lens, cp, target, effort, model, slack):
         floor = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, busiest)
         within = best_imbalance <= target
         # Algorithm 1 (c == 0) sets the time to beat with flashcp+: it wins when it is faster
-        if within and (floor > plus_time or floor >= best_time * (1.0 + RECEIVE_TIE) or c == 0 and
-                       floor >= best_time):
+        if floor > plus_time or within and (floor >= best_time * (1.0 + RECEIVE_TIE) or c == 0 and
+                                            floor >= best_time):
             continue
         _price_shards(start, length, rank, model, sec_f, sec_b, busiest, False, memo)
         t = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, -1)
-        if within and (t > plus_time or t >= best_time * (1.0 + RECEIVE_TIE) or c == 0 and t >= best_time):
+        if t > plus_time or within and (t >= best_time * (1.0 + RECEIVE_TIE) or c == 0 and t >= best_time):
             continue
         received = _exact_need_received(doc, start, length, rank, cp).max()
         if c == 0:

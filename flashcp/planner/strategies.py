@@ -113,8 +113,9 @@ identical plans.
     (q/16, 0.03), (q/16, 0.1), i.e. 2048, 1024 and 512 tokens at C = 131072, N = 16), ``magi`` at q/8
     tokens, ``llama3``; effort 2 and more add ``magi`` at q/16 and q/4; effort 0 tries only the first three
     chunked assignments. A candidate with more than ``num_docs + 32 N`` shards (``MAX_EXTRA_SHARDS``) is
-    not taken. When the first plan misses the ceiling, the first candidate within it replaces it; otherwise
-    a candidate not slower than the time to beat replaces the best one when it is faster by more than
+    not taken, nor is one slower than ``flashcp+``. When the first plan misses the ceiling, the first
+    candidate within it replaces it (if none is as fast, ``flashcp+``'s plan stays: the result is never slower
+    than ``flashcp+``); otherwise a candidate not slower than the time to beat replaces the best one when it is faster by more than
     ``RECEIVE_TIE`` (2%) of the best time, or not faster but no less balanced and within that share with a
     lower largest exact-need receive (equal: faster). A candidate whose busiest rank alone
     (``objective.rank_floor``) is too slow to win is skipped unpriced, which changes nothing. Then, with
