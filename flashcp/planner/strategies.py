@@ -116,8 +116,8 @@ identical plans.
     not taken, nor is one slower than ``flashcp+``. When the first plan misses the ceiling, the first
     candidate within it replaces it (if none is as fast, ``flashcp+``'s plan stays: the result is never slower
     than ``flashcp+``); otherwise a candidate not slower than the time to beat replaces the best one when
-    it is faster by more than ``RECEIVE_TIE`` (2%) of the best time, or not faster but no less balanced and within that share with a
-    lower largest exact-need receive (equal: faster). A candidate whose busiest rank alone
+    it is faster by more than ``RECEIVE_TIE`` (2%) of the best time, or not faster but no less balanced
+    and within that share with a lower largest exact-need receive (equal: faster). A candidate whose busiest rank alone
     (``objective.rank_floor``) is too slow to win is skipped unpriced, which changes nothing. Then, with
     ``effort`` > 0, local search: paired moves of two document boundaries between the same two ranks by the
     same shift (1024, 256, 64, 16 tokens) so every rank keeps its quota, kept when the step time drops, the
