@@ -7,8 +7,6 @@ from click.testing import CliRunner
 
 from flashcp.cli import cli
 
-pytest.importorskip("flashcp.planner.strategies")
-
 
 def test_bench_quick_smoke(tmp_path):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"

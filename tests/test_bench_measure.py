@@ -5,7 +5,6 @@ exercised in CI. No timing is asserted, only shapes, signs and that the results 
 """
 
 import numpy as np
-import pytest
 import torch
 
 from flashcp.bench.calibrate import calibrate_profile
@@ -42,7 +41,6 @@ def test_calibrated_profile_replaces_measured_parts_only():
 
 
 def test_measured_latency_scenario_labels_its_rows():
-    pytest.importorskip("flashcp.planner.strategies")
     from flashcp.bench.latency import latency_scenario
     from flashcp.bench.sequences import open_source
     from flashcp.bench.systems import PlanBook, default_systems

@@ -13,8 +13,6 @@ from click.testing import CliRunner
 
 from flashcp.cli import cli
 
-pytest.importorskip("flashcp.planner.strategies")
-
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -9,7 +9,7 @@ from tests.test_ray_pack import make_corpus, pack_args, run
 
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
-ray_pack = pytest.importorskip("flashcp.engines.ray_pack")
+import flashcp.engines.ray_pack as ray_pack  # noqa: E402  (with ray installed, an import failure is a failure)
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,7 @@ def assert_same_as_reference(name, lens, cp, **params):
 
 
 @pytest.mark.parametrize("name", ["perdoc", "flashcp", "flashcp+", "ring"])
-@examples(600)
+@examples(300)
 @given(case=sequences())
 def test_kernel_equals_reference(name, case):
     lens, cp = case
