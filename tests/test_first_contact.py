@@ -96,12 +96,17 @@ def reverse_chain(tmp: Path, cache: Path) -> str:
 def chains(tmp_path_factory):
     """Both orders at once (each compile is one core's work), each from an empty cache.
 
-    The README's order compiles into the suite's own cache (``tests/conftest.py``) while it is still empty, so
-    the tests after this module load what these processes compiled; anywhere else (the module run after
-    other tests) it takes a folder of its own. The reverse order always has its own.
+    The README's order compiles into the suite's own cache (``tests/conftest.py``), still empty (this module
+    runs first and collecting the suite compiles nothing), so the tests after it load what these processes
+    compiled; with a kept cache (``FLASHCP_TEST_NUMBA_CACHE``) it takes a folder of its own. The reverse
+    order always has its own.
     """
-    suite_cache = Path(os.environ["NUMBA_CACHE_DIR"])
-    readme_cache = suite_cache if not compiled_files(suite_cache) else tmp_path_factory.mktemp("cache-readme")
+    if os.environ.get("FLASHCP_TEST_NUMBA_CACHE"):
+        readme_cache = tmp_path_factory.mktemp("cache-readme")
+    else:
+        readme_cache = Path(os.environ["NUMBA_CACHE_DIR"])
+        assert not compiled_files(readme_cache), "a kernel was compiled before the first-contact tests ran " \
+            "(while collecting?): the suite's cache is no longer empty"
     reverse_cache = tmp_path_factory.mktemp("cache-reverse")
     with ThreadPoolExecutor(2) as pool:
         readme = pool.submit(readme_chain, tmp_path_factory.mktemp("readme"), readme_cache)
