@@ -69,3 +69,24 @@ def test_plans_are_valid_with_exact_quotas(cp):
         assert np.array_equal(tokens, token_quotas(int(lens.sum()), cp))
         assert int(workload(plan.shard_start, plan.shard_len).sum()) == int(workload(0, lens).sum())
         assert plan_sequence("dcp", lens, cp).metrics() == plan.metrics()  # deterministic
+
+
+def test_vertex_weights_fit_the_partitioners_32_bits():
+    small = np.array([1, 5, 1000], np.int64)
+    assert np.array_equal(hypergraph._vertex_weights(small), small)  # unchanged while they fit
+    work = workload(*hypergraph._blocks(np.array([1048576, 3], np.int64), 1024)[1:])
+    assert int(work.sum()) > 2**31  # one 1M document: 5.5e11 query-key pairs
+    got = hypergraph._vertex_weights(work)
+    assert int(got.sum()) < 2**31 - 1 and got.min() >= 1
+    scale = work.sum() / got.sum()
+    assert np.all(np.abs(got * scale - work) <= np.maximum(scale, 1e-3 * work))  # proportional, rounded
+
+
+@needs_mtkahypar
+def test_plans_documents_too_long_for_32_bit_weights():
+    """A 128K document has 8.6e9 query-key pairs, more than Mt-KaHyPar's int32 vertex weights hold."""
+    lens = np.array([131072 - 9000, 5000, 4000], np.int64)
+    plan = plan_sequence("dcp", lens, 8)
+    plan.validate(lens)
+    assert np.array_equal(np.bincount(plan.shard_rank, weights=plan.shard_len, minlength=8),
+                          token_quotas(int(lens.sum()), 8))

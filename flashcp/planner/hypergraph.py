@@ -11,7 +11,8 @@ only the K/V that is needed. flashcp's version, written from that formulation fo
   net spread over lambda ranks costs b's K/V sent to lambda - 1 of them: the partitioner's objective is the
   total exact-need K/V volume of the plan (DESIGN.md section 2, summed over ranks).
 - Partitioning: Mt-KaHyPar (``mtkahypar``, pip extra ``flashcp[hypergraph]``), k = N blocks, objective
-  KM1, imbalance epsilon 0.01 on the vertex weights, deterministic preset, one thread, seed 0.
+  KM1, imbalance epsilon 0.01 on the vertex weights (scaled into its 32-bit range, ``_vertex_weights``),
+  deterministic preset, one thread, seed 0.
 - Plan: each block goes to its part; then the equal-token quotas are restored as Algorithm 1's Whole-Doc
   step does (``_repair``): while a rank holds more than its quota, the rank most over it moves the head of its
   piece with the shortest prefix (``min(excess, deficit, piece length)`` tokens, ties: the lower document)
@@ -34,6 +35,9 @@ __all__ = ["DCP_EPSILON", "MISSING", "dcp_available", "dcp_plan", "dcp_rows"]
 DCP_EPSILON = 0.01
 """Allowed imbalance of the partition's block workloads (mtkahypar's epsilon)."""
 MISSING = "strategy 'dcp' needs the hypergraph partitioner mtkahypar: pip install 'flashcp[hypergraph]'"
+WEIGHT_LIMIT = 2**30
+"""Most total vertex weight handed to Mt-KaHyPar: its weights are 32-bit, and one 128K document alone has
+8.6e9 query-key pairs, so larger totals are scaled down (half of int32's range, room for its part sums)."""
 
 def dcp_available() -> bool:
     """Whether ``mtkahypar`` imports."""
@@ -70,6 +74,20 @@ def _blocks(lens: np.ndarray, chunk: int):
     return np.array(doc, np.int64), np.array(start, np.int64), np.array(length, np.int64)
 
 
+def _vertex_weights(work: np.ndarray) -> np.ndarray:
+    """Block workloads as Mt-KaHyPar's vertex weights, their total at most about ``WEIGHT_LIMIT``.
+
+    Unchanged while the total fits, else divided by the smallest whole factor that brings it there (rounded,
+    at least 1).
+    """
+    work = np.asarray(work, np.int64)
+    total = int(work.sum())
+    if total <= WEIGHT_LIMIT:
+        return work
+    scale = -(-total // WEIGHT_LIMIT)
+    return np.maximum(1, (work + scale // 2) // scale)
+
+
 def _partition(doc, start, length, cp: int) -> np.ndarray:
     """Part (rank) of every block from Mt-KaHyPar: KM1 over the need nets, balanced workloads."""
     mtkahypar, init = _partitioner()
@@ -81,7 +99,7 @@ def _partition(doc, start, length, cp: int) -> np.ndarray:
         if end - b > 1:  # a document's last block is needed by no other block
             nets.append(list(range(b, end)))
             weights.append(int(length[b]))
-    work = workload(start, length)
+    work = _vertex_weights(workload(start, length))
     if not nets:
         nets, weights = [[0]], [1]  # the partitioner wants at least one net; a single pin costs nothing
     context = init.context_from_preset(mtkahypar.PresetType.DETERMINISTIC)
