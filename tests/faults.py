@@ -120,3 +120,20 @@ class ReadOnly:
             monkeypatch.setattr(os, name, guard(name))
         monkeypatch.setattr(builtins, "open", guarded_open)
         monkeypatch.setattr(tempfile, "mkstemp", guarded_mkstemp)
+
+
+def workspace(template: Path, tmp_path: Path, bystanders: dict[str, str]) -> Path:
+    """A private copy of ``template`` at ``tmp_path/ws`` plus bystander files (relative path -> text)."""
+    ws = copy_tree(template, tmp_path / "ws")
+    for relative, text in bystanders.items():
+        (ws / relative).parent.mkdir(parents=True, exist_ok=True)
+        (ws / relative).write_text(text)
+    return ws
+
+
+def unchanged(ws: Path, command, *needles, code: int = 1) -> str:
+    """Run ``command``; assert one sentence (exit ``code``) and the whole tree under ``ws`` byte-identical."""
+    before = tree(ws)
+    err = one_sentence(run(*command), *needles, code=code)
+    assert tree(ws) == before
+    return err

@@ -16,7 +16,17 @@ import pytest
 
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
-from tests.faults import ReadOnly, copy_tree, docs, one_sentence, pack_args, run, tree, write_jsonl
+from tests.faults import (
+    ReadOnly,
+    docs,
+    one_sentence,
+    pack_args,
+    run,
+    tree,
+    unchanged,
+    workspace,
+    write_jsonl,
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,18 +44,7 @@ def template(tmp_path_factory):
 @pytest.fixture
 def ws(template, tmp_path):
     """A private copy of the template, plus a bystander folder outside the dataset."""
-    copy_tree(template, tmp_path / "ws")
-    (tmp_path / "ws" / "victim").mkdir()
-    (tmp_path / "ws" / "victim" / "precious.txt").write_text("do not touch")
-    return tmp_path / "ws"
-
-
-def unchanged(ws: Path, command, *needles, code: int = 1) -> str:
-    """Run ``command``; assert one sentence and the whole tree byte-identical."""
-    before = tree(ws)
-    err = one_sentence(run(*command), *needles, code=code)
-    assert tree(ws) == before
-    return err
+    return workspace(template, tmp_path, {"victim/precious.txt": "do not touch"})
 
 
 # ---- 1. names written inside a dataset are plain names, checked before anything is touched ----

@@ -21,7 +21,7 @@ from flashcp.data.dataset import DataFileWriter, Dataset
 from flashcp.data.pack_output import OutputFolder
 from flashcp.errors import FlashcpError, PlanError
 from flashcp.planner.strategies import MAX_CONTEXT_LEN
-from tests.faults import ROOT, copy_tree, docs, one_sentence, pack_args, run, tree, write_jsonl
+from tests.faults import ROOT, docs, one_sentence, pack_args, run, tree, unchanged, workspace, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +36,7 @@ def template(tmp_path_factory):
 
 @pytest.fixture
 def ws(template, tmp_path):
-    copy_tree(template, tmp_path / "ws")
-    (tmp_path / "ws" / "victim").mkdir()
-    (tmp_path / "ws" / "victim" / "precious.txt").write_text("do not touch")
-    return tmp_path / "ws"
-
-
-def unchanged(ws: Path, command, *needles, code: int = 1) -> str:
-    before = tree(ws)
-    err = one_sentence(run(*command), *needles, code=code)
-    assert tree(ws) == before
-    return err
+    return workspace(template, tmp_path, {"victim/precious.txt": "do not touch"})
 
 
 # ---- 2. an input that changes while pack reads it ----

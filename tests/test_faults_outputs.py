@@ -12,13 +12,22 @@ import errno
 import importlib.util
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.dist import free_port
-from tests.faults import ROOT, ReadOnly, copy_tree, docs, one_sentence, pack_args, run, tree, write_jsonl
+from tests.faults import (
+    ROOT,
+    ReadOnly,
+    docs,
+    pack_args,
+    run,
+    tree,
+    unchanged,
+    workspace,
+    write_jsonl,
+)
 
 TINY = ["--steps", "1", "--prefetch", "0", "--dim", "16", "--heads", "2", "--kv-heads", "1", "--vocab", "16",
         "--layers", "1"]
@@ -37,18 +46,7 @@ def template(tmp_path_factory):
 
 @pytest.fixture
 def ws(template, tmp_path):
-    copy_tree(template, tmp_path / "ws")
-    (tmp_path / "ws" / "notes.txt").write_text("my notes")
-    (tmp_path / "ws" / "afolder").mkdir()
-    (tmp_path / "ws" / "afolder" / "mine.txt").write_text("mine")
-    return tmp_path / "ws"
-
-
-def unchanged(ws: Path, command, *needles, code: int = 1) -> str:
-    before = tree(ws)
-    err = one_sentence(run(*command), *needles, code=code)
-    assert tree(ws) == before
-    return err
+    return workspace(template, tmp_path, {"notes.txt": "my notes", "afolder/mine.txt": "mine"})
 
 
 # ---- bench --json / --plot / --profile-out and audit --json ----
