@@ -561,10 +561,15 @@ class _RayPackRun(_PackRun):
                                f"folder {self.out.root} must be on a filesystem every Ray node shares")
 
     def _cancel(self) -> None:
-        """Stop queued tasks and wait for running write tasks, so that none writes after the run failed."""
-        refs = [item[2] for item in self.tokenize_queue] + [item[0] for item in self.write_queue]
-        for ref in refs:
-            self.ray.cancel(ref)
+        """Stop queued tokenize tasks and wait for every write task, so that none writes after the run failed.
+
+        Only tokenize tasks are cancelled: a write task whose input was cancelled fails without running. A
+        write task is never cancelled itself: Ray 2.60 aborts the driver process ("Check failed:
+        submitted_task_ref_count > 0" in its reference counter) when a task is cancelled while its arguments
+        are still being resolved.
+        """
+        for item in self.tokenize_queue:
+            self.ray.cancel(item[2])
         writes = [item[0] for item in self.write_queue]
         if writes:
             self.ray.wait(writes, num_returns=len(writes), timeout=60)
