@@ -192,7 +192,8 @@ def _exact_need_received(shard_doc, shard_start, shard_len, shard_rank, cp):
 
 
 @njit(cache=True)
-def _exact_need_sent(shard_doc, shard_start, shard_len, shard_rank, cp):
+def _max_end_by_doc_rank(shard_doc, shard_start, shard_len, shard_rank, cp):
+    """(num_docs, cp) int64: the end of the last token of document d that rank r holds (0: none)."""
     num_docs = 0
     for i in range(shard_doc.shape[0]):
         num_docs = max(num_docs, shard_doc[i] + 1)
@@ -200,6 +201,12 @@ def _exact_need_sent(shard_doc, shard_start, shard_len, shard_rank, cp):
     for i in range(shard_doc.shape[0]):
         d, r = shard_doc[i], shard_rank[i]
         max_end[d, r] = max(max_end[d, r], shard_start[i] + shard_len[i])
+    return max_end
+
+
+@njit(cache=True)
+def _exact_need_sent(shard_doc, shard_start, shard_len, shard_rank, cp):
+    max_end = _max_end_by_doc_rank(shard_doc, shard_start, shard_len, shard_rank, cp)
     out = np.zeros(cp, dtype=np.int64)
     for i in range(shard_doc.shape[0]):
         d, b = shard_doc[i], shard_rank[i]
@@ -353,13 +360,7 @@ def allgather_node_rows(slot, cp, gpus_per_node):
 
 @njit(cache=True)
 def _exact_need_node_volumes(shard_doc, shard_start, shard_len, shard_rank, cp, gpus_per_node):
-    num_docs = 0
-    for i in range(shard_doc.shape[0]):
-        num_docs = max(num_docs, shard_doc[i] + 1)
-    max_end = np.zeros((num_docs, cp), dtype=np.int64)
-    for i in range(shard_doc.shape[0]):
-        d, r = shard_doc[i], shard_rank[i]
-        max_end[d, r] = max(max_end[d, r], shard_start[i] + shard_len[i])
+    max_end = _max_end_by_doc_rank(shard_doc, shard_start, shard_len, shard_rank, cp)
     out = np.zeros((4, cp), dtype=np.int64)  # sent, received, sent across nodes, received across nodes
     for i in range(shard_doc.shape[0]):
         d, b = shard_doc[i], shard_rank[i]
