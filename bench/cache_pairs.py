@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from flashcp.planner.strategies import STRATEGIES  # noqa: E402
+from flashcp.planner.registry import STRATEGIES  # noqa: E402
 
 
 def _run(args: list[str], cache: Path) -> tuple[int, str]:

@@ -2,11 +2,11 @@
 
 For every (distribution, cp), the first ``--seqs`` packed sequences of the bench (``flashcp bench``'s
 sequences: seed 0, C = ``--context-len``) are planned with ``--strategy``; each plan warm-starts
-``flashcp.planner.ilp_receive.minimise_receive`` (blocks of ``--granularity`` tokens plus the plan's own cuts,
+``flashcp.planner.ilp.receive.minimise_receive`` (blocks of ``--granularity`` tokens plus the plan's own cuts,
 every rank within ``--quota-slack`` tokens of its quota (512 as in issue 13; 0: exact quotas), every rank's
 workload capped at the plan's own largest, ``--time-limit`` seconds). Printed per
 row: mean largest receive of the strategy and of CP-SAT (share of ``(N-1) C / N``), the gap in percentage
-points, CP-SAT's mean proven bound, and both mean projected step times (``flashcp.planner.objective``,
+points, CP-SAT's mean proven bound, and both mean projected step times (``flashcp.costmodel.objective``,
 default profile). ``--json`` keeps every sequence.
 
     python bench/cpsat_room.py --dists prolong,pile --cp 16,32 --seqs 8 --time-limit 60 --json room.json
@@ -28,9 +28,9 @@ import numpy as np  # noqa: E402
 
 from flashcp.bench.quality import parse_strategy  # noqa: E402
 from flashcp.bench.sequences import open_source  # noqa: E402
-from flashcp.planner.ilp_receive import minimise_receive  # noqa: E402
-from flashcp.planner.objective import cached_model, plan_step_seconds  # noqa: E402
-from flashcp.planner.strategies import get_strategy  # noqa: E402
+from flashcp.costmodel.objective import cached_model, plan_step_seconds  # noqa: E402
+from flashcp.planner.ilp.receive import minimise_receive  # noqa: E402
+from flashcp.planner.registry import get_strategy  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -14,9 +14,10 @@ installed. ``--out DIR`` (the shell script passes ``$OUT``) also writes the repo
    is compared with a float64 dense document-masked reference; its max error (out, dq, dk, dv) must be at
    most twice that of a plain-PyTorch bf16 dense implementation (+1e-5), as flash-attention's own tests do.
 3. Timing: the paper's setting (C=131072, cp 8, H=32, H_kv=8, D=128, bf16) on ``wlb`` and ``pile`` length
-   distributions, for each strategy found in ``flashcp.planner.strategies`` (missing ones are skipped), with
+   distributions, for each strategy found in ``flashcp.planner.registry`` (missing ones are skipped), with
    comm ``auto``; then the two ring baselines with comm ``ring``: Ring-Attn (``ring`` layout, from
-   ``flashcp.planner.ring``) and Ring-Attn zigzag (the ``perdoc`` strategy's layout, when present), each rank
+   ``flashcp.planner.strategies.baselines``) and Ring-Attn zigzag (the ``perdoc`` strategy's layout, when
+   present), each rank
    timed over every block (``ring_attention_from_blocks``: the ring's step kernels and merges, no transfers).
    Each CP rank is emulated on the one GPU: its meta is built from the plan, it gets the receive buffer its
    exchange would deliver, and ``attention_after_exchange`` (the code ``cp_attention`` runs after the
@@ -42,9 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from flashcp.planner.cost import rank_workloads  # noqa: E402
+from flashcp.costmodel.workload import rank_workloads  # noqa: E402
 from flashcp.planner.plan import SequencePlan  # noqa: E402
-from flashcp.planner.ring import ring_plan  # noqa: E402
+from flashcp.planner.strategies.baselines import ring_plan  # noqa: E402
 from flashcp.runtime import kernels  # noqa: E402
 from flashcp.runtime.attention import attention_after_exchange  # noqa: E402
 from flashcp.runtime.emulate import emulate_cp_attention, random_plan  # noqa: E402
@@ -92,13 +93,13 @@ def pack(sample, context_len: int) -> np.ndarray:
 def strategy_planners() -> dict:
     """name -> ``plan(doc_lens, cp) -> SequencePlan`` for each strategy the planner provides."""
     try:
-        strategies = importlib.import_module("flashcp.planner.strategies")
+        strategies = importlib.import_module("flashcp.planner.registry")
     except ImportError as e:
-        print(f"  skipping all strategies: flashcp.planner.strategies is not available ({e})")
+        print(f"  skipping all strategies: flashcp.planner.registry is not available ({e})")
         return {}
     plan_sequence = getattr(strategies, "plan_sequence", None)
     if plan_sequence is None:
-        print("  skipping all strategies: flashcp.planner.strategies has no "
+        print("  skipping all strategies: flashcp.planner.registry has no "
               "plan_sequence(strategy, doc_lens, cp)")
         return {}
     names = list(getattr(strategies, "STRATEGIES", STRATEGIES))

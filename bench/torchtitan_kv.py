@@ -8,9 +8,9 @@ document lengths the way ``flashcp synth`` packs them) and CP size:
 - torchtitan 0.3 (``distributed/context_parallel``): the HeadTail layout (flashcp's ``llama3`` plan: 2N
   equal chunks, rank i holds chunks i and 2N-1-i) and ``flex_cp_allgather``: every layer all-gathers every
   rank's whole K/V, and the backward reduce-scatters dK/dV in the K/V dtype (bf16). That is the ``full``
-  exchange of the ``llama3`` plan's meta, both passes at ``cost.kv_bytes_per_token``.
+  exchange of the ``llama3`` plan's meta, both passes at ``comm.kv_bytes_per_token``.
 - flashcp: the default strategy's plan with ``a2a`` (exact need, both passes in the K/V dtype),
-  ``allgather`` (compacted all-gather; its reduce-scatter sums in float32, ``cost.grad_bytes_per_token``)
+  ``allgather`` (compacted all-gather; its reduce-scatter sums in float32, ``comm.grad_bytes_per_token``)
   and ``auto`` (the meta's own choice).
 
 Per rank and layer a pass moves the exchange's ``wire_send_tokens`` out and ``wire_recv_tokens`` in; the
@@ -29,8 +29,8 @@ import sys
 import numpy as np
 
 from flashcp.bench.sequences import open_source
-from flashcp.planner import cost
-from flashcp.planner.strategies import DEFAULT_STRATEGY, plan_sequence
+from flashcp.costmodel import comm
+from flashcp.planner.registry import DEFAULT_STRATEGY, plan_sequence
 from flashcp.runtime.meta import build_rank_metas
 
 MIB = 1 << 20
@@ -49,8 +49,8 @@ def step_bytes(metas, comm: str, num_layers: int, kv_row: int, grad_row: int) ->
 
 
 def measure(doc_lens_list, cp: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> dict:
-    kv_row = cost.kv_bytes_per_token(num_kv_heads, head_dim, dtype_bytes)
-    float_row = cost.grad_bytes_per_token(num_kv_heads, head_dim, dtype_bytes)
+    kv_row = comm.kv_bytes_per_token(num_kv_heads, head_dim, dtype_bytes)
+    float_row = comm.grad_bytes_per_token(num_kv_heads, head_dim, dtype_bytes)
     rows: dict[str, list[tuple[int, int]]] = {"torchtitan": [], "a2a": [], "allgather": [], "auto": []}
     auto_modes = []
     for doc_lens in doc_lens_list:

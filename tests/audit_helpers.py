@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from flashcp.costmodel.workload import token_quotas, workload
 from flashcp.data.dataset import Dataset, data_table, write_data_file, write_manifest
-from flashcp.planner.cost import token_quotas, workload
 from flashcp.planner.plan import SequencePlan
 from flashcp.planner.store import plan_table, write_plan_file, write_plan_json
 

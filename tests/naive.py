@@ -98,7 +98,7 @@ def naive_pack(docs: list[list[int]], context_len: int, overflow: str):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Strategy references: plain Python lists and tuples, written from the rules in flashcp/planner/strategies.py.
+# Strategy references: plain Python lists and tuples, written from the rules in flashcp/planner/strategies/__init__.py.
 # Each returns a list of (doc, start, length, rank) shards sorted by (rank, doc, start), with touching shards
 # of one document on one rank merged.
 
@@ -167,7 +167,7 @@ def naive_perdoc(doc_lens: list[int], cp: int) -> list[tuple[int, int, int, int]
 
 def naive_flashcp(doc_lens: list[int], cp: int, target: float = 1.05,
                   max_perdoc: int | None = None) -> list[tuple[int, int, int, int]] | None:
-    """Algorithm 1 as documented in flashcp/planner/strategies.py; None when it needs more than
+    """Algorithm 1 as documented in flashcp/planner/strategies/__init__.py; None when it needs more than
     ``max_perdoc`` Per-Doc documents (flashcp2's bounded candidate)."""
     quotas = naive_quotas(sum(doc_lens), cp)
     order = sorted(range(len(doc_lens)), key=lambda d: (-doc_lens[d], d))
@@ -215,7 +215,7 @@ def _sign_round(x: int, unit: int) -> int:
 
 def naive_flashcp_plus(doc_lens: list[int], cp: int, target: float = 1.01,
                        max_zigzag: int | None = None) -> list[tuple[int, int, int, int]]:
-    """flashcp+ as documented in flashcp/planner/strategies.py; with ``max_zigzag``, its search for the
+    """flashcp+ as documented in flashcp/planner/strategies/__init__.py; with ``max_zigzag``, its search for the
     target stops there (flashcp2's bounded candidate)."""
     n = len(doc_lens)
     quotas = naive_quotas(sum(doc_lens), cp)
@@ -732,12 +732,14 @@ def naive_step_time(cp: int, gpus_per_node: int = 0):
     """The step time as ``flashcp bench`` computes it (numpy projection: default profile, H = H_kv = 32,
     D = 128, auto comm, overlap, ``gpus_per_node`` ranks per node), for plans given as (doc, start, len, rank)
     shards."""
-    from flashcp.bench.profile import load_profile
-    from flashcp.bench.projection import ModelShape, project_step
+    from flashcp.costmodel.shape import AttentionShape
+
+    from flashcp.costmodel.profile import load_profile
+    from flashcp.costmodel.projection import project_step
     from flashcp.planner.plan import SequencePlan
 
     profile = load_profile()
-    shape = ModelShape(num_heads=32, num_kv_heads=32, head_dim=128)
+    shape = AttentionShape(num_heads=32, num_kv_heads=32, head_dim=128)
 
     def step_time(shards):
         plan = SequencePlan.from_arrays(*zip(*shards), cp=cp)

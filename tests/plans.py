@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from flashcp.costmodel.workload import token_quotas
 from flashcp.data.dataset import Dataset, data_table, write_data_file, write_manifest
-from flashcp.planner.cost import token_quotas
 from flashcp.planner.plan import SequencePlan
 from flashcp.planner.store import plan_table, write_plan_file, write_plan_json
 
@@ -91,7 +91,7 @@ def plan_builders() -> dict:
     Random plans (harsh patterns), then every strategy of the registry (``plan_sequence(name, doc_lens, cp)``)
     except the peers ``PEERS``.
     """
-    from flashcp.planner import strategies
+    from flashcp.planner import registry as strategies
 
     builders = {"random": random_plan_builder(0)}
     for name in strategies.STRATEGIES:

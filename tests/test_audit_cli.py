@@ -110,7 +110,7 @@ def test_missing_plan_exits_1(dataset):
 
 def test_sample_rows_is_seeded_distinct_and_bounded():
     from flashcp.errors import FlashcpError
-    from flashcp.planner.audit import sample_rows
+    from flashcp.planner.ilp.audit import sample_rows
 
     a, b = sample_rows(100, 20, seed=3), sample_rows(100, 20, seed=3)
     assert np.array_equal(a, b) and np.unique(a).size == 20 and a.min() >= 0 and a.max() < 100

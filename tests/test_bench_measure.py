@@ -6,14 +6,15 @@ exercised in CI. No timing is asserted, only shapes, signs and that the results 
 
 import numpy as np
 import torch
+from flashcp.costmodel.shape import AttentionShape
 
 from flashcp.bench.calibrate import calibrate_profile
 from flashcp.bench.measure import measured_work
-from flashcp.bench.profile import load_profile
-from flashcp.bench.projection import ModelShape, project_step
+from flashcp.costmodel.profile import load_profile
+from flashcp.costmodel.projection import project_step
 from flashcp.runtime.emulate import random_plan
 
-SHAPE = ModelShape(num_heads=2, num_kv_heads=1, head_dim=8, dtype_bytes=4)
+SHAPE = AttentionShape(num_heads=2, num_kv_heads=1, head_dim=8, dtype_bytes=4)
 CPU = torch.device("cpu")
 
 

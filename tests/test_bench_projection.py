@@ -5,24 +5,20 @@ import json
 import numpy as np
 import pytest
 
-from flashcp.bench.profile import HardwareProfile, load_profile, save_profile
-from flashcp.bench.projection import (
-    ModelShape,
-    comm_volumes,
-    local_only_mask,
-    project_step,
-    resolve_comm,
-    shard_seconds,
-)
+from flashcp.bench.calibrate import save_profile
+from flashcp.costmodel.comm import exact_need_received, exact_need_sent
+from flashcp.costmodel.profile import HardwareProfile, load_profile
+from flashcp.costmodel.projection import comm_volumes, local_only_mask, project_step, resolve_comm, shard_seconds
+from flashcp.costmodel.shape import AttentionShape
+from flashcp.costmodel.workload import rank_tokens, workload
 from flashcp.errors import FlashcpError
-from flashcp.planner.cost import exact_need_received, exact_need_sent, workload
 from flashcp.planner.plan import SequencePlan
 from flashcp.runtime.emulate import random_plan
 from flashcp.runtime.meta import build_rank_metas
 from tests.naive import naive_exact_need_sent
 from tests.plans import llama3_like_plan, perdoc_like_plan, whole_docs_case
 
-SHAPE = ModelShape(num_heads=32, num_kv_heads=32, head_dim=128)
+SHAPE = AttentionShape(num_heads=32, num_kv_heads=32, head_dim=128)
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +152,9 @@ def test_projection_matches_the_runtime_meta():
         mask = local_only_mask(plan)
         volumes = comm_volumes(plan)
         assert resolve_comm("auto", volumes) == metas[0].auto_comm
+        for kv_bytes in (1, 2, 4, 8):  # one auto rule for every K/V dtype, runtime and projection alike
+            picked = {meta.auto_comm_for(kv_bytes) for meta in metas}
+            assert picked == {resolve_comm("auto", volumes, kv_bytes)}
         for meta in metas:
             assert (mask[plan.rank_slice(meta.rank)] == meta.shard_local_only.numpy()).all()
             assert volumes["a2a"]["send"][meta.rank] == meta.exchanges["a2a"].wire_send_tokens
@@ -184,7 +183,7 @@ def test_unknown_comm_is_refused(profile):
 
 
 def test_ring_projection(profile):
-    from flashcp.planner.ring import ring_plan
+    from flashcp.planner.strategies.baselines import ring_plan
 
     doc_lens = np.array([32768])  # one causal document: contiguous chunks are imbalanced, zigzag is not
     contiguous = project_step(ring_plan(doc_lens, 4), SHAPE, profile, "ring", overlap=True)
@@ -237,6 +236,41 @@ def test_backward_reduce_scatter_carries_float32(profile):
         assert build_rank_metas(plan, doc_lens)[0].auto_comm == expected_mode
         assert expected_mode == ("a2a" if slot > 0 else "allgather")
         # float32 K/V: the reduce-scatter moves no more than the forward
-        wide = ModelShape(num_heads=32, num_kv_heads=32, head_dim=128, dtype_bytes=4)
+        wide = AttentionShape(num_heads=32, num_kv_heads=32, head_dim=128, dtype_bytes=4)
         step = project_step(plan, wide, profile, "allgather", overlap=False)
         assert step.comm_bytes == 2 * int(volumes["allgather"]["wire"].max()) * wide.kv_row_bytes
+
+
+def test_objective_equals_projection_over_shapes_dtypes_and_token_slack():
+    """The planner's Numba step time and the bench's projection are one model: equal for every shape, element
+    size, layer count and topology, with and without the per-token layers, on plans with token slack too."""
+    from flashcp.costmodel.objective import model_vector, step_seconds
+    from flashcp.costmodel.shape import AttentionShape
+    from flashcp.planner import plan_sequence
+
+    profile = load_profile()
+    rng = np.random.default_rng(11)
+    shapes = [AttentionShape(num_heads=32, num_kv_heads=32, head_dim=128),
+              AttentionShape(num_heads=32, num_kv_heads=8, head_dim=128, dtype_bytes=4, layers=3),
+              AttentionShape(num_heads=16, num_kv_heads=2, head_dim=64, dtype_bytes=1, hidden_mult=3.5),
+              AttentionShape(num_heads=8, num_kv_heads=8, head_dim=256, dtype_bytes=8, layers=2)]
+    unequal = 0
+    for _ in range(8):
+        lens = rng.integers(1, 20000, rng.integers(2, 25))
+        cp = int(rng.choice([2, 4, 8]))
+        plans = [plan_sequence(name, lens, cp) for name in ("flashcp", "llama3", "perdoc")]
+        plans.append(plan_sequence("flashcp2", lens, cp, token_slack=0.1))
+        ranks = np.sort(rng.integers(0, cp, lens.size))  # whole documents, any tokens per rank
+        plans.append(SequencePlan.from_arrays(np.arange(lens.size), np.zeros(lens.size), lens, ranks, cp=cp))
+        unequal += len(set(rank_tokens(plans[-1].shard_len, plans[-1].shard_rank, cp).tolist())) > 2
+        for shape in shapes:
+            for with_tokens in (False, True):
+                for per_node in (0, 2):
+                    model = model_vector(profile, shape, with_tokens=with_tokens, gpus_per_node=per_node)
+                    for plan in plans:
+                        expected = project_step(plan, shape, profile, "auto", True, gpus_per_node=per_node,
+                                                token_layers=with_tokens).total * shape.layers
+                        got = step_seconds(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank,
+                                           cp, model)
+                        assert got == pytest.approx(expected, rel=1e-12)
+    assert unequal > 0, "no plan held unequal tokens: the per-token layers were never tested apart"

@@ -3,7 +3,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashcp.planner.cost import comm_saving, kv_bytes_per_token, plan_metrics, token_quotas, workload
+from flashcp.costmodel.comm import comm_saving, kv_bytes_per_token, plan_metrics
+from flashcp.costmodel.workload import token_quotas, workload
 from tests.naive import naive_metrics, naive_workload
 
 

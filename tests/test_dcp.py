@@ -3,16 +3,17 @@
 import numpy as np
 import pytest
 
-from flashcp.planner import hypergraph
-from flashcp.planner.cost import exact_need_sent, token_quotas, workload
+from flashcp.costmodel.comm import exact_need_sent
+from flashcp.costmodel.workload import token_quotas, workload
 from flashcp.planner.plan import SequencePlan
-from flashcp.planner.strategies import plan_sequence
+from flashcp.planner.registry import plan_sequence
+from flashcp.planner.strategies import dcp as hypergraph
 
 
 def test_refuses_in_one_sentence_without_the_package(monkeypatch, tmp_path):
     from click.testing import CliRunner
 
-    import flashcp.planner.strategies as strategies
+    import flashcp.planner.registry as strategies
     from flashcp.cli import cli
 
     entry = _without_package(strategies.STRATEGIES["dcp"])

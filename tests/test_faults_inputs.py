@@ -17,10 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import flashcp.data.pack as pack_module
+from flashcp.costmodel.limits import MAX_CONTEXT_LEN
 from flashcp.data.dataset import DataFileWriter, Dataset
 from flashcp.data.pack_output import OutputFolder
 from flashcp.errors import FlashcpError, PlanError
-from flashcp.planner.strategies import MAX_CONTEXT_LEN
 from tests.faults import ROOT, docs, one_sentence, pack_args, run, tree, unchanged, workspace, write_jsonl
 
 

@@ -85,7 +85,8 @@ def test_profile_out_is_checked_before_calibrating(ws):
               "--profile-out", "is not a flashcp hardware profile")
     unchanged(ws, ["bench", "--calibrate", "--device", "cpu", "--profile-out", ws / "data" / "p.json"],
               "lies inside the dataset")
-    from flashcp.bench.profile import load_profile, save_profile
+    from flashcp.bench.calibrate import save_profile
+    from flashcp.costmodel.profile import load_profile
 
     save_profile(load_profile(), ws / "mine.json")  # flashcp's own profile: accepted, then no GPU to measure
     unchanged(ws, ["bench", "--calibrate", "--device", "cpu", "--profile-out", ws / "mine.json"],

@@ -4,17 +4,21 @@ import time
 
 import numpy as np
 import pytest
+from flashcp.costmodel.shape import AttentionShape
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flashcp.bench.profile import load_profile
-from flashcp.bench.projection import ModelShape, project_step
+from flashcp.costmodel.comm import exact_need_node_volumes, exact_need_received
+from flashcp.costmodel.objective import cached_model, plan_step_seconds
+from flashcp.costmodel.profile import load_profile
+from flashcp.costmodel.projection import project_step
 from flashcp.data.synth import load_distribution, pack_lengths
-from flashcp.planner import _bounded, _search, _topology
-from flashcp.planner.cost import exact_need_node_volumes, exact_need_received
-from flashcp.planner.objective import cached_model, plan_step_seconds
 from flashcp.planner.plan import SequencePlan
-from flashcp.planner.strategies import parse_topology, plan_sequence
+from flashcp.planner.registry import parse_topology, plan_sequence
+from flashcp.planner.strategies import flashcp2 as _search
+from flashcp.planner.strategies import topology as _topology
+from flashcp.planner.strategies.flashcp import flashcp_bounded
+from flashcp.planner.strategies.flashcp_plus import flashcp_plus_bounded
 from tests.naive import (
     naive_flashcp,
     naive_flashcp2,
@@ -25,7 +29,7 @@ from tests.naive import (
 )
 
 MODEL = cached_model(None, 32, 32, 128, 1)
-SHAPE = ModelShape(num_heads=32, num_kv_heads=32, head_dim=128)
+SHAPE = AttentionShape(num_heads=32, num_kv_heads=32, head_dim=128)
 
 
 def examples(n):
@@ -58,9 +62,9 @@ def sequences(draw, max_docs=14, max_len=2500, max_cp=8):
 def test_bounded_kernels_equal_references(case, target, bound):
     lens, cp = case
     arr = np.asarray(lens, np.int64)
-    got = _bounded.flashcp_plus_bounded(arr, cp, target, bound)
+    got = flashcp_plus_bounded(arr, cp, target, bound)
     assert list(zip(*(a.tolist() for a in got))) == naive_flashcp_plus(lens, cp, target, bound)
-    got = _bounded.flashcp_bounded(arr, cp, target, np.inf, bound)
+    got = flashcp_bounded(arr, cp, target, np.inf, bound)
     expected = naive_flashcp(lens, cp, target, bound)
     assert list(zip(*(a.tolist() for a in got))) == (expected or [])
     if expected is not None:  # within the bound it is Algorithm 1 itself
@@ -105,7 +109,7 @@ def test_relabel_cuts_cross_node_rows():
 
 
 def test_node_volumes_split_the_exact_need_volumes():
-    from flashcp.planner.cost import exact_need_sent
+    from flashcp.costmodel.comm import exact_need_sent
 
     for lens in packed("wlb", 3, 65536, seed=1):
         plan = plan_sequence("flashcp", lens, 8)
@@ -273,7 +277,8 @@ def test_plan_json_and_show_report_intra_and_inter_node_receive(tmp_path):
 def test_profile_inter_node_fields(tmp_path):
     import json
 
-    from flashcp.bench.profile import load_profile, save_profile
+    from flashcp.bench.calibrate import save_profile
+    from flashcp.costmodel.profile import load_profile
     from flashcp.errors import FlashcpError
 
     profile = load_profile()

@@ -46,7 +46,7 @@ LOSS_TOL, GRAD_NORM_RTOL, PARAM_TOL = 1e-5, 1e-5, 1e-2 * LR
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
     """The dataset with plans ``cp1``, ``cp2``, ``cp4`` (flashcp strategy) and its sequences by (file, row)."""
-    from flashcp.planner.strategies import plan_sequence
+    from flashcp.planner.registry import plan_sequence
 
     root = tmp_path_factory.mktemp("hf_trainer") / "data"
     rng = np.random.default_rng(5)

@@ -3,7 +3,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from flashcp.planner.blocks import (
+from flashcp.costmodel.comm import allgather_contributions
+from flashcp.costmodel.workload import rank_workloads, token_quotas, workload
+from flashcp.planner.ilp.blocks import (
     block_grid,
     block_plan,
     rank_sums,
@@ -11,8 +13,7 @@ from flashcp.planner.blocks import (
     round_plan_to_blocks,
     sent_blocks,
 )
-from flashcp.planner.cost import allgather_contributions, rank_workloads, token_quotas, workload
-from flashcp.planner.ilp import IlpOptions, normalised_objective, solve_sequence
+from flashcp.planner.ilp.model import IlpOptions, normalised_objective, solve_sequence
 from tests.audit_helpers import greedy_plan
 from tests.naive import naive_block_optimum
 

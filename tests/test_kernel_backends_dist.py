@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashcp.planner.ring import ring_plan
+from flashcp.planner.strategies.baselines import ring_plan
 from flashcp.runtime import CPAttnMeta, cp_attention
 from flashcp.runtime.emulate import random_plan
 from flashcp.runtime.kernels import BackendFallbackWarning

@@ -13,11 +13,11 @@ import pytest
 from click.testing import CliRunner
 
 from flashcp.cli import cli
+from flashcp.costmodel.objective import cached_model, plan_step_seconds
 from flashcp.data.dataset import Dataset
 from flashcp.planner import pipeline, store
-from flashcp.planner.objective import cached_model, plan_step_seconds
 from flashcp.planner.pipeline import BASELINES, plan_rows, read_row_group_lens, strategy_metrics
-from flashcp.planner.strategies import plan_sequence
+from flashcp.planner.registry import plan_sequence
 
 GROUP_ROWS = 1024
 """Rows per row group of a lengths-only ``synth`` dataset."""

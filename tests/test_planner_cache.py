@@ -6,7 +6,7 @@ import numpy as np
 from numba.core import bytecode
 
 from flashcp import _numba
-from flashcp.planner import _batch
+from flashcp.planner import batch, check
 
 
 def test_function_numbers_are_random_so_two_processes_never_share_a_name():
@@ -18,7 +18,8 @@ def test_function_numbers_are_random_so_two_processes_never_share_a_name():
 
 def test_every_kernel_module_is_in_the_cache_key():
     names = {p.relative_to(_numba.PACKAGE).as_posix() for p in _numba.kernel_sources()}
-    assert {"planner/_kernels.py", "planner/_search.py", "planner/cost.py", "planner/objective.py",
+    assert {"planner/strategies/baselines.py", "planner/strategies/flashcp2.py", "costmodel/comm.py",
+            "costmodel/objective.py", "planner/batch.py", "planner/check.py",
             "data/synth.py", "engines/_layout.py"} <= names
     # a kernel module is one that takes njit from flashcp._numba, never from numba itself
     for path in _numba.PACKAGE.rglob("*.py"):
@@ -29,7 +30,7 @@ def test_kernels_cache_in_the_keyed_folder():
     folder = _numba.cache_folder()
     assert folder.name.endswith(_numba.cache_key())
     assert (folder / _numba.MARKER).is_file()
-    cache_path = _batch.check_batch._cache._cache_path
+    cache_path = check.check_batch._cache._cache_path
     assert cache_path == str(folder / "planner")
 
 
@@ -66,7 +67,7 @@ def test_older_keys_are_removed_only_when_flashcp_made_them(tmp_path):
 
 def test_no_compile_notice_once_the_kernels_are_compiled():
     offsets, lens = np.array([0, 3], np.int64), np.array([3, 5, 8], np.int64)
-    plans = _batch.plan_batch(offsets, lens, 2, "llama3")
-    errors = _batch.check_batch(offsets, lens, *plans, 2, 0.0)[0]
+    plans = batch.plan_batch(offsets, lens, 2, "llama3")
+    errors = check.check_batch(offsets, lens, *plans, 2, 0.0)[0]
     assert errors.tolist() == [0]
-    assert not _batch.needs_compile("llama3")
+    assert not batch.needs_compile("llama3")

@@ -4,16 +4,18 @@ import json
 
 import numpy as np
 import pytest
+from flashcp.costmodel.shape import AttentionShape
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flashcp.bench.profile import load_profile
-from flashcp.bench.projection import ModelShape, project_step
-from flashcp.planner import _batch, _search
-from flashcp.planner._peers import ptrr_process_times
-from flashcp.planner.objective import cached_model, plan_step_seconds
+from flashcp.costmodel.objective import cached_model, plan_step_seconds
+from flashcp.costmodel.profile import load_profile
+from flashcp.costmodel.projection import project_step
+from flashcp.planner import batch
 from flashcp.planner.plan import SequencePlan
-from flashcp.planner.strategies import plan_sequence
+from flashcp.planner.registry import plan_sequence
+from flashcp.planner.strategies import flashcp2 as _search
+from flashcp.planner.strategies.peers import ptrr_process_times
 from tests.naive import (
     naive_affinity,
     naive_flashcp2,
@@ -24,7 +26,7 @@ from tests.naive import (
 )
 
 MODEL = cached_model(None, 32, 32, 128, 1)
-SHAPE = ModelShape(num_heads=32, num_kv_heads=32, head_dim=128)
+SHAPE = AttentionShape(num_heads=32, num_kv_heads=32, head_dim=128)
 
 
 def examples(n):
@@ -122,7 +124,7 @@ def test_objective_equals_bench_projection():
 def test_rank_floor_bounds_and_cached_shard_seconds_agree():
     """``rank_floor`` (the portfolio's pruning bound) never exceeds the step time, and the step time from
     per-shard seconds (what the local search re-prices move by move) is the step time, bit for bit."""
-    from flashcp.planner.objective import rank_floor, shard_seconds, step_seconds, step_seconds_of
+    from flashcp.costmodel.objective import rank_floor, shard_seconds, step_seconds, step_seconds_of
 
     rng = np.random.default_rng(9)
     wide = cached_model(None, 32, 8, 128, 3, True)  # GQA, 3 layers, per-token layers priced
@@ -168,8 +170,9 @@ def test_affinity_equals_reference(case, chunk, tolerance):
 def test_candidates_within_a_limit_are_the_kernels_or_empty(case, chunk, limit):
     """The portfolio's ``*_within`` kernels return the plain kernel's plan when it meets the imbalance limit
     and no shards otherwise."""
-    from flashcp.planner._kernels import flashcp_kernel, flashcp_within, llama3_kernel, llama3_within
-    from flashcp.planner._peers import magi_kernel, magi_within
+    from flashcp.planner.strategies.baselines import llama3_kernel, llama3_within
+    from flashcp.planner.strategies.flashcp import flashcp_kernel, flashcp_within
+    from flashcp.planner.strategies.peers import magi_kernel, magi_within
 
     lens, cp = case
     lens = np.asarray(lens, np.int64)
@@ -186,7 +189,7 @@ def test_candidates_within_a_limit_are_the_kernels_or_empty(case, chunk, limit):
 
 
 def test_order_of_is_a_stable_argsort():
-    from flashcp.planner.cost import _order_of
+    from flashcp.costmodel.sort import _order_of
 
     rng = np.random.default_rng(0)
     for n in (0, 1, 2, 17, 300):
@@ -259,7 +262,7 @@ def test_plan_cli_records_the_new_parameters(tmp_path):
 
 
 def test_effort_values():
-    from flashcp.planner.polish import DEFAULT_ILP_SECONDS, parse_effort
+    from flashcp.planner.ilp.polish import DEFAULT_ILP_SECONDS, parse_effort
 
     assert parse_effort(0) == (0, None) and parse_effort("3") == (3, None)
     assert parse_effort("ilp") == (1, DEFAULT_ILP_SECONDS) and parse_effort("ilp:2.5") == (1, 2.5)
@@ -269,7 +272,7 @@ def test_effort_values():
 
 
 def test_ilp_polish_is_never_slower():
-    from flashcp.planner.polish import polish_plan
+    from flashcp.planner.ilp.polish import polish_plan
 
     lens = [3000, 2500, 1800, 900, 700, 400, 300, 200, 100, 92]
     plan = plan_sequence("flashcp2", lens, 4)
@@ -301,14 +304,14 @@ def test_local_search_equals_reference_and_moves():
 
 def test_needs_compile_is_false_once_compiled():
     plan_sequence("magi", [5, 6, 7], 2)
-    assert not _batch.needs_compile("magi")
+    assert not batch.needs_compile("magi")
 
 
 # --- token slack
 
 
 def test_token_slack_kernel_equals_reference():
-    from flashcp.planner._search import slack_tokens
+    from flashcp.costmodel.workload import slack_tokens
     from tests.naive import naive_flashcp2
 
     model = cached_model(None, 32, 32, 128, 1, True)

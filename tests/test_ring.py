@@ -11,8 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashcp.planner.cost import rank_workloads, ring_comm_tokens, ring_step_work, token_quotas
-from flashcp.planner.ring import ring_plan
+from flashcp.costmodel.comm import ring_comm_tokens, ring_step_work
+from flashcp.costmodel.workload import rank_workloads, token_quotas
+from flashcp.planner.strategies.baselines import ring_plan
 from flashcp.runtime import CPAttnMeta, cp_attention, kernels
 from flashcp.runtime.emulate import emulate_cp_attention, random_plan
 from flashcp.runtime.kernels import (

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashcp.planner.cost import allgather_contributions, exact_need_received, token_quotas
+from flashcp.costmodel.comm import allgather_contributions, exact_need_received
+from flashcp.costmodel.workload import token_quotas
 from flashcp.runtime import CPAttnMeta, cp_attention
 from flashcp.runtime.emulate import emulate_cp_attention, random_plan
 from flashcp.runtime.kernels import BackendUnavailableError, resolve_backend, varlen_attention

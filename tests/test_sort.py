@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from flashcp.planner._sort import first_at_or_after, last_at_or_before, sort_range
+from flashcp.costmodel.sort import first_at_or_after, last_at_or_before, sort_range
 
 
 @pytest.mark.parametrize("n", [0, 1, 5, 31, 32, 33, 64, 65, 100, 1000, 5000])

@@ -3,13 +3,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from flashcp.costmodel.comm import PlanMetrics
+from flashcp.costmodel.workload import token_quotas
 from flashcp.errors import PlanError
-from flashcp.planner import _batch
-from flashcp.planner.cost import PlanMetrics, token_quotas
+from flashcp.planner import check
 from flashcp.planner.pipeline import plan_rows, strategy_metrics
 from flashcp.planner.plan import SequencePlan, check_metrics
-from flashcp.planner.strategies import STRATEGIES as REGISTRY
-from flashcp.planner.strategies import get_strategy, plan_sequence
+from flashcp.planner.registry import STRATEGIES as REGISTRY
+from flashcp.planner.registry import get_strategy, plan_sequence
 from tests.naive import (
     naive_flashcp,
     naive_flashcp_plus,
@@ -216,25 +217,25 @@ def _broken_plans():
     lens = [5, 3, 8]
     good = plan_sequence("flashcp", lens, 2)
     arrays = [good.shard_doc.copy(), good.shard_start.copy(), good.shard_len.copy(), good.shard_rank.copy()]
-    yield "good", lens, arrays, _batch.OK
+    yield "good", lens, arrays, check.OK
     a = [x.copy() for x in arrays]
     a[2][0] += 1  # rank 0's first shard of doc 0 grows into the next shard, its doc-2 shard shrinks
     a[2][4] -= 1
-    yield "overlap", lens, a, _batch.BAD_COVERAGE
+    yield "overlap", lens, a, check.BAD_COVERAGE
     a = [x.copy() for x in arrays]
     a[3][0] = 1 - a[3][0]
-    yield "quota", lens, a, _batch.BAD_QUOTA
+    yield "quota", lens, a, check.BAD_QUOTA
     a = [x.copy() for x in arrays]
     a[3][0] = 5
-    yield "rank", lens, a, _batch.BAD_RANK
+    yield "rank", lens, a, check.BAD_RANK
     a = [x[1:].copy() for x in arrays]
-    yield "gap", lens, a, _batch.BAD_COVERAGE
+    yield "gap", lens, a, check.BAD_COVERAGE
     a = [x.copy() for x in arrays]
     a[0][0] = 9
-    yield "doc", lens, a, _batch.BAD_DOC
+    yield "doc", lens, a, check.BAD_DOC
     a = [x.copy() for x in arrays]
     a[2][0] = 0
-    yield "empty", lens, a, _batch.BAD_LENGTH
+    yield "empty", lens, a, check.BAD_LENGTH
 
 
 BROKEN = ["good", "overlap", "quota", "rank", "gap", "doc", "empty"]
@@ -248,10 +249,10 @@ def test_check_batch_agrees_with_validate(label):
     lens, arrays, code = cases[label]
     offsets = np.array([0, len(lens)])
     shard_offsets = np.array([0, arrays[0].size])
-    errors, *_ = _batch.check_batch(offsets, np.asarray(lens, np.int64), shard_offsets, *arrays, 2, 0.0)
+    errors, *_ = check.check_batch(offsets, np.asarray(lens, np.int64), shard_offsets, *arrays, 2, 0.0)
     assert errors[0] == code, label
     plan = SequencePlan.from_arrays(*arrays, cp=2)
-    if code == _batch.OK:
+    if code == check.OK:
         plan.validate(lens)
     else:
         with pytest.raises(PlanError):

@@ -1,7 +1,7 @@
 """End to end: training with CP on 2 and 4 gloo ranks learns exactly what training without CP learns.
 
 One dataset (3 packed sequences of 256 tokens) with plans from every builder of ``tests.plans.plan_builders``
-(stand-ins now, the real strategies too once ``flashcp.planner.strategies`` exists). For every plan and model
+(stand-ins now, the real strategies too once ``flashcp.planner.registry`` exists). For every plan and model
 (the plain-PyTorch TinyDecoder and, with transformers installed, stock LlamaForCausalLM and Qwen2ForCausalLM
 attending through flashcp), 3 AdamW steps with CP must give the losses and parameters of 3 steps on the whole
 sequences in one process with a document-masked dense attention (float64, 1e-10). The comm modes rotate over

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from flashcp.bench.measure import attention_curve, copy_bandwidth, kernel_overhead, sequence_overhead
-from flashcp.bench.profile import HardwareProfile
-from flashcp.bench.projection import ModelShape
+from flashcp.costmodel.profile import HardwareProfile, load_profile
+from flashcp.costmodel.shape import AttentionShape
+from flashcp.errors import FlashcpError
+from flashcp.outputs import OutputKind, write_json_output
 from flashcp.runtime.kernels import resolve_backend
 
-__all__ = ["GPU_LENGTHS", "calibrate_profile", "device_name"]
+__all__ = ["GPU_LENGTHS", "PROFILE_OUTPUT", "calibrate_profile", "device_name", "save_profile"]
 
 GPU_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 """Sequence lengths the GPU curve is measured at."""
@@ -32,7 +35,7 @@ def device_name(device: torch.device) -> str:
 
 
 def calibrate_profile(base: HardwareProfile, device: torch.device, *, dtype: torch.dtype | None = None,
-                      shape: ModelShape | None = None, lengths=GPU_LENGTHS, total_tokens: int = 32768,
+                      shape: AttentionShape | None = None, lengths=GPU_LENGTHS, total_tokens: int = 32768,
                       backend: str = "auto", reps: int = 3) -> HardwareProfile:
     """``base`` with its attention curve, kernel overhead and copy bandwidth measured on ``device``.
 
@@ -40,7 +43,7 @@ def calibrate_profile(base: HardwareProfile, device: torch.device, *, dtype: tor
     ``shape`` and ``lengths`` for other devices (the CPU runtime scenario calibrates float32 ``reference``).
     """
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    shape = shape or ModelShape(num_heads=16, num_kv_heads=16, head_dim=128)
+    shape = shape or AttentionShape(num_heads=16, num_kv_heads=16, head_dim=128)
     probe = torch.zeros(1, shape.num_heads, shape.head_dim, device=device, dtype=dtype)
     backend = resolve_backend(backend, probe)
     overhead_s = kernel_overhead(shape, device, dtype, backend)
@@ -77,3 +80,20 @@ def calibrate_profile(base: HardwareProfile, device: torch.device, *, dtype: tor
                    backward_tflops=tuple(curve["backward"]), kernel_overhead_us=overhead_s * 1e6,
                    sequence_overhead_us=per_sequence_s * 1e6, query_tile=tile, causal_skip=not dense,
                    hbm_gbps=copy_gbps, sources=sources)
+
+
+def _is_profile(path: Path) -> bool:
+    try:
+        load_profile(path)
+    except FlashcpError:
+        return False
+    return True
+
+
+PROFILE_OUTPUT = OutputKind(what="a flashcp hardware profile", option="--profile-out", recognise=_is_profile)
+"""``flashcp bench --calibrate --profile-out FILE``: a file ``load_profile`` reads."""
+
+
+def save_profile(profile: HardwareProfile, path: str | Path) -> None:
+    """Write ``profile`` to ``path`` atomically, in the format ``load_profile`` reads (``flashcp.outputs`` rules)."""
+    write_json_output(path, PROFILE_OUTPUT, profile.to_json())

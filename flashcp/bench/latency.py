@@ -1,7 +1,7 @@
 """Scenario 4, projected step latency in the paper's setting (Figures 5, 6 and 7), and the targets.
 
 For every source, CP size and head count, each system's plans are projected with
-``flashcp.bench.projection.project_step`` (one attention layer, forward + backward, bf16, D = 128,
+``flashcp.costmodel.projection.project_step`` (one attention layer, forward + backward, bf16, D = 128,
 multi-head attention as in the paper's Eq. 4-5) and averaged over the sequences:
 
 - Figure 5: latency normalised to Llama3 CP (``speedup = mean Llama3 latency / mean system latency``);
@@ -19,9 +19,10 @@ import time
 
 import numpy as np
 
-from flashcp.bench.profile import HardwareProfile
-from flashcp.bench.projection import ModelShape, project_step
 from flashcp.bench.systems import PlanBook, System
+from flashcp.costmodel.profile import HardwareProfile
+from flashcp.costmodel.projection import project_step
+from flashcp.costmodel.shape import AttentionShape
 
 __all__ = ["PAPER_AVERAGES", "SWEEP_CONTEXT_LENS", "latency_scenario", "project_setting"]
 
@@ -32,7 +33,7 @@ SWEEP_CONTEXT_LENS = (65536, 81920, 98304, 114688, 131072)
 BREAKDOWN = ("attn_fwd", "attn_bwd", "comm", "other")
 
 
-def project_setting(book: PlanBook, source, systems: list[System], cp: int, shape: ModelShape,
+def project_setting(book: PlanBook, source, systems: list[System], cp: int, shape: AttentionShape,
                     context_len: int, num_seqs: int, profile: HardwareProfile, measure=None,
                     measure_seqs: int = 0, deadline: float | None = None) -> dict:
     """One setting: per system, mean latency (ms), its breakdown, speedup over the first system, extras."""
@@ -104,7 +105,7 @@ def latency_scenario(book: PlanBook, sources, systems: list[System], cps: list[i
         c = source.dataset_context_len or context_len
         for cp in cps:
             for num_heads in heads:
-                shape = ModelShape(num_heads=num_heads, num_kv_heads=num_heads, head_dim=head_dim)
+                shape = AttentionShape(num_heads=num_heads, num_kv_heads=num_heads, head_dim=head_dim)
                 settings.append({"source": source.label, "context_len": c, "cp": cp, "num_heads": num_heads,
                                  "head_dim": head_dim, "systems": project_setting(
                                      book, source, systems, cp, shape, c, num_seqs, profile, measure,
@@ -118,7 +119,7 @@ def latency_scenario(book: PlanBook, sources, systems: list[System], cps: list[i
     sweep = []
     sweep_source = next((s for s in sources if not s.is_dataset), None)
     if sweep_source is not None and max(cps) > 1:
-        cp, shape = max(cps), ModelShape(num_heads=max(heads), num_kv_heads=max(heads), head_dim=head_dim)
+        cp, shape = max(cps), AttentionShape(num_heads=max(heads), num_kv_heads=max(heads), head_dim=head_dim)
         for c in SWEEP_CONTEXT_LENS:
             result = project_setting(book, sweep_source, systems, cp, shape, c, sweep_seqs or num_seqs,
                                      profile)

@@ -23,8 +23,9 @@ import time
 import numpy as np
 import torch
 
-from flashcp.bench.profile import HardwareProfile
-from flashcp.bench.projection import ModelShape, RankWork, comm_volumes, resolve_comm
+from flashcp.costmodel.profile import HardwareProfile
+from flashcp.costmodel.projection import RankWork, comm_volumes, resolve_comm
+from flashcp.costmodel.shape import AttentionShape
 from flashcp.planner.plan import SequencePlan
 from flashcp.runtime.attention import local_attention, remote_attention
 from flashcp.runtime.kernels import varlen_attention
@@ -47,7 +48,7 @@ def _timed(fn, device: torch.device) -> float:
     return time.perf_counter() - started
 
 
-def time_rank_parts(meta: CPAttnMeta, comm: str, shape: ModelShape, device: torch.device, dtype: torch.dtype,
+def time_rank_parts(meta: CPAttnMeta, comm: str, shape: AttentionShape, device: torch.device, dtype: torch.dtype,
                     backend: str = "auto", reps: int = 3) -> dict[str, float]:
     """Median seconds of ``local_fwd``, ``remote_fwd``, ``remote_bwd``, ``local_bwd`` of one rank.
 
@@ -92,7 +93,7 @@ def time_rank_parts(meta: CPAttnMeta, comm: str, shape: ModelShape, device: torc
     return {name: float(np.median(values)) for name, values in times.items()}
 
 
-def measured_work(plan: SequencePlan, doc_lens, shape: ModelShape, profile: HardwareProfile, comm: str,
+def measured_work(plan: SequencePlan, doc_lens, shape: AttentionShape, profile: HardwareProfile, comm: str,
                   device: torch.device, dtype: torch.dtype = torch.bfloat16, backend: str = "auto",
                   reps: int = 2) -> RankWork:
     """RankWork of every rank of ``plan`` timed on ``device`` (all ranks one after another).
@@ -115,7 +116,7 @@ def measured_work(plan: SequencePlan, doc_lens, shape: ModelShape, profile: Hard
                     remote_copy=zeros, other_copy=other, kernels=calls, measured=True)
 
 
-def attention_curve(lengths, shape: ModelShape, device: torch.device, dtype: torch.dtype,
+def attention_curve(lengths, shape: AttentionShape, device: torch.device, dtype: torch.dtype,
                     backend: str = "auto", total_tokens: int = 16384, reps: int = 3,
                     sequence_overhead_s: float = 0.0, dense: bool = False) -> dict[str, list]:
     """Achieved forward and backward TFLOP/s of causal varlen attention at each sequence length.
@@ -157,7 +158,7 @@ def attention_curve(lengths, shape: ModelShape, device: torch.device, dtype: tor
     return {"lengths": [int(n) for n in lengths], "forward": forward, "backward": backward}
 
 
-def kernel_overhead(shape: ModelShape, device: torch.device, dtype: torch.dtype, backend: str = "auto",
+def kernel_overhead(shape: AttentionShape, device: torch.device, dtype: torch.dtype, backend: str = "auto",
                     reps: int = 20) -> float:
     """Median seconds of a forward + backward call over one 1-token sequence, halved (one call's cost)."""
     q = torch.randn(1, shape.num_heads, shape.head_dim, device=device, dtype=dtype, requires_grad=True)
@@ -172,7 +173,7 @@ def kernel_overhead(shape: ModelShape, device: torch.device, dtype: torch.dtype,
     return float(np.median(times)) / 2
 
 
-def sequence_overhead(shape: ModelShape, device: torch.device, dtype: torch.dtype, backend: str = "auto",
+def sequence_overhead(shape: AttentionShape, device: torch.device, dtype: torch.dtype, backend: str = "auto",
                       count: int = 64, reps: int = 5) -> float:
     """Seconds each extra sequence adds to a call (per pass): ``count`` one-token sequences against one."""
     def call_seconds(batch):

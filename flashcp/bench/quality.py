@@ -6,7 +6,7 @@ summary (``pipeline.summarize``, what ``plan.json`` stores): imbalance ratio (me
 comm saving against a full-KV all-gather (paper Eq. 5, ``cost.comm_saving``) and the exact-need saving against
 what a rank receives in that all-gather (``cost.exact_need_saving``; ``received_pct`` is its complement, lower
 is better). Beside them: shards per sequence and per rank, mean shard length (short shards make slow kernels),
-the mean projected step time of one layer (``flashcp.planner.objective``: default H100 profile, H = H_kv = 32,
+the mean projected step time of one layer (``flashcp.costmodel.objective``: default H100 profile, H = H_kv = 32,
 D = 128, auto comm, local shards overlapping the exchange; with ``price_tokens`` also the per-token layers;
 with ``gpus_per_node`` inter-node rows at the profile's ``inter_node_gbps``) and the seconds spent planning
 the row (a shared machine: compare within one run only); optionally the CPU milliseconds per sequence.
@@ -43,7 +43,7 @@ def parse_strategy(spec: str) -> tuple[str, str, dict]:
 
     ValueError (one sentence) for an unknown strategy, parameter or bad value.
     """
-    from flashcp.planner.strategies import get_strategy, resolve_params
+    from flashcp.planner.registry import get_strategy, resolve_params
 
     head, _, rest = spec.partition(":")
     name, _, target = head.partition("@")
@@ -69,8 +69,8 @@ def plan_quality(book: PlanBook, sources, strategies: list[str], cps: list[int],
     busiest rank's intra- and inter-node receive; ``time_sequences`` also plans every sequence on its own and
     reports the CPU milliseconds per sequence (p50, p99, max).
     """
-    from flashcp.planner.cost import batch_node_received
-    from flashcp.planner.objective import batch_step_seconds, cached_model
+    from flashcp.costmodel.comm import batch_node_received
+    from flashcp.costmodel.objective import batch_step_seconds, cached_model
     from flashcp.planner.pipeline import plan_rows, summarize
 
     specs = [parse_strategy(s) for s in strategies]
@@ -111,8 +111,8 @@ def plan_quality(book: PlanBook, sources, strategies: list[str], cps: list[int],
 
 def _sequence_ms(offsets: np.ndarray, lens: np.ndarray, cp: int, name: str, params: dict) -> dict:
     """CPU milliseconds to plan each sequence alone (one batch call per row, compiled and warm)."""
-    from flashcp.planner import _batch
-    from flashcp.planner.strategies import get_strategy, kernel_args
+    from flashcp.planner import batch
+    from flashcp.planner.registry import get_strategy, kernel_args
 
     strategy = get_strategy(name)
     args = kernel_args(strategy, params)
@@ -125,7 +125,7 @@ def _sequence_ms(offsets: np.ndarray, lens: np.ndarray, cp: int, name: str, para
         if strategy.rows is not None:
             strategy.rows(one, row, cp, params)
         else:
-            _batch.plan_batch(one, row, cp, name, **args)
+            batch.plan_batch(one, row, cp, name, **args)
         spent.append(1e3 * (time.thread_time() - began))
     ms = np.array(spent)
     return {"plan_ms_p50": float(np.median(ms)), "plan_ms_p99": float(np.percentile(ms, 99)),

@@ -5,7 +5,7 @@ Per source and CP size, for the paper's five systems as layout + comm (``SYSTEMS
 over calls), the query rows merged by log-sum-exp and the keys the kernels read (relative to the rank's tokens
 T; gathered copies unless they form one run of rows, as in the ring layout), and K/V tokens received per
 forward pass (backward moves the same again for the collectives, twice that for the ring). All from
-``flashcp.planner.cost`` (``ring_step_work``, ``ring_comm_tokens``) and the runtime's ``build_rank_metas``.
+``flashcp.costmodel.comm`` (``ring_step_work``, ``ring_comm_tokens``) and the runtime's ``build_rank_metas``.
 
 Sequences: a distribution's document lengths are drawn (256 at a time) from its length list and rounded up to
 a multiple of 2N, the last one cut to fit the context, so that every layout splits documents exactly; ``pile``
@@ -53,7 +53,7 @@ def draw_aligned_sequence(rng: np.random.Generator, pool: np.ndarray | None, con
 
 def _collective_row(plan, doc_lens, cp: int, comm: str) -> dict:
     """A collective mode: a local and a remote kernel call at most, shards over key prefixes."""
-    from flashcp.planner.cost import rank_tokens
+    from flashcp.costmodel.workload import rank_tokens
     from flashcp.runtime.meta import build_rank_metas
 
     tokens = rank_tokens(plan.shard_len, plan.shard_rank, cp)
@@ -68,7 +68,8 @@ def _collective_row(plan, doc_lens, cp: int, comm: str) -> dict:
 
 def _ring_row(plan, cp: int) -> dict:
     """The ring: one call per step with work; partial outputs merged at every step after the first."""
-    from flashcp.planner.cost import rank_tokens, ring_comm_tokens, ring_step_work
+    from flashcp.costmodel.comm import ring_comm_tokens, ring_step_work
+    from flashcp.costmodel.workload import rank_tokens
 
     work = ring_step_work(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
     tokens = rank_tokens(plan.shard_len, plan.shard_rank, cp)
@@ -92,7 +93,7 @@ def _sequences(book, source, num_seqs: int, context_len: int, cp: int, seed: int
 def ring_cost(book, sources, strategies: list[str], cps: list[int], context_len: int, num_seqs: int,
               seed: int) -> dict:
     """Rows per (source, cp, system), means over sequences; see the module docstring."""
-    from flashcp.planner.cost import rank_workloads
+    from flashcp.costmodel.workload import rank_workloads
 
     configs = [key for key in SYSTEMS if key[0] in strategies]
     rows = []

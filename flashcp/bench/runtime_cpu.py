@@ -5,7 +5,7 @@ sequence on all ranks with the ``reference`` kernel backend in float32: one unti
 ``reps`` timed steps. A step's time is the slowest rank's (ranks start together after a barrier); the
 reported time is the median step. Bytes are what the collectives moved, recorded by ``CommStats``
 (largest per-rank send, forward + backward). Times are reported as ratios to ``llama3``/``full`` measured
-in the same run, and beside them the projection at the same size (``flashcp.bench.projection``, the given
+in the same run, and beside them the projection at the same size (``flashcp.costmodel.projection``, the given
 hardware profile, with overlap as the runtime always does it), so the two rankings can be compared.
 """
 
@@ -21,9 +21,10 @@ from datetime import timedelta
 
 import numpy as np
 
-from flashcp.bench.profile import HardwareProfile
-from flashcp.bench.projection import ModelShape, project_step
 from flashcp.bench.systems import PlanBook, System
+from flashcp.costmodel.profile import HardwareProfile
+from flashcp.costmodel.projection import project_step
+from flashcp.costmodel.shape import AttentionShape
 
 __all__ = ["cpu_cases", "runtime_cpu"]
 
@@ -48,7 +49,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _prepare(rank: int, comm: str, plan, doc_lens, shape: ModelShape):
+def _prepare(rank: int, comm: str, plan, doc_lens, shape: AttentionShape):
     """Meta and random inputs of ``rank`` for one case: ``(meta, comm, q, k, v, grad_out)``."""
     import torch
 
@@ -61,7 +62,7 @@ def _prepare(rank: int, comm: str, plan, doc_lens, shape: ModelShape):
     return meta, comm, q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), grad
 
 
-def _worker(rank: int, world_size: int, port: int, cases, shape: ModelShape, reps: int, out_path: str):
+def _worker(rank: int, world_size: int, port: int, cases, shape: AttentionShape, reps: int, out_path: str):
     import torch
     import torch.distributed as dist
 
@@ -125,7 +126,7 @@ def _gloo_link(world_size: int, rows: int = 1 << 20, reps: int = 3) -> dict:
             "collective_latency_us": latency * 1e6}
 
 
-def cpu_profile(base: HardwareProfile, shape: ModelShape, context_len: int, cp: int, link: dict,
+def cpu_profile(base: HardwareProfile, shape: AttentionShape, context_len: int, cp: int, link: dict,
                 reps: int = 2) -> HardwareProfile:
     """``base`` calibrated on this CPU (``reference`` kernels, float32, ``shape``) with the gloo link."""
     import torch
@@ -148,7 +149,7 @@ def cpu_profile(base: HardwareProfile, shape: ModelShape, context_len: int, cp: 
                    sources=sources)
 
 
-def runtime_cpu(book: PlanBook, source, systems: list[System], cp: int, context_len: int, shape: ModelShape,
+def runtime_cpu(book: PlanBook, source, systems: list[System], cp: int, context_len: int, shape: AttentionShape,
                 num_seqs: int, reps: int, profile: HardwareProfile,
                 ranked: list[System] | None = None) -> dict:
     """Measured CPU step time and bytes per case, ratios to llama3/full, and the projection beside them.
@@ -238,7 +239,7 @@ def _ring_ratios(rows: list[dict]) -> dict:
     return {"ring_over_full": same_layout, "system_over": over}
 
 
-def _projected_ms(cases, shape: ModelShape, profile: HardwareProfile) -> float:
+def _projected_ms(cases, shape: AttentionShape, profile: HardwareProfile) -> float:
     """Mean projected step of ``(comm, plan, doc_lens)`` cases, with overlap as the runtime does it."""
     steps = [project_step(plan, shape, profile, comm, True).total for comm, plan, _ in cases]
     return 1e3 * float(np.mean(steps))

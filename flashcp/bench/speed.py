@@ -53,19 +53,19 @@ class _Timer:
 
 def _kernel(strategy, params: dict, offsets, lens, cp: int):
     """The batch kernel ``pipeline.plan_rows`` runs for ``strategy``: flat ``(offsets, doc, start, len, rank)``."""
-    from flashcp.planner import _batch
-    from flashcp.planner.strategies import kernel_args
+    from flashcp.planner import batch
+    from flashcp.planner.registry import kernel_args
 
-    return _batch.plan_batch(offsets, lens, cp, strategy.name, **kernel_args(strategy, params))
+    return batch.plan_batch(offsets, lens, cp, strategy.name, **kernel_args(strategy, params))
 
 
 def _checker(params: dict):
     """The validator ``pipeline.plan_rows`` runs after the kernel: ``check(offsets, lens, *flat_plans, cp)``."""
-    from flashcp.planner import _batch
+    from flashcp.planner.check import check_batch
 
     slack = float(params.get("token_slack", 0.0))
-    check: Any = _batch.check_batch  # a Numba dispatcher
-    return lambda *args: check(*args, slack)
+    validate: Any = check_batch  # a Numba dispatcher
+    return lambda *args: validate(*args, slack)
 
 
 def _batch_timing(strategy, params: dict, offsets, lens, cp: int) -> tuple[_Timer, _Timer, tuple]:
@@ -91,7 +91,7 @@ def planner_speed(book: PlanBook, source, strategies: list[str], cp: int, contex
     ``python_budget_s`` seconds.
     """
     from flashcp.bench.quality import parse_strategy
-    from flashcp.planner.strategies import get_strategy, resolve_params
+    from flashcp.planner.registry import get_strategy, resolve_params
 
     c = source.dataset_context_len or context_len
     sequences = book.sequences(source, num_seqs, c)

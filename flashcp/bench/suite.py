@@ -16,14 +16,14 @@ import torch
 
 from flashcp import __version__
 from flashcp.bench.latency import latency_scenario
-from flashcp.bench.profile import HardwareProfile
-from flashcp.bench.projection import ModelShape
 from flashcp.bench.quality import parse_strategy, plan_quality
 from flashcp.bench.ring_cost import ring_cost
 from flashcp.bench.runtime_cpu import cpu_cases, runtime_cpu
 from flashcp.bench.sequences import SequenceSource, open_source
 from flashcp.bench.speed import end_to_end, planner_speed
 from flashcp.bench.systems import PlanBook, System, available_strategies, default_systems, improved_strategy
+from flashcp.costmodel.profile import HardwareProfile
+from flashcp.costmodel.shape import AttentionShape
 from flashcp.outputs import json_report
 
 __all__ = ["BENCH_REPORT", "EXTRA_SCENARIOS", "SCENARIOS", "BenchConfig", "bench_config", "run_bench"]
@@ -119,7 +119,8 @@ class BenchConfig:
             raise ValueError("no sources: give DATA or --dist")
         if min(self.cps) < 1 or min(self.heads) < 1 or self.num_seqs < 1 or self.runtime_cp < 1:
             raise ValueError("cp sizes, head counts and sequence counts must be positive")
-        from flashcp.planner.strategies import check_context_len, get_strategy
+        from flashcp.costmodel.limits import check_context_len
+        from flashcp.planner.registry import get_strategy
         from flashcp.runtime.meta import COMM_MODES
 
         check_context_len(self.context_len, "--context-len")
@@ -209,7 +210,7 @@ def run_bench(config: BenchConfig, profile: HardwareProfile, log=print) -> dict:
             cases = systems
         else:
             cases = cpu_cases(strategies, ring, improved_strategy())
-        shape = ModelShape(num_heads=config.runtime_heads,
+        shape = AttentionShape(num_heads=config.runtime_heads,
                            num_kv_heads=config.runtime_kv_heads or config.runtime_heads,
                            head_dim=config.runtime_head_dim, dtype_bytes=4)
         timed("runtime", lambda: runtime_cpu(book, _runtime_source(sources), cases, config.runtime_cp,

@@ -40,7 +40,7 @@ class System:
     label: str
     """Name in tables and charts."""
     strategy: str
-    """Planner strategy (``ring`` is ``flashcp.planner.ring.ring_plan``)."""
+    """Planner strategy (``ring`` is ``flashcp.planner.strategies.baselines.ring_plan``)."""
     comm: str
     """``full``, ``allgather``, ``a2a``, ``auto`` or ``ring``."""
     overlap: bool
@@ -56,20 +56,20 @@ class System:
 
 def _strategies_module():
     try:
-        return importlib.import_module("flashcp.planner.strategies")
+        return importlib.import_module("flashcp.planner.registry")
     except ImportError:
         return None
 
 
 def _ring_plan():
     try:
-        return importlib.import_module("flashcp.planner.ring").ring_plan
+        return importlib.import_module("flashcp.planner.strategies.baselines").ring_plan
     except (ImportError, AttributeError):
         return None
 
 
 def _ring_comm_available() -> bool:
-    from flashcp.planner import cost
+    from flashcp.costmodel import comm as cost
     from flashcp.runtime import meta
 
     return hasattr(cost, "ring_step_work") and "ring" in getattr(meta, "COMM_MODES", ())
@@ -133,11 +133,11 @@ def plan_for(strategy: str, doc_lens: np.ndarray, cp: int) -> SequencePlan:
     if strategy == "ring":
         ring_plan = _ring_plan()
         if ring_plan is None:
-            raise ValueError("the ring layout (flashcp.planner.ring) is not in this checkout")
+            raise ValueError("the ring layout (flashcp.planner.strategies.baselines) is not in this checkout")
         return ring_plan(doc_lens, cp)
     module = _strategies_module()
     if module is None:
-        raise ValueError("the planner (flashcp.planner.strategies) is not in this checkout")
+        raise ValueError("the planner (flashcp.planner.registry) is not in this checkout")
     return module.plan_sequence(strategy, doc_lens, cp)
 
 

@@ -12,8 +12,8 @@ from flashcp.cli.console import console, info, progress, warn
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
 from flashcp.outputs import check_output, json_report, write_json_output
-from flashcp.planner.audit import SequenceAudit, audit_plan, sample_rows, summarize, write_audit_plan
-from flashcp.planner.ilp import IlpOptions
+from flashcp.planner.ilp.audit import SequenceAudit, audit_plan, sample_rows, summarize, write_audit_plan
+from flashcp.planner.ilp.model import IlpOptions
 from flashcp.planner.store import PlanSlot, PlanStore
 
 AUDIT_REPORT = json_report("flashcp-audit", "a flashcp audit report",

@@ -108,10 +108,11 @@ def command(data, quick, scenarios, dists, cps, strategies, price_tokens, gpus_p
 
     if data is not None and not Path(data).is_dir():
         raise FlashcpError(f"dataset folder {data} does not exist")
+    from flashcp.bench.calibrate import PROFILE_OUTPUT
     from flashcp.bench.plots import BENCH_PLOT
-    from flashcp.bench.profile import PROFILE_OUTPUT, load_profile
     from flashcp.bench.report import print_report
     from flashcp.bench.suite import BENCH_REPORT, SCENARIOS, bench_config, run_bench
+    from flashcp.costmodel.profile import load_profile
     from flashcp.outputs import check_output, write_json_output
 
     for path, kind in ((json_path, BENCH_REPORT), (plot_path, BENCH_PLOT), (profile_out, PROFILE_OUTPUT)):
@@ -160,9 +161,8 @@ def command(data, quick, scenarios, dists, cps, strategies, price_tokens, gpus_p
 def _calibrate(profile, device_name: str, profile_out: str | None):
     import torch
 
-    from flashcp.bench.calibrate import calibrate_profile
+    from flashcp.bench.calibrate import PROFILE_OUTPUT, calibrate_profile, save_profile
     from flashcp.bench.calibrate import device_name as name_of
-    from flashcp.bench.profile import PROFILE_OUTPUT, save_profile
     from flashcp.errors import FlashcpError
     from flashcp.outputs import check_output
 

@@ -16,7 +16,7 @@ from flashcp.cli.console import console, emit_json, info, progress, set_json_out
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
 from flashcp.planner.pipeline import BASELINES, COMPARE_DEFAULT, plan_dataset
-from flashcp.planner.strategies import DEFAULT_STRATEGY, STRATEGIES
+from flashcp.planner.registry import DEFAULT_STRATEGY, STRATEGIES
 
 COLUMNS = ("strategy", "seqs", "imb", "p50", "max", "AG", "EN")
 """Short column names (a legend line explains them), so the table never needs cutting."""

@@ -7,19 +7,19 @@ import numpy as np
 from rich.text import Text
 
 from flashcp.cli.console import console, emit_json, set_json_output
-from flashcp.data.dataset import Dataset
-from flashcp.errors import FlashcpError
-from flashcp.planner.cost import (
+from flashcp.costmodel.comm import (
     allgather_contributions,
     comm_saving,
     exact_need_node_volumes,
     exact_need_received,
     exact_need_saving,
-    rank_workloads,
 )
+from flashcp.costmodel.workload import rank_workloads
+from flashcp.data.dataset import Dataset
+from flashcp.errors import FlashcpError
 from flashcp.planner.plan import SequencePlan
+from flashcp.planner.registry import plan_gpus_per_node
 from flashcp.planner.store import PLAN_JSON, PLANS_DIR, PlanStore
-from flashcp.planner.strategies import plan_gpus_per_node
 
 PALETTE = ("red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "bright_green", "bright_yellow",
            "bright_blue", "bright_magenta", "bright_cyan", "orange3", "purple", "turquoise2", "gold3")

@@ -75,7 +75,7 @@ class PackConfig:
     output: Path
     """The dataset folder to write."""
     context_len: int
-    """Tokens per packed sequence (at least 2, at most ``flashcp.planner.strategies.MAX_CONTEXT_LEN``)."""
+    """Tokens per packed sequence (at least 2, at most ``flashcp.costmodel.limits.MAX_CONTEXT_LEN``)."""
     tokenizer: str = DEFAULT_TOKENIZER
     """A built-in tokenizer name or the path of a tokenizer.json."""
     text_field: str = "text"
@@ -104,7 +104,7 @@ class PackConfig:
             raise ValueError("no inputs given; name at least one file, folder or pattern")
         if self.context_len < 2:
             raise ValueError(f"context length must be at least 2 tokens, got {self.context_len}")
-        from flashcp.planner.strategies import check_context_len  # the planner's limit (imports Numba: late)
+        from flashcp.costmodel.limits import check_context_len  # the planner's limit (imports Numba: late)
 
         check_context_len(self.context_len)
         if self.overflow not in OVERFLOWS:

@@ -245,7 +245,7 @@ def check_synth_args(root: Path, *, num_seqs: int, context_len: int, vocab_size:
     """FlashcpError (one sentence) for arguments ``synth_dataset`` refuses; checked before any work."""
     if num_seqs < 1:
         raise FlashcpError(f"--num-seqs must be at least 1, got {num_seqs}")
-    from flashcp.planner.strategies import check_context_len
+    from flashcp.costmodel.limits import check_context_len
 
     if context_len < 1:
         raise FlashcpError(f"--context-len must be at least 1, got {context_len}")

@@ -11,7 +11,7 @@ written last into the staging folder, which then takes the place of ``plans/<nam
 The summary compares the plan with the baselines (``BASELINES``) on the same sequences: every ``step``-th
 sequence of the dataset (``--compare N`` sequences at most, evenly spaced), each baseline planned one
 sequence at a time and only its metrics kept; every compared plan is also priced by the step-time objective
-(``flashcp.planner.objective``, the model of ``flashcp2`` and ``flashcp bench``).
+(``flashcp.costmodel.objective``, the model of ``flashcp2`` and ``flashcp bench``).
 """
 
 from __future__ import annotations
@@ -27,15 +27,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from flashcp.costmodel.comm import batch_node_received, comm_saving, exact_need_saving, node_receive_summary
+from flashcp.costmodel.objective import batch_step_seconds
 from flashcp.data.dataset import Dataset, numpy_values
 from flashcp.errors import FlashcpError, PlanError
-from flashcp.planner import _batch
-from flashcp.planner.cost import batch_node_received, comm_saving, exact_need_saving, node_receive_summary
-from flashcp.planner.objective import batch_step_seconds
+from flashcp.planner import batch, check
+from flashcp.planner.ilp.polish import parse_effort, polish_plan
 from flashcp.planner.plan import SequencePlan
-from flashcp.planner.polish import parse_effort, polish_plan
-from flashcp.planner.store import PlanFileWriter, PlanSlot, plan_name, plan_table, write_plan_json
-from flashcp.planner.strategies import (
+from flashcp.planner.registry import (
     DEFAULT_STRATEGY,
     Strategy,
     check_shape,
@@ -45,6 +44,7 @@ from flashcp.planner.strategies import (
     plan_gpus_per_node,
     resolve_params,
 )
+from flashcp.planner.store import PlanFileWriter, PlanSlot, plan_name, plan_table, write_plan_json
 
 __all__ = [
     "BASELINES",
@@ -73,12 +73,12 @@ shards there): a few seconds per run, about a tenth of planning one default 8,19
 """
 
 _ERROR_TEXT = {
-    _batch.NO_SHARDS: "has no shards",
-    _batch.BAD_LENGTH: "has a shard shorter than 1 token",
-    _batch.BAD_RANK: "names a rank outside [0, cp)",
-    _batch.BAD_DOC: "names a document the sequence does not have",
-    _batch.BAD_COVERAGE: "does not cover every token of every document exactly once",
-    _batch.BAD_QUOTA: "does not give every rank its equal-token quota",
+    check.NO_SHARDS: "has no shards",
+    check.BAD_LENGTH: "has a shard shorter than 1 token",
+    check.BAD_RANK: "names a rank outside [0, cp)",
+    check.BAD_DOC: "names a document the sequence does not have",
+    check.BAD_COVERAGE: "does not cover every token of every document exactly once",
+    check.BAD_QUOTA: "does not give every rank its equal-token quota",
 }
 
 
@@ -138,7 +138,7 @@ class PlannedRows:
 
 
 def describe_error(code: int) -> str:
-    """The sentence ending for a :func:`flashcp.planner._batch.check_batch` error code."""
+    """The sentence ending for a :func:`flashcp.planner.check.check_batch` error code."""
     return _ERROR_TEXT[code]
 
 
@@ -177,13 +177,13 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
     if chosen.rows is not None:  # planned in Python (dcp)
         offsets, doc, start, length, rank = chosen.rows(row_offsets, doc_lens, cp, params)
     else:
-        offsets, doc, start, length, rank = _batch.plan_batch(row_offsets, doc_lens, cp, chosen.name, **args)
+        offsets, doc, start, length, rank = batch.plan_batch(row_offsets, doc_lens, cp, chosen.name, **args)
     ilp_seconds = parse_effort(params["effort"])[1] if "effort" in params else None
     if ilp_seconds is not None:
         offsets, doc, start, length, rank = _polish_rows(row_offsets, doc_lens, cp, args["model"], ilp_seconds,
                                                          offsets, doc, start, length, rank)
     slack = float(params.get("token_slack", 0.0))
-    errors, imbalance, ag, a2a = _batch.check_batch(row_offsets, doc_lens, offsets, doc, start, length, rank, cp,
+    errors, imbalance, ag, a2a = check.check_batch(row_offsets, doc_lens, offsets, doc, start, length, rank, cp,
                                                     slack)
     if errors.any():
         bad = int(np.flatnonzero(errors)[0])
@@ -194,7 +194,7 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
 
 
 def _polish_rows(row_offsets, doc_lens, cp, model, seconds, offsets, doc, start, length, rank):
-    """``--effort ilp``: every row's plan polished with CP-SAT (``flashcp.planner.polish``)."""
+    """``--effort ilp``: every row's plan polished with CP-SAT (``flashcp.planner.ilp.polish``)."""
     parts = []
     for i in range(row_offsets.size - 1):
         lo, hi = offsets[i], offsets[i + 1]
@@ -336,7 +336,7 @@ def warm_up(job: _FileJob) -> None:
     offsets, lens = np.array([0, 1], np.int64), np.array([job.context_len], np.int64)
     chosen = get_strategy(job.strategy)
     if chosen.kernel is not None:  # a strategy planned in Python (dcp) has nothing to load
-        _batch.plan_batch(offsets, lens, job.cp, job.strategy, **kernel_args(chosen, job.params))
+        batch.plan_batch(offsets, lens, job.cp, job.strategy, **kernel_args(chosen, job.params))
     if job.compare_step:
         model = objective_model(step_params(job.strategy, job.params))
         for name in BASELINES:
@@ -435,7 +435,7 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
 
     with PlanSlot(dataset, name, force=force) as slot:
         notes = list(slot.notes)
-        if any(_batch.needs_compile(strategy_name)
+        if any(batch.needs_compile(strategy_name)
                for strategy_name in (chosen.name, *(BASELINES if compare else ()))
                if get_strategy(strategy_name).kernel is not None):
             notes.append("compiling planner kernels, first run only")
@@ -503,7 +503,7 @@ def _summary(results: list[_FileResult], context_len: int, cp: int, compare: int
     summary["compare"] = {"requested": compare, "sequences": compared[names[0]]["sequences"] if names else 0,
                           "every_nth_sequence": step}
     if names:
-        from flashcp.bench.profile import load_profile
+        from flashcp.costmodel.profile import load_profile
 
         summary["compare"].update(
             profile=load_profile(priced_by.get("profile")).name,

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flashcp.costmodel.comm import PlanMetrics, plan_metrics
+from flashcp.costmodel.workload import rank_tokens, token_quotas
 from flashcp.errors import PlanError
-from flashcp.planner.cost import PlanMetrics, plan_metrics, rank_tokens, token_quotas
 
 __all__ = ["SequencePlan", "check_metrics"]
 

@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flashcp import __version__
+from flashcp.costmodel.workload import rank_tokens, token_quotas
 from flashcp.data.dataset import Dataset, _arrow, numpy_values
 from flashcp.errors import FlashcpError, PlanError, StalePlanError
 from flashcp.fileio import (
@@ -47,7 +48,6 @@ from flashcp.fileio import (
     write_json_atomic,
     write_parquet_atomic,
 )
-from flashcp.planner.cost import rank_tokens, token_quotas
 from flashcp.planner.plan import SequencePlan
 
 __all__ = [

@@ -18,7 +18,7 @@ import numpy as np
 from flashcp.data.dataset import REPLACE_OLD_DIR, Dataset
 from flashcp.errors import FlashcpError
 from flashcp.fileio import sha256_file
-from flashcp.planner import _batch
+from flashcp.planner import check
 from flashcp.planner.pipeline import check_rows, describe_error
 from flashcp.planner.store import PLAN_JSON, PLANS_DIR, PlanStore
 
@@ -160,7 +160,7 @@ def _verify_plan(dataset: Dataset, store: PlanStore, doc_lens, progress, fast: b
         arrays = (offsets, lens, flat["shard_offsets"], flat["shard_doc"], flat["shard_start"], flat["shard_len"],
                   flat["shard_rank"], store.cp)
         # a plan made with token slack: ranks within its window of their quotas
-        errors, imbalance, ag, a2a = _batch.check_batch(*arrays, slack)
+        errors, imbalance, ag, a2a = check.check_batch(*arrays, slack)
         if errors.any():
             bad = int(np.flatnonzero(errors)[0])
             raise FlashcpError(f"{where}, row {bad}: the plan {describe_error(int(errors[bad]))}")

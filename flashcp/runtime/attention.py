@@ -53,8 +53,8 @@ def cp_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, 
             device once (one copy) and cached.
         group: the CP process group whose ranks are the plan's ranks (None: the default group). Not needed
             when the plan has one rank or the chosen exchange moves nothing.
-        comm: ``allgather``, ``a2a``, ``full``, ``ring`` or ``auto`` (``meta.auto_comm``, the same on every
-            rank; never ``full`` or ``ring``, the baselines).
+        comm: ``allgather``, ``a2a``, ``full``, ``ring`` or ``auto`` (``meta.auto_comm_for`` the K/V's element
+            size, the same on every rank; never ``full`` or ``ring``, the baselines).
         backend: ``fa3``, ``fa4``, ``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``
             (``flashcp.runtime.kernels``: ``auto`` warns once when it must run the reference kernel on a GPU).
         stats: a CommStats that records each collective issued, or None.
@@ -62,7 +62,7 @@ def cp_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, 
 
     Differentiable in q, k and v.
     """
-    mode = meta.resolve_comm(comm)
+    mode = meta.resolve_comm(comm, k_TKD.element_size())
     meta = meta.to(q_THD.device, comm=mode)
     _check_inputs(q_THD, k_TKD, v_TKD, meta)
     backend = resolve_backend(backend, q_THD, blockwise=mode == "ring")
@@ -148,7 +148,8 @@ def attention_after_exchange(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: to
                              recv_RKD: torch.Tensor, meta: CPAttnMeta, comm: str = "auto",
                              backend: str = "auto", softmax_scale: float | None = None) -> torch.Tensor:
     """Compute a rank's ``out_THD`` from the receive buffer its ``comm`` exchange would deliver."""
-    meta = meta.to(q_THD.device, comm=meta.resolve_comm(comm))
+    comm = meta.resolve_comm(comm, k_TKD.element_size())
+    meta = meta.to(q_THD.device, comm=comm)
     _check_inputs(q_THD, k_TKD, v_TKD, meta)
     exchange = meta.exchange(comm)
     backend = resolve_backend(backend, q_THD)

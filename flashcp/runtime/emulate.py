@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flashcp.planner.cost import token_quotas
+from flashcp.costmodel.workload import token_quotas
 from flashcp.planner.plan import SequencePlan
 from flashcp.runtime.attention import attention_after_exchange, pack_send
 from flashcp.runtime.kernels import fold_softmax_scale, resolve_backend
@@ -28,6 +28,7 @@ def emulate_exchange(metas: list[CPAttnMeta], ks: list[torch.Tensor], vs: list[t
     all-gather concatenates every rank's send buffer in rank order; ``all_to_all_single`` gives rank r, from
     each source q in order, the slice of q's send buffer that q's ``send_splits`` address to r.
     """
+    comm = metas[0].resolve_comm(comm, ks[0].element_size())
     sends = [pack_send(k, v, m.exchange(comm)) for m, k, v in zip(metas, ks, vs)]
     mode = metas[0].exchange(comm).mode
     if mode != "a2a":
@@ -51,7 +52,8 @@ def emulate_cp_attention(q_CHD: torch.Tensor, k_CKD: torch.Tensor, v_CKD: torch.
     ks = [k_CKD[p] for p in positions]
     vs = [v_CKD[p] for p in positions]
     out = q_CHD.new_zeros(q_CHD.shape)
-    if metas[0].resolve_comm(comm) == "ring":
+    comm = metas[0].resolve_comm(comm, k_CKD.element_size())
+    if comm == "ring":
         backend = resolve_backend(backend, q_CHD, blockwise=True)
         blocks = [torch.stack((k, v)) for k, v in zip(ks, vs)]
         for r, meta in enumerate(metas):

@@ -74,17 +74,18 @@ class Batch:
     row: int
     """Row of the sequence in that file."""
 
-    def to(self, device: torch.device | str, non_blocking: bool = False, comm: str | None = None) -> Batch:
+    def to(self, device: torch.device | str, non_blocking: bool = False, comm: str | None = None,
+           kv_bytes: int = 2) -> Batch:
         """Return this batch with its tensors and attention meta on ``device``.
 
         ``non_blocking`` copies the token tensors asynchronously when they are in pinned memory (see
         ``flashcp.runtime.prefetch``). ``comm``: move only the meta tensors that comm mode reads
-        (``CPAttnMeta.to``); None moves all of them.
+        (``CPAttnMeta.to``; ``"auto"`` resolved for K/V of ``kv_bytes`` bytes); None moves all of them.
         """
         return replace(self, input_ids=self.input_ids.to(device, non_blocking=non_blocking),
                        position_ids=self.position_ids.to(device, non_blocking=non_blocking),
                        labels=self.labels.to(device, non_blocking=non_blocking),
-                       attn=self.attn.to(device, comm=comm))
+                       attn=self.attn.to(device, comm=comm, kv_bytes=kv_bytes))
 
 
 @dataclass(frozen=True, slots=True)

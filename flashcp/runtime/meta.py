@@ -37,7 +37,14 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 import torch
 
-from flashcp.planner.cost import allgather_contributions, allgather_shard_mask, auto_comm_a2a, exact_need_received
+from flashcp.costmodel.comm import (
+    allgather_contributions,
+    allgather_shard_mask,
+    allgather_wire,
+    auto_comm_a2a,
+    busiest_rows,
+    exact_need_received,
+)
 from flashcp.planner.plan import SequencePlan
 
 __all__ = ["COLLECTIVE_MODES", "COMM_MODES", "CPAttnMeta", "Exchange", "QueryPart", "RingSchedule",
@@ -173,10 +180,11 @@ class CPAttnMeta:
     ring: RingSchedule
     """The ``ring`` comm mode's schedule."""
     auto_comm: str
-    """The mode ``comm="auto"`` uses: ``a2a`` when its busiest rank moves fewer bytes than an all-gather rank
-    does, forward plus backward (``cost.auto_comm_a2a`` for 16-bit K/V: the all-gather's reduce-scatter
-    carries float32 dK/dV), else ``allgather``. Decided from the whole plan, so every rank picks the same.
-    Never ``ring`` or ``full``: those are baselines, chosen only by name."""
+    """The mode ``comm="auto"`` uses for 16-bit K/V (what training exchanges): ``auto_comm_for(2)``."""
+    ag_slot: int
+    """Rows every rank contributes to the compacted all-gather (the largest contribution)."""
+    a2a_busiest: int
+    """Rows the busiest rank moves in the exact-need all-to-all (``comm.busiest_rows``)."""
     _moved: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _on: torch.device | None = field(default=None, init=False, repr=False, compare=False)
     _comm: str | None = field(default=None, init=False, repr=False, compare=False)
@@ -192,37 +200,51 @@ class CPAttnMeta:
         """Where the index tensors live (those of ``comm`` when the meta was moved with ``to(device, comm)``)."""
         return self._on if self._on is not None else self.out_index.device
 
-    def resolve_comm(self, comm: str) -> str:
-        """The comm mode ``comm`` names (``"auto"``: ``auto_comm``); ValueError for an unknown name."""
-        mode = self.auto_comm if comm == "auto" else comm
+    def auto_comm_for(self, kv_bytes: int) -> str:
+        """The mode ``comm="auto"`` uses for K/V of ``kv_bytes`` bytes per element.
+
+        ``a2a`` when its busiest rank moves fewer bytes than an all-gather rank does, forward plus backward
+        (``comm.auto_comm_a2a``: the all-gather's reduce-scatter carries float32 dK/dV), else ``allgather``.
+        Decided from the whole plan, so every rank picks the same. Never ``ring`` or ``full``: those are
+        baselines, chosen only by name.
+        """
+        return "a2a" if auto_comm_a2a(self.a2a_busiest, self.ag_slot, self.cp, kv_bytes) else "allgather"
+
+    def resolve_comm(self, comm: str, kv_bytes: int = 2) -> str:
+        """The comm mode ``comm`` names (``"auto"``: ``auto_comm_for(kv_bytes)``); ValueError for an unknown name."""
+        mode = self.auto_comm_for(kv_bytes) if comm == "auto" else comm
         if mode not in COMM_MODES:
             raise ValueError(f"unknown comm mode '{comm}' (choose from auto, {', '.join(COMM_MODES)})")
         return mode
 
-    def exchange(self, comm: str) -> Exchange:
-        """The exchange for collective mode ``comm`` (``"auto"`` resolves to ``auto_comm``)."""
-        mode = self.resolve_comm(comm)
+    def exchange(self, comm: str, kv_bytes: int = 2) -> Exchange:
+        """The exchange for collective mode ``comm`` (``"auto"``: ``auto_comm_for(kv_bytes)``)."""
+        mode = self.resolve_comm(comm, kv_bytes)
         if mode not in self.exchanges:
             raise ValueError(f"comm mode '{mode}' moves K/V point-to-point and has no collective exchange; "
                              f"its schedule is meta.ring")
         return self.exchanges[mode]
 
-    def wire_tokens(self, comm: str) -> tuple[int, int]:
-        """``(sent, received)`` tokens of K/V per forward pass on this rank with ``comm``."""
-        mode = self.resolve_comm(comm)
+    def wire_tokens(self, comm: str, kv_bytes: int = 2) -> tuple[int, int]:
+        """``(sent, received)`` tokens of K/V per forward pass on this rank with ``comm``.
+
+        ``kv_bytes``: as for ``resolve_comm``.
+        """
+        mode = self.resolve_comm(comm, kv_bytes)
         ex = self.ring if mode == "ring" else self.exchanges[mode]
         return ex.wire_send_tokens, ex.wire_recv_tokens
 
-    def to(self, device: torch.device | str, comm: str | None = None) -> CPAttnMeta:
+    def to(self, device: torch.device | str, comm: str | None = None, kv_bytes: int = 2) -> CPAttnMeta:
         """Return this meta with its index tensors on ``device``; cached, so calling it per layer is cheap.
 
-        ``comm`` (a mode or ``"auto"``) moves only what that mode reads: the shard arrays and either the local
-        and remote parts with the mode's exchange, or the ring schedule; the other modes' tensors stay on
-        the host. None moves everything. The tensors travel as one buffer, pinned when CUDA is available:
-        one host-to-device copy per meta and mode, no per-tensor pageable copies.
+        ``comm`` (a mode, or ``"auto"`` resolved for K/V of ``kv_bytes`` bytes) moves only what that mode
+        reads: the shard arrays and either the local and remote parts with the mode's exchange, or the ring
+        schedule; the other modes' tensors stay on the host. None moves everything. The tensors travel as one
+        buffer, pinned when CUDA is available: one host-to-device copy per meta and mode, no per-tensor
+        pageable copies.
         """
         device = torch.device(device)
-        mode = None if comm is None else self.resolve_comm(comm)
+        mode = None if comm is None else self.resolve_comm(comm, kv_bytes)
         if device == self.device and self._comm in (None, mode):
             return self
         host = self._host if self._host is not None else self
@@ -368,14 +390,14 @@ class _SequenceLayout:
                                                 plan.shard_rank, cp)).all()
         all_need = np.concatenate(self.need) if cp else np.zeros(0, np.int64)
         sent = np.bincount(self.owner[all_need], minlength=cp)
-        a2a_busiest = int(np.maximum(sent, received).max())
+        self.a2a_busiest = int(busiest_rows(sent, received))
         self.a2a_active = bool(received.any())
 
         # ring: each rank's tokens by packed-sequence position (= document order inside a document)
         by_owner = np.argsort(self.owner, kind="stable")
         self.owned_globals = np.split(by_owner, np.cumsum(self.rank_tokens)[:-1])
         # the rule for 16-bit K/V (what training exchanges), as flashcp bench and the planner price it
-        self.auto_comm = "a2a" if auto_comm_a2a(a2a_busiest, self.ag_slot, cp, 2) else "allgather"
+        self.auto_comm = "a2a" if auto_comm_a2a(self.a2a_busiest, self.ag_slot, cp, 2) else "allgather"
 
     def _exact_need(self, rank: int) -> np.ndarray:
         plan = self.plan
@@ -451,8 +473,8 @@ class _SequenceLayout:
 
         ag_send = _ranges(self.shard_local[shards], plan.shard_len[shards])[
             np.repeat(self.contributes[shards], plan.shard_len[shards])]
-        ag_wire = (cp - 1) * self.ag_slot
-        full_wire = (cp - 1) * self.full_slot
+        ag_wire = int(allgather_wire(self.ag_slot, cp))
+        full_wire = int(allgather_wire(self.full_slot, cp))
         a2a_row = np.full(self.context_len, -1, dtype=np.int64)
         a2a_row[self.need[rank]] = np.arange(self.need[rank].size)
         to_peer = [need[self.owner[need] == rank] for need in self.need]
@@ -474,7 +496,8 @@ class _SequenceLayout:
                           shard_local_only=torch.from_numpy(local_only.copy()), local=local,
                           local_kv_index=_long(self.local_pos[local_keys]), remote=remote,
                           out_index=_long(out_index), exchanges=exchanges,
-                          ring=self._ring_schedule(rank, shards), auto_comm=self.auto_comm)
+                          ring=self._ring_schedule(rank, shards), auto_comm=self.auto_comm,
+                          ag_slot=self.ag_slot, a2a_busiest=self.a2a_busiest)
 
 
 def build_rank_metas(plan: SequencePlan, doc_lens) -> list[CPAttnMeta]:

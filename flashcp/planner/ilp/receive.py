@@ -1,6 +1,6 @@
 """The exact-need receive of one packed sequence, minimised with OR-Tools CP-SAT at a block granularity.
 
-``flashcp audit --ilp`` minimises the compacted all-gather's critical path (``flashcp.planner.ilp``); this
+``flashcp audit --ilp`` minimises the compacted all-gather's critical path (``flashcp.planner.ilp.model``); this
 model minimises the other exchange's: the largest exact-need receive over ranks (DESIGN.md section 2). It
 measures how much room a heuristic leaves (``bench/cpsat_room.py``). The model:
 
@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from flashcp.planner.blocks import block_grid, block_plan, rank_sums, round_plan_to_blocks
-from flashcp.planner.cost import PlanMetrics, rank_workloads, token_quotas
+from flashcp.costmodel.comm import PlanMetrics
+from flashcp.costmodel.workload import rank_workloads, token_quotas
+from flashcp.planner.ilp.blocks import block_grid, block_plan, rank_sums, round_plan_to_blocks
 from flashcp.planner.plan import SequencePlan
 
 __all__ = ["ReceiveResult", "minimise_receive"]

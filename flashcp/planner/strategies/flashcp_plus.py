@@ -1,4 +1,4 @@
-"""Numba kernel of ``flashcp+``, the improved strategy (rules in flashcp/planner/strategies.py).
+"""Numba kernel of ``flashcp+``, the improved strategy (rules in flashcp.planner.strategies).
 
 Non-zigzag pieces live in a buffer ``pdoc, pstart, plen, prank`` (count); zigzag documents (the heads of the
 popped documents) live in ``early``/``late`` (rows in document order) and are emitted at the end.
@@ -9,19 +9,18 @@ from __future__ import annotations
 import numpy as np
 
 from flashcp._numba import njit
-from flashcp.planner._kernels import (
+from flashcp.costmodel.sort import _order_of
+from flashcp.costmodel.workload import _quotas, _ratio, workload
+from flashcp.planner.strategies.pieces import (
     _argmin_work,
     _descending_order,
     _emit_zigzag,
     _finish,
     _lightest_under,
     _most_over,
-    _quotas,
-    _ratio,
     _zigzag_sizes,
     move_head,
 )
-from flashcp.planner.cost import _order_of, workload
 
 
 @njit(cache=True)
@@ -319,6 +318,46 @@ def flashcp_plus_kernel(lens, cp, target):
         return best
     best_ratio = ratio
     for num_popped in range(max(1, num_heavy), num_docs + 1):
+        ratio, count = _build(lens, cp, quotas, order, num_popped, False, mean, target, pdoc, pstart, plen,
+                              prank)
+        if ratio < best_ratio:
+            best_ratio = ratio
+            best = _finish(pdoc, pstart, plen, prank, count, lens)
+        if ratio <= target:
+            break
+    return best
+
+
+@njit(cache=True)
+def flashcp_plus_bounded(lens, cp, target, max_zigzag):
+    """``flashcp_plus_kernel`` whose search for the target stops at ``max_zigzag`` zigzagged documents.
+
+    Its first candidate (the heavy documents tail-anchored) is always built; the plan is the first candidate
+    within the target, else the most balanced one built, as in ``flashcp+``. Equal to ``flashcp+`` whenever
+    ``flashcp+`` meets the target with at most ``max_zigzag`` documents zigzagged.
+    """
+    num_docs = lens.shape[0]
+    quotas = _quotas(lens.sum(), cp)
+    order = _descending_order(lens)
+    total = 0
+    for doc in range(num_docs):
+        total += workload(0, lens[doc])
+    mean = total // cp
+    num_heavy = 0
+    for doc in range(num_docs):
+        if workload(0, lens[doc]) > mean:
+            num_heavy += 1
+    capacity = num_docs * (2 * cp + 2) + 16 * cp + 16
+    pdoc = np.empty(capacity, np.int64)
+    pstart = np.empty(capacity, np.int64)
+    plen = np.empty(capacity, np.int64)
+    prank = np.empty(capacity, np.int64)
+    ratio, count = _build(lens, cp, quotas, order, num_heavy, True, mean, target, pdoc, pstart, plen, prank)
+    best = _finish(pdoc, pstart, plen, prank, count, lens)
+    if ratio <= target:
+        return best
+    best_ratio = ratio
+    for num_popped in range(max(1, num_heavy), min(num_docs, max_zigzag) + 1):
         ratio, count = _build(lens, cp, quotas, order, num_popped, False, mean, target, pdoc, pstart, plen,
                               prank)
         if ratio < best_ratio:

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
+from flashcp.costmodel.comm import PlanMetrics, comm_saving, exact_need_saving
+from flashcp.costmodel.workload import rank_workloads, slack_tokens
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
-from flashcp.planner._search import slack_tokens
-from flashcp.planner.cost import PlanMetrics, comm_saving, exact_need_saving, rank_workloads
-from flashcp.planner.ilp import IlpOptions, IlpResult, solve_sequence
+from flashcp.planner.ilp.model import IlpOptions, IlpResult, solve_sequence
 from flashcp.planner.pipeline import summarize as summarize_plans
 from flashcp.planner.plan import SequencePlan, check_metrics
 from flashcp.planner.store import (

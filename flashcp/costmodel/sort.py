@@ -85,3 +85,36 @@ def last_at_or_before(offsets, value):
         else:
             hi = mid
     return lo - 1
+
+
+@njit(cache=True)
+def _order_of(key):
+    """``np.argsort(key, kind="mergesort")`` of int64 keys (stable: equal keys by index).
+
+    Sorts ``key << bits | index`` values, which is faster than sorting indices. Keys that are negative or too
+    large for that are first replaced by their rank among the sorted keys (equal keys, equal rank).
+    """
+    n = key.shape[0]
+    bits = 1
+    while (1 << bits) < n:
+        bits += 1
+    top = 0
+    low = 0
+    for i in range(n):
+        top = max(top, key[i])
+        low = min(low, key[i])
+    if low < 0 or top >= (1 << (62 - bits)):
+        ranks = key.copy()
+        sort_range(ranks, 0, n)
+        dense = np.empty(n, np.int64)
+        for i in range(n):
+            dense[i] = first_at_or_after(ranks, key[i])
+        key = dense
+    packed = np.empty(n, np.int64)
+    for i in range(n):
+        packed[i] = (key[i] << bits) | i
+    sort_range(packed, 0, n)
+    mask = (1 << bits) - 1
+    for i in range(n):
+        packed[i] &= mask
+    return packed

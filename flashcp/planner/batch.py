@@ -1,12 +1,11 @@
-"""Batch kernels: plan many sequences in one call, and check many plans in one call.
+"""The batch planner: plan many sequences in one call, the one entry point of every strategy's kernel.
 
 Sequences come as flat arrays: ``row_offsets`` (rows + 1,) indexes ``doc_lens`` by row. Plans come back the
 same way: ``shard_offsets`` (rows + 1,) indexes the flat shard arrays.
 
-``plan_batch`` is the one entry point of every strategy. It is compiled once per strategy name (a
-compile-time literal), and each compilation links only that strategy's kernel, found in the registry
-(``flashcp.planner.strategies.STRATEGIES``: its ``kernel`` and ``kernel_params``): a first
-``flashcp plan --strategy flashcp`` does not compile ``flashcp2``.
+``plan_batch`` is compiled once per strategy name (a compile-time literal), and each compilation links only
+that strategy's kernel, found in the registry (``flashcp.planner.registry.STRATEGIES``: its ``kernel`` and
+``kernel_params``): a first ``flashcp plan --strategy flashcp`` does not compile ``flashcp2``.
 """
 
 from __future__ import annotations
@@ -19,28 +18,23 @@ from numba import literally, typeof, types
 from numba.extending import overload
 
 from flashcp._numba import njit
-from flashcp.planner._kernels import _doc_offsets, _quotas, _ratio
-from flashcp.planner.cost import _allgather_contributions, _exact_need_received, _order_of, _rank_workloads
-
-# error codes of check_batch; flashcp.planner.pipeline turns them into sentences
-OK, NO_SHARDS, BAD_LENGTH, BAD_RANK, BAD_DOC, BAD_COVERAGE, BAD_QUOTA = range(7)
+from flashcp.planner.check import check_batch
 
 KERNEL_PARAMS = ("target", "chunk", "effort", "model", "slack")
 """What ``plan_batch`` passes on, in this order; a strategy's kernel takes ``(lens, cp)`` and the ones its
 registry entry names (``Strategy.kernel_params``)."""
 
-_CALLS: dict[tuple[str, ...], Callable[[Any], Callable]] = {
-    (): lambda kernel: lambda lens, cp, strategy, target, chunk, effort, model, slack: kernel(lens, cp),
-    ("target",):
-        lambda kernel: lambda lens, cp, strategy, target, chunk, effort, model, slack: kernel(lens, cp, target),
-    ("chunk",):
-        lambda kernel: lambda lens, cp, strategy, target, chunk, effort, model, slack: kernel(lens, cp, chunk),
-    ("target", "effort", "model", "slack"):
-        lambda kernel: lambda lens, cp, strategy, target, chunk, effort, model, slack: kernel(
-            lens, cp, target, effort, model, slack),
-}
-"""How a kernel is called, by the parameters it takes: a strategy needs a new row here only when its kernel
-takes a new combination of ``KERNEL_PARAMS``."""
+
+def _call(kernel: Any, params: tuple[str, ...]) -> Callable:
+    """``(lens, cp, strategy, *KERNEL_PARAMS) -> kernel(lens, cp, *params)``.
+
+    How a kernel taking ``params`` (any of ``KERNEL_PARAMS``, in the entry's order) is called from the batch loop.
+    """
+    source = (f"def call(lens, cp, strategy, {', '.join(KERNEL_PARAMS)}):\n"
+              f"    return kernel(lens, cp{''.join(', ' + name for name in params)})\n")
+    namespace = {"kernel": kernel}
+    exec(source, namespace)  # noqa: S102 -- a fixed template over registry names checked by Strategy
+    return namespace["call"]
 
 
 def _plan_one(lens, cp, strategy, target, chunk, effort, model, slack):
@@ -54,15 +48,16 @@ def _plan_one_impl(lens, cp, strategy, target, chunk, effort, model, slack):
     # read at compile time; its module is part of the kernel cache key (flashcp._numba).
     if not isinstance(strategy, types.StringLiteral):
         return None
-    from flashcp.planner.strategies import STRATEGIES
+    from flashcp.planner.registry import STRATEGIES
 
     entry = STRATEGIES.get(strategy.literal_value)
     if entry is None:
         return None
-    return _CALLS[entry.kernel_params](entry.kernel)
+    return _call(entry.kernel, entry.kernel_params)
 
 
 _VECTOR = typeof(np.zeros(1, np.int64))
+
 _SIGNATURE_TAIL = (types.float64, types.int64, types.int64, typeof(np.zeros(1, np.float64)), types.float64)
 
 
@@ -100,6 +95,7 @@ def _append(out, size, values):
 
 
 _entry_points: dict[str, Callable] = {}
+
 _NO_MODEL = np.zeros(1, np.float64)
 
 
@@ -116,12 +112,24 @@ def plan_batch(row_offsets, doc_lens, cp, strategy: str, target: float = 1.0, ch
             float(slack))
     entry = _entry_points.get(strategy)
     if entry is None or not _plain_int64(row_offsets) or not _plain_int64(doc_lens):
-        result = _plan_batch(row_offsets, doc_lens, *args)
-        signature = next((s for s in _plan_batch.overloads if s[3] == types.literal(strategy)), None)
+        dispatcher = _dispatcher(strategy)
+        result = dispatcher(row_offsets, doc_lens, *args)
+        signature = next((s for s in dispatcher.overloads if s[3] == types.literal(strategy)), None)
         if signature is not None and signature[0] == signature[1] == _VECTOR:
-            _entry_points[strategy] = _plan_batch.overloads[signature].entry_point
+            _entry_points[strategy] = dispatcher.overloads[signature].entry_point
         return result
     return entry(row_offsets, doc_lens, *args)
+
+
+def _dispatcher(strategy: str) -> Any:
+    """The batch loop compiled for ``strategy``: cached on disk for a kernel of flashcp's own, else in memory.
+
+    The kernel cache key covers flashcp's sources only, so another package's kernel is never cached.
+    """
+    from flashcp.planner.registry import STRATEGIES
+
+    entry = STRATEGIES.get(strategy)
+    return _plan_batch if entry is None or entry.in_package else _plan_batch_in_memory
 
 
 def _plain_int64(values) -> bool:
@@ -159,90 +167,5 @@ def _plan_batch(row_offsets, doc_lens, cp, strategy, target, chunk, effort, mode
     return shard_offsets, out_doc[:size], out_start[:size], out_len[:size], out_rank[:size]
 
 
-@njit(cache=True)
-def _check_row(lens, doc, start, length, rank, cp):
-    num_shards = doc.shape[0]
-    if num_shards == 0:
-        return NO_SHARDS
-    for i in range(num_shards):
-        if length[i] < 1:
-            return BAD_LENGTH
-        if rank[i] < 0 or rank[i] >= cp:
-            return BAD_RANK
-        if doc[i] < 0 or doc[i] >= lens.shape[0]:
-            return BAD_DOC
-        if start[i] < 0 or start[i] + length[i] > lens[doc[i]]:
-            return BAD_COVERAGE
-    offsets = _doc_offsets(lens)
-    position = np.empty(num_shards, np.int64)
-    for i in range(num_shards):
-        position[i] = offsets[doc[i]] + start[i]
-    order = _order_of(position)  # positions are unique in a valid plan; a repeated one fails below either way
-    expected = 0
-    for j in range(num_shards):
-        i = order[j]
-        if position[i] != expected:
-            return BAD_COVERAGE
-        expected += length[i]
-    if expected != offsets[-1]:
-        return BAD_COVERAGE
-    quotas = _quotas(offsets[-1], cp)
-    tokens = np.zeros(cp, np.int64)
-    for i in range(num_shards):
-        tokens[rank[i]] += length[i]
-    for r in range(cp):
-        if tokens[r] != quotas[r]:
-            return BAD_QUOTA
-    return OK
-
-
-@njit(cache=True)
-def slack_tokens(share, context_len, cp):
-    """Tokens a rank may be off its quota under token slack ``share``: ``floor(share * C / N)``."""
-    return np.int64(np.floor(share * context_len / cp))
-
-
-@njit(cache=True)
-def _check_window(lens, length, rank, cp, window):
-    """OK when every rank's tokens are within ``window`` of its quota, else BAD_QUOTA."""
-    quotas = _quotas(lens.sum(), cp)
-    tokens = np.zeros(cp, np.int64)
-    for i in range(length.shape[0]):
-        tokens[rank[i]] += length[i]
-    for q in range(cp):
-        if abs(tokens[q] - quotas[q]) > window:
-            return BAD_QUOTA
-    return OK
-
-
-@njit(cache=True)
-def check_batch(row_offsets, doc_lens, shard_offsets, doc, start, length, rank, cp, slack):
-    """Check every row's plan (coverage, equal tokens) and recompute its metrics with the cost model.
-
-    With token ``slack`` > 0 (0.0: exact quotas) a rank may hold ``slack_tokens(slack, C, N)`` tokens more or
-    fewer than its quota. Returns (error code per row, imbalance, all-gather critical path, exact-need critical path);
-    metrics of a row with an error are left at 0.
-    """
-    rows = row_offsets.shape[0] - 1
-    errors = np.zeros(rows, np.int64)
-    imbalance = np.zeros(rows, np.float64)
-    ag = np.zeros(rows, np.int64)
-    a2a = np.zeros(rows, np.int64)
-    for row in range(rows):
-        lens = doc_lens[row_offsets[row]:row_offsets[row + 1]]
-        lo = shard_offsets[row]
-        hi = shard_offsets[row + 1]
-        d = doc[lo:hi]
-        s = start[lo:hi]
-        n = length[lo:hi]
-        r = rank[lo:hi]
-        errors[row] = _check_row(lens, d, s, n, r, cp)
-        if errors[row] == BAD_QUOTA and slack > 0:  # every other check passed; the quotas get the window
-            errors[row] = _check_window(lens, n, r, cp, slack_tokens(slack, lens.sum(), cp))
-        if errors[row] != OK:
-            continue
-        work = _rank_workloads(s, n, r, cp)
-        imbalance[row] = _ratio(work.max(), work.sum(), cp)
-        ag[row] = _allgather_contributions(d, s, r, n, cp).max()
-        a2a[row] = _exact_need_received(d, s, n, r, cp).max()
-    return errors, imbalance, ag, a2a
+_plan_batch_in_memory = njit(cache=False)(_plan_batch.py_func)
+"""``_plan_batch`` for strategies registered from outside flashcp (``registry.register``)."""

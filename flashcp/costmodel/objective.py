@@ -1,19 +1,19 @@
 """The step-time objective: one plan's projected step time, in Numba, for the planner's search.
 
-This module holds the projection's formulas in one place: ``flashcp.bench.projection`` (``flashcp bench``)
-and ``flashcp.bench.profile`` import the attention curve and the kernel time from here, and
+This module holds the projection's formulas in one place: ``flashcp.costmodel.projection`` (``flashcp bench``)
+and ``flashcp.costmodel.profile`` import the attention curve and the kernel time from here, and
 :func:`step_seconds` assembles them exactly as ``projection.project_step(plan, shape, profile, "auto",
 overlap=True)`` does (``tests/test_objective.py`` checks that the two agree). The planner sees the model
 through one float64 vector (:func:`model_vector`), so kernels compile once whatever the profile.
 
-Per rank, one layer, forward and backward (DESIGN.md cost model, ``flashcp.bench.projection``):
+Per rank, one layer, forward and backward (DESIGN.md cost model, ``flashcp.costmodel.projection``):
 
 - attention: every shard is one sequence of a varlen kernel and computes whole query tiles; forward FLOPs
   ``4 W H D``, backward 2.5x, at the profile's throughput for the equivalent length ``sqrt(2 W)``; one call
   over the rank's local shards (whole key prefix on the rank) and one over its remote shards, each with
   ``kernel_overhead_us``, each shard with ``sequence_overhead_us``;
 - exchange: ``auto`` (exact-need all-to-all when its busiest rank moves fewer bytes than an all-gather rank,
-  else the compacted all-gather: ``cost.auto_comm_a2a``), ``tokens * bytes per token / link_gbps +
+  else the compacted all-gather: ``comm.auto_comm_a2a``), ``tokens * bytes per token / link_gbps +
   collective_latency_us``; the backward moves dK/dV in the K/V dtype over all-to-all, in float32 over the
   all-gather's reduce-scatter; the local call runs while it is in flight, so only what the local part does
   not hide is paid;
@@ -30,16 +30,25 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
 from flashcp._numba import njit
-from flashcp.planner.cost import allgather_node_rows, auto_comm_a2a, node_busiest, workload
+from flashcp.costmodel.comm import (
+    allgather_node_rows,
+    auto_comm_a2a,
+    busiest_rows,
+    grad_bytes_per_token,
+    kv_bytes_per_token,
+    node_busiest,
+)
+from flashcp.costmodel.shape import AttentionShape
+from flashcp.costmodel.workload import workload
 
-__all__ = ["BWD_FLOPS", "ObjectiveShape", "batch_step_seconds", "cached_model", "curve_tflops", "exchange_seconds",
-           "model_vector", "one_shard_seconds", "pair_seconds", "plan_step_seconds", "rank_floor", "shard_seconds",
-           "step_seconds", "step_seconds_of"]
+__all__ = ["BWD_FLOPS", "batch_step_seconds", "cached_model", "curve_tflops", "exchange_seconds", "model_vector",
+           "one_shard_seconds", "pair_seconds", "plan_step_seconds", "rank_floor", "shard_seconds", "step_seconds",
+           "step_seconds_of", "token_seconds"]
+
 
 BWD_FLOPS = 2.5
 """Backward FLOPs per forward FLOP (the flash-attention benchmark convention the profile's curve uses)."""
@@ -47,48 +56,12 @@ BWD_FLOPS = 2.5
 # layout of the model vector
 _H, _HKV, _D, _BYTES, _LAYERS, _TILE, _SKIP, _LINK, _HBM, _KERNEL, _SEQ, _COLL, _PEAK, _TOKEN_FLOPS, \
     _TOKEN_TFLOPS, _NODE, _INTER, _K = range(18)
+
+
 _HEADER = 18
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ObjectiveShape:
-    """The model the step time is priced for."""
-
-    num_heads: int = 32
-    """H: query heads."""
-    num_kv_heads: int = 32
-    """K/V heads."""
-    head_dim: int = 128
-    """D."""
-    layers: int = 1
-    """Transformer layers (the step time scales with it)."""
-    dtype_bytes: int = 2
-    """Bytes per element (bf16)."""
-    hidden_mult: float = 4.0
-    """MLP width over the model width ``H D`` (for the per-token layers under token slack)."""
-
-    def __post_init__(self):
-        if min(self.num_heads, self.num_kv_heads, self.head_dim, self.layers, self.dtype_bytes) < 1 or \
-                self.num_heads % self.num_kv_heads or not self.hidden_mult > 0:
-            raise ValueError(f"bad model shape: H={self.num_heads}, H_kv={self.num_kv_heads}, "
-                             f"D={self.head_dim}, layers={self.layers}")
-
-    def token_flops(self) -> float:
-        """FLOPs of one token's per-token layers, one layer, forward + backward (3x forward).
-
-        Forward: Q and O projections ``2 * 2 * d^2``, K and V ``2 * 2 * d * d_kv``, MLP (two matrices)
-        ``2 * 2 * d * hidden_mult * d``; ``d = H D``, ``d_kv = H_kv D``.
-        """
-        d = self.num_heads * self.head_dim
-        d_kv = self.num_kv_heads * self.head_dim
-        return 3.0 * (4.0 * d * d + 4.0 * d * d_kv + 4.0 * self.hidden_mult * d * d)
-
-    def as_dict(self) -> dict:
-        """Plain dict for plan.json."""
-        return {name: getattr(self, name) for name in self.__slots__}
-
-
-def model_vector(profile, shape: ObjectiveShape, *, with_tokens: bool = False,
+def model_vector(profile, shape: AttentionShape, *, with_tokens: bool = False,
                  gpus_per_node: int | None = None) -> np.ndarray:
     """The float64 vector the Numba objective reads: shape, profile scalars, then the attention curve.
 
@@ -239,6 +212,16 @@ def one_shard_seconds(start, length, model):
 
 
 @njit(cache=True)
+def token_seconds(tokens, token_flops, tflops):
+    """Seconds of the per-token layers (projections and MLP) of ``tokens`` tokens, one layer.
+
+    Forward + backward at ``tflops``, ``token_flops`` (``AttentionShape.token_flops``) per token; a third of
+    it is the forward pass.
+    """
+    return tokens * token_flops / (tflops * 1e12)
+
+
+@njit(cache=True)
 def exchange_seconds(near_tokens, far_tokens, row_bytes, link_gbps, inter_node_gbps, latency_us):
     """Seconds of one collective whose busiest rank moves ``near_tokens`` rows in its node, ``far_tokens`` out.
 
@@ -284,10 +267,10 @@ def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
 
     A search that moves a few shards then prices only those. ``only`` >= 0: that rank's forward plus
     backward time alone (``rank_floor``; only its shards' seconds are read). The exchange volumes are the
-    cost model's (``cost.py``: all-gather contributions, exact-need sent and received), computed here in
+    cost model's (``flashcp.costmodel.comm``: all-gather contributions, exact-need sent and received), computed here in
     one pass over dense (document, rank) tables.
     """
-    kv_row = 2.0 * model[_HKV] * model[_D] * model[_BYTES]
+    kv_row = 1.0 * kv_bytes_per_token(model[_HKV], model[_D], model[_BYTES])
     q_row = model[_H] * model[_D] * model[_BYTES]
     hbm = model[_HBM] * 1e9
     num_shards = doc.shape[0]
@@ -357,14 +340,14 @@ def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
         if b != first_rank[d]:
             switch[d] = min(switch[d], start[i])
     slot = contributed.max()
-    busiest = max(sent.max(), received.max())
+    busiest = busiest_rows(sent, received)
     use_a2a = auto_comm_a2a(busiest, slot, cp, np.int64(model[_BYTES]))
     if use_a2a:
         near, far = node_busiest(sent, received, sent_far, received_far)
         grad_row = kv_row
     else:
         near, far = allgather_node_rows(slot, cp, per_node)
-        grad_row = 2.0 * model[_HKV] * model[_D] * max(model[_BYTES], 4.0)  # reduce-scatter sums in float32
+        grad_row = 1.0 * grad_bytes_per_token(model[_HKV], model[_D], model[_BYTES])  # reduce-scatter: float32
     comm = exchange_seconds(near, far, kv_row, model[_LINK], model[_INTER], model[_COLL])
     comm_b = exchange_seconds(near, far, grad_row, model[_LINK], model[_INTER], model[_COLL])
 
@@ -402,7 +385,7 @@ def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
         remote_copy = 2.0 * (rows[1, r] * q_row + keys[1, r] * kv_row
                              + busy[1, r] * (tokens[r] + recv) * kv_row) / hbm
         other = 2.0 * (send * kv_row + 2.0 * tokens[r] * q_row) / hbm
-        token_time = tokens[r] * model[_TOKEN_FLOPS] / (model[_TOKEN_TFLOPS] * 1e12)
+        token_time = token_seconds(tokens[r], model[_TOKEN_FLOPS], model[_TOKEN_TFLOPS])
         # forward: local first (overlapping the exchange), then remote; backward: remote, then local
         fwd = (local_f + remote_f) + (local_copy + remote_copy + other) \
             + max(comm - (local_f + local_copy), 0.0)
@@ -420,9 +403,9 @@ def cached_model(profile: str | None, num_heads: int, num_kv_heads: int, head_di
 
     ``gpus_per_node``: the topology (None: the profile's own).
     """
-    from flashcp.bench.profile import load_profile
+    from flashcp.costmodel.profile import load_profile
 
-    shape = ObjectiveShape(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, layers=layers)
+    shape = AttentionShape(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, layers=layers)
     return model_vector(load_profile(profile), shape, with_tokens=with_tokens, gpus_per_node=gpus_per_node)
 
 

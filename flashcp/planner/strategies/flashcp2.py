@@ -1,7 +1,7 @@
 """Numba kernels of ``flashcp2``: a portfolio of candidate plans and a local search under the step-time
 objective.
 
-Rules in flashcp/planner/strategies.py; ``tests/naive.py`` holds the plain-Python reference of the search.
+Rules in flashcp.planner.strategies; ``tests/naive.py`` holds the plain-Python reference of the search.
 """
 
 from __future__ import annotations
@@ -9,13 +9,16 @@ from __future__ import annotations
 import numpy as np
 
 from flashcp._numba import njit
-from flashcp.planner._batch import slack_tokens
-from flashcp.planner._bounded import flashcp_bounded, flashcp_plus_bounded
-from flashcp.planner._kernels import _finish, _quotas, llama3_within
-from flashcp.planner._peers import magi_within
-from flashcp.planner._topology import relabel_kernel, traffic_matrix
-from flashcp.planner.cost import _exact_need_received, _order_of, _rank_workloads, workload
-from flashcp.planner.objective import _NODE, one_shard_seconds, shard_seconds, step_seconds_of
+from flashcp.costmodel.comm import _exact_need_received
+from flashcp.costmodel.objective import _NODE, one_shard_seconds, shard_seconds, step_seconds_of
+from flashcp.costmodel.sort import _order_of
+from flashcp.costmodel.workload import _quotas, _rank_workloads, slack_tokens, workload
+from flashcp.planner.strategies.baselines import llama3_within
+from flashcp.planner.strategies.flashcp import flashcp_bounded
+from flashcp.planner.strategies.flashcp_plus import flashcp_plus_bounded
+from flashcp.planner.strategies.peers import magi_within
+from flashcp.planner.strategies.pieces import _finish
+from flashcp.planner.strategies.topology import relabel_kernel, traffic_matrix
 
 __all__ = ["affinity_kernel", "flashcp2_kernel", "local_search", "slack_tokens"]
 
@@ -90,7 +93,8 @@ def _shift(left, right, delta, start, length):
 @njit(cache=True)
 def _add_work(a, b, c, d, start, length, rank, work, sign):
     """Add (``sign`` 1) or take away (-1) the workloads of the distinct shards among ``a, b, c, d`` (-1: none)
-    to ``work`` (per rank), so a move updates the ranks' workloads without summing every shard."""
+    to ``work`` (per rank), so a move updates the ranks' workloads without summing every shard.
+    """
     touched = (a, b, c, d)
     for k in range(4):
         i = touched[k]
@@ -144,7 +148,8 @@ def local_search(doc, start, length, rank, cp, model, target, budget, window):
 @njit(cache=True)
 def _local_search_priced(doc, start, length, rank, cp, model, target, budget, window, sec_f, sec_b):
     """``local_search`` given every shard's kernel seconds (``shard_seconds``; updated in place): the
-    portfolio has them from pricing its best candidate."""
+    portfolio has them from pricing its best candidate.
+    """
     # every shard's kernel seconds, re-priced only for the shards a move touches
     work = _rank_workloads(start, length, rank, cp)
     best = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, -1)
@@ -255,7 +260,8 @@ def affinity_kernel(lens, cp, chunk, tolerance):
 @njit(cache=True)
 def _affinity_chunks(lens, chunk):
     """``affinity_kernel``'s chunks (document, start, length, workload), total workload and placing order:
-    the same for every tolerance, so the portfolio cuts them once per chunk size."""
+    the same for every tolerance, so the portfolio cuts them once per chunk size.
+    """
     num_docs = lens.shape[0]
     num_chunks = 0
     for d in range(num_docs):
@@ -285,7 +291,8 @@ def _affinity_chunks(lens, chunk):
 def _affinity_assign(lens, cp, chunks, tolerance, limit):
     """``affinity_kernel`` on cut ``chunks``; no shards (empty arrays) when the ranks' workloads miss
     imbalance ``limit``, known before the pieces are sorted and merged (a shard's workload is the sum of its
-    pieces', so the plan's imbalance is the one of ``load``)."""
+    pieces', so the plan's imbalance is the one of ``load``).
+    """
     cdoc, cstart, clen, cwork, total, order = chunks
     num_chunks = cdoc.shape[0]
     quotas = _quotas(lens.sum(), cp)
@@ -355,7 +362,8 @@ def _candidate(lens, cp, c, num, cut, limit, target):
     ``flashcp+`` at the ceiling ``target`` (empty when that is its own ``PLUS_TARGET`` or lower, as the
     first plan is that plan), ``num`` chunked assignments of ``AFFINITY``, ``magi`` at ``(C // N) // 8``,
     ``llama3``, then ``magi`` at each of ``PORTFOLIO_SPLITS``. ``cut``: ``_affinity_chunks`` at each of
-    ``SPLITS``. A candidate that misses imbalance ``limit`` comes back empty."""
+    ``SPLITS``. A candidate that misses imbalance ``limit`` comes back empty.
+    """
     if c == 0:
         return flashcp_bounded(lens, cp, 1.05, limit, MAX_ZIGZAG)
     if c == 1:
@@ -376,8 +384,9 @@ def _candidate(lens, cp, c, num, cut, limit, target):
 
 @njit(cache=True)
 def _on_nodes(lens, doc, start, length, rank, cp, per_node):
-    """The plan with its ranks placed on nodes (``_topology.relabel_kernel``), sorted again; the plan itself
-    without a topology (``per_node`` 0 or at least ``cp``)."""
+    """The plan with its ranks placed on nodes (``topology.relabel_kernel``), sorted again; the plan itself
+    without a topology (``per_node`` 0 or at least ``cp``).
+    """
     if per_node <= 0 or per_node >= cp or doc.shape[0] == 0:
         return doc, start, length, rank
     tokens = np.zeros(cp, np.int64)

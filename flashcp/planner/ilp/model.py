@@ -44,7 +44,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from ortools.sat.python import cp_model
 
-from flashcp.planner.blocks import (
+from flashcp.costmodel.comm import PlanMetrics
+from flashcp.costmodel.workload import token_quotas
+from flashcp.planner.ilp.blocks import (
     BlockGrid,
     block_grid,
     block_plan,
@@ -53,7 +55,6 @@ from flashcp.planner.blocks import (
     round_plan_to_blocks,
     sent_blocks,
 )
-from flashcp.planner.cost import PlanMetrics, token_quotas
 from flashcp.planner.plan import SequencePlan
 
 __all__ = [

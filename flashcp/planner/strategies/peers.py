@@ -1,4 +1,4 @@
-"""Numba kernels of the peer strategies ``magi`` and ``ptrr`` (rules in flashcp/planner/strategies.py).
+"""Numba kernels of the peer strategies ``magi`` and ``ptrr`` (rules in flashcp.planner.strategies).
 
 Both cut the packed sequence into equal chunks of ``chunk`` tokens (the last one shorter), give every chunk
 a rank, and emit the chunk's pieces cut at document bounds. ``tests/naive.py`` holds plain-Python references
@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from flashcp._numba import njit
-from flashcp.planner._kernels import _doc_offsets, _finish, _finish_within, _quotas
-from flashcp.planner._sort import last_at_or_before
-from flashcp.planner.cost import _order_of, workload
+from flashcp.costmodel.sort import _order_of, last_at_or_before
+from flashcp.costmodel.workload import _doc_offsets, _quotas, workload
+from flashcp.planner.strategies.pieces import _finish, _finish_within
 
 
 @njit(cache=True)

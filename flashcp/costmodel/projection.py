@@ -1,10 +1,10 @@
 """Projected latency of one attention layer's forward + backward under a sharding plan (per rank, then step).
 
 The model (every number from a ``HardwareProfile``; every formula for work and volume from
-``flashcp.planner.cost``):
+``flashcp.costmodel``):
 
 - Attention: each shard is one sequence of a varlen kernel and computes whole query tiles, so its work is
-  ``W = cost.workload(start, Q)`` with its query count rounded up to the tile (``Q``); forward FLOPs
+  ``W = workload(start, Q)`` with its query count rounded up to the tile (``Q``); forward FLOPs
   ``4 * W * H * D``, backward 2.5x that. It runs at the profile's throughput for the *equivalent length*
   ``sqrt(2 * W)`` (a causal sequence of that length has the same work, and the curve was measured on such
   sequences). A kernel that does not skip the masked triangle (profile ``causal_skip`` 0, the CPU
@@ -14,16 +14,16 @@ The model (every number from a ``HardwareProfile``; every formula for work and v
   shards (whole key prefix on the rank) and one over its *remote* shards; each call adds
   ``kernel_overhead_us`` and each shard ``sequence_overhead_us`` (0 for FlashAttention on a GPU; the CPU
   reference kernels loop over shards).
-- Communication: K/V bytes per token from ``cost.kv_bytes_per_token``. A collective takes
+- Communication: K/V bytes per token from ``kv_bytes_per_token``. A collective takes
   ``busiest rank's tokens * bytes / link_gbps + collective_latency_us``: ``(N-1) * max quota`` tokens for
   ``full``, ``(N-1) * max contribution`` for ``allgather``, ``max(sent, received)`` of the busiest rank for
   ``a2a``; the backward moves as many rows: the reversed all-to-all in the K/V dtype, the reduce-scatter
-  (``allgather``, ``full``) in float32 (``cost.grad_bytes_per_token``: it sums inside the collective).
-  ``auto`` resolves with the runtime's own rule (``cost.auto_comm_a2a``, ``CPAttnMeta.auto_comm``).
+  (``allgather``, ``full``) in float32 (``grad_bytes_per_token``: it sums inside the collective).
+  ``auto`` resolves with the runtime's own rule (``auto_comm_a2a``, ``CPAttnMeta.auto_comm``).
   With a topology (``gpus_per_node``: rank r on node ``r // gpus_per_node``; the profile's by default),
   rows inside a node move over ``link_gbps`` and rows between nodes over ``inter_node_gbps`` at once:
-  ``objective.exchange_seconds`` of the busiest rank's rows on each link (``cost.node_busiest``,
-  ``cost.allgather_node_rows``); the ring's block transfer then crosses nodes.
+  ``objective.exchange_seconds`` of the busiest rank's rows on each link (``node_busiest``,
+  ``allgather_node_rows``); the ring's block transfer then crosses nodes.
 - Other: the runtime's copies (query and key/value gathers, the send buffer, the concatenation with the
   receive buffer, the output merge), each read and written once at ``hbm_gbps``; the backward's scatters
   are taken to cost the same as the forward's gathers.
@@ -31,7 +31,7 @@ The model (every number from a ``HardwareProfile``; every formula for work and v
   shards while the exchange is in flight), forward ``max(comm, local) + remote`` and backward
   ``remote + max(comm, local)``. Collectives synchronise ranks, so each pass takes its slowest rank's time.
 - Ring (``comm == "ring"``): ``N`` steps per pass, each as slow as its slowest rank's kernel on the visiting
-  block or the block's transfer, whichever is longer (``cost.ring_step_work``); steps after the first merge
+  block or the block's transfer, whichever is longer (``ring_step_work``); steps after the first merge
   partial outputs in float32; the backward moves K/V and dK/dV blocks (twice the bytes).
 
 Per-rank times can instead be measured (``RankWork`` from ``flashcp.bench.measure``); communication is
@@ -40,49 +40,32 @@ then still projected. All results are *projected* unless a ``RankWork`` came fro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from flashcp.bench.profile import HardwareProfile
-from flashcp.planner import cost
-from flashcp.planner.objective import exchange_seconds, pair_seconds
-from flashcp.planner.plan import SequencePlan
+from flashcp.costmodel.comm import (
+    allgather_contributions,
+    allgather_node_rows,
+    allgather_wire,
+    auto_comm_a2a,
+    busiest_rows,
+    exact_need_node_volumes,
+    grad_bytes_per_token,
+    node_busiest,
+    ring_comm_tokens,
+    ring_step_work,
+)
+from flashcp.costmodel.objective import exchange_seconds, pair_seconds, token_seconds
+from flashcp.costmodel.profile import HardwareProfile
+from flashcp.costmodel.shape import AttentionShape
+from flashcp.costmodel.workload import PlanArrays, rank_tokens, workload
 
-__all__ = ["ModelShape", "RankWork", "StepLatency", "comm_volumes", "local_only_mask", "project_step",
+__all__ = ["AttentionShape", "RankWork", "StepLatency", "comm_volumes", "local_only_mask", "project_step",
            "rank_work", "resolve_comm", "shard_seconds"]
 
+
 COMM_CHOICES = ("full", "allgather", "a2a", "auto", "ring")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ModelShape:
-    """Attention shape of one layer."""
-
-    num_heads: int
-    """H: query heads."""
-    num_kv_heads: int
-    """K/V heads (H for multi-head attention, as in the paper's Eq. 4-5)."""
-    head_dim: int
-    """D."""
-    dtype_bytes: int = 2
-    """Bytes per element (2 for bf16)."""
-
-    def __post_init__(self):
-        if min(self.num_heads, self.num_kv_heads, self.head_dim, self.dtype_bytes) < 1 or \
-                self.num_heads % self.num_kv_heads:
-            raise ValueError(f"bad attention shape: H={self.num_heads}, H_kv={self.num_kv_heads}, "
-                             f"D={self.head_dim}, {self.dtype_bytes} bytes per element")
-
-    @property
-    def kv_row_bytes(self) -> int:
-        """Bytes of K and V for one token (``cost.kv_bytes_per_token``)."""
-        return cost.kv_bytes_per_token(self.num_kv_heads, self.head_dim, self.dtype_bytes)
-
-    @property
-    def q_row_bytes(self) -> int:
-        """Bytes of one token's queries (or output)."""
-        return self.num_heads * self.head_dim * self.dtype_bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -144,11 +127,11 @@ class StepLatency:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
-def _arrays(plan: SequencePlan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _arrays(plan: PlanArrays) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     return plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank
 
 
-def local_only_mask(plan: SequencePlan) -> np.ndarray:
+def local_only_mask(plan: PlanArrays) -> np.ndarray:
     """Shards whose whole key prefix ``[0, end)`` lies on their own rank. Shape (num_shards,), bool.
 
     Matches ``CPAttnMeta.shard_local_only``: a document's prefix is all on rank r up to the start of its
@@ -167,13 +150,13 @@ def local_only_mask(plan: SequencePlan) -> np.ndarray:
     return (plan.shard_rank == first_rank[plan.shard_doc]) & (end <= switch[plan.shard_doc])
 
 
-def shard_seconds(shard_start, shard_len, shape: ModelShape, profile: HardwareProfile,
+def shard_seconds(shard_start, shard_len, shape: AttentionShape, profile: HardwareProfile,
                   backward: bool = False) -> np.ndarray:
     """Projected kernel time of each shard (no call overhead), seconds. Shape (num_shards,), float64."""
     shard_start = np.asarray(shard_start, dtype=np.int64)
     padded = profile.padded_rows(shard_len)
     if profile.causal_skip:
-        pairs = cost.workload(shard_start, padded.astype(np.int64)).astype(np.float64)
+        pairs = workload(shard_start, padded.astype(np.int64)).astype(np.float64)
         eq_len = np.sqrt(2.0 * pairs)
     else:
         pairs = padded * (shard_start + padded)
@@ -181,7 +164,7 @@ def shard_seconds(shard_start, shard_len, shape: ModelShape, profile: HardwarePr
     return _pair_seconds(pairs, eq_len, shape, profile, backward) + profile.sequence_overhead_us * 1e-6
 
 
-def _pair_seconds(pairs, eq_len, shape: ModelShape, profile: HardwareProfile, backward: bool) -> np.ndarray:
+def _pair_seconds(pairs, eq_len, shape: AttentionShape, profile: HardwareProfile, backward: bool) -> np.ndarray:
     """Kernel time of sequences computing ``pairs`` query-key pairs each, at equivalent length ``eq_len``."""
     pairs = np.asarray(pairs, dtype=np.float64)
     eq_len = np.broadcast_to(np.asarray(eq_len, dtype=np.float64), pairs.shape)
@@ -192,7 +175,7 @@ def _pair_seconds(pairs, eq_len, shape: ModelShape, profile: HardwareProfile, ba
     return seconds.reshape(pairs.shape)
 
 
-def comm_volumes(plan: SequencePlan, gpus_per_node: int = 0) -> dict[str, dict[str, np.ndarray]]:
+def comm_volumes(plan: PlanArrays, gpus_per_node: int = 0) -> dict[str, dict[str, np.ndarray]]:
     """Per comm mode, the rows each rank sends and receives in its forward collective (``send``, ``recv``).
 
     Each is (cp,) int64; all-gather rows include the padding to the largest slot, as the runtime sends them.
@@ -200,17 +183,17 @@ def comm_volumes(plan: SequencePlan, gpus_per_node: int = 0) -> dict[str, dict[s
     per node, 0: one node), which set the collective's time.
     """
     cp = plan.cp
-    tokens = cost.rank_tokens(plan.shard_len, plan.shard_rank, cp)
-    slot = int(cost.allgather_contributions(*_arrays(plan), cp).max())
+    tokens = rank_tokens(plan.shard_len, plan.shard_rank, cp)
+    slot = int(allgather_contributions(*_arrays(plan), cp).max())
     quota = int(tokens.max())
 
     def gathered(rows):
-        near, far = cost.allgather_node_rows(rows, cp, gpus_per_node)
+        near, far = allgather_node_rows(rows, cp, gpus_per_node)
         return {"send": np.full(cp, rows), "recv": np.full(cp, cp * rows),
-                "wire": np.full(cp, (cp - 1) * rows), "near": int(near), "far": int(far)}
+                "wire": np.full(cp, allgather_wire(rows, cp)), "near": int(near), "far": int(far)}
 
-    need = cost.exact_need_node_volumes(*_arrays(plan), cp, gpus_per_node)
-    near, far = cost.node_busiest(need["sent"], need["received"], need["sent_far"], need["received_far"])
+    need = exact_need_node_volumes(*_arrays(plan), cp, gpus_per_node)
+    near, far = node_busiest(need["sent"], need["received"], need["sent_far"], need["received_far"])
     return {"full": gathered(quota), "allgather": gathered(slot),
             "a2a": {"send": need["sent"], "recv": need["received"], "recv_far": need["received_far"],
                     "near": int(near), "far": int(far)}}
@@ -219,39 +202,39 @@ def comm_volumes(plan: SequencePlan, gpus_per_node: int = 0) -> dict[str, dict[s
 def resolve_comm(comm: str, volumes: dict, dtype_bytes: int = 2) -> str:
     """``auto`` -> ``a2a`` if its busiest rank moves fewer bytes than an all-gather rank, else ``allgather``.
 
-    Bytes are forward K/V plus backward dK/dV, float32 in the reduce-scatter (``cost.auto_comm_a2a``): the
+    Bytes are forward K/V plus backward dK/dV, float32 in the reduce-scatter (``auto_comm_a2a``): the
     runtime's rule (``CPAttnMeta.auto_comm``), applied to ``comm_volumes``.
     """
     if comm != "auto":
         return comm
     a2a = volumes["a2a"]
-    busiest = int(np.maximum(a2a["send"], a2a["recv"]).max())
+    busiest = int(busiest_rows(a2a["send"], a2a["recv"]))
     cp = len(a2a["send"])
     slot = int(volumes["allgather"]["send"].max())
-    return "a2a" if cost.auto_comm_a2a(busiest, slot, cp, dtype_bytes) else "allgather"
+    return "a2a" if auto_comm_a2a(busiest, slot, cp, dtype_bytes) else "allgather"
 
 
-def _row_bytes(mode: str, shape: ModelShape, backward: bool) -> int:
+def _row_bytes(mode: str, shape: AttentionShape, backward: bool) -> int:
     """Bytes of one row on the wire: K/V forward; dK/dV backward, in float32 for a reduce-scatter."""
     if backward and mode != "a2a":
-        return cost.grad_bytes_per_token(shape.num_kv_heads, shape.head_dim, shape.dtype_bytes)
+        return grad_bytes_per_token(shape.num_kv_heads, shape.head_dim, shape.dtype_bytes)
     return shape.kv_row_bytes
 
 
-def _collective_seconds(mode: str, volumes: dict, shape: ModelShape, profile: HardwareProfile,
+def _collective_seconds(mode: str, volumes: dict, shape: AttentionShape, profile: HardwareProfile,
                         backward: bool = False) -> float:
     vol = volumes[mode]
     return exchange_seconds(vol["near"], vol["far"], float(_row_bytes(mode, shape, backward)), profile.link_gbps,
                             profile.inter_node_gbps, profile.collective_latency_us)
 
 
-def _wire_bytes(mode: str, volumes: dict, shape: ModelShape) -> int:
+def _wire_bytes(mode: str, volumes: dict, shape: AttentionShape) -> int:
     vol = volumes[mode]
     tokens = int(vol["wire"].max()) if mode != "a2a" else int(vol["send"].max())
     return tokens * (_row_bytes(mode, shape, False) + _row_bytes(mode, shape, True))  # K/V + dK/dV
 
 
-def rank_work(plan: SequencePlan, shape: ModelShape, profile: HardwareProfile, mode: str,
+def rank_work(plan: PlanArrays, shape: AttentionShape, profile: HardwareProfile, mode: str,
               volumes: dict | None = None) -> RankWork:
     """Projected per-rank work of ``plan`` when K/V moves with ``mode`` (``full``, ``allgather``, ``a2a``)."""
     cp = plan.cp
@@ -260,7 +243,7 @@ def rank_work(plan: SequencePlan, shape: ModelShape, profile: HardwareProfile, m
     overhead = profile.kernel_overhead_us * 1e-6
     hbm = profile.hbm_gbps * 1e9
     keys = (plan.shard_start + plan.shard_len).astype(np.float64)
-    tokens = cost.rank_tokens(plan.shard_len, plan.shard_rank, cp).astype(np.float64)
+    tokens = rank_tokens(plan.shard_len, plan.shard_rank, cp).astype(np.float64)
     parts, copies, calls = {}, {}, np.zeros(cp, np.int64)
     for name, mask in (("local", local), ("remote", ~local)):
         ranks = plan.shard_rank[mask]
@@ -295,20 +278,25 @@ def _pass(comm: float, first_kernel, first_copy, second_kernel, second_copy, oth
     return attention + copies + exposed, attention, copies, exposed
 
 
-def project_step(plan: SequencePlan, shape: ModelShape, profile: HardwareProfile, comm: str, overlap: bool,
-                 work: RankWork | None = None, gpus_per_node: int | None = None) -> StepLatency:
+def project_step(plan: PlanArrays, shape: AttentionShape, profile: HardwareProfile, comm: str, overlap: bool,
+                 work: RankWork | None = None, gpus_per_node: int | None = None,
+                 token_layers: bool = False) -> StepLatency:
     """Latency of one layer's attention forward + backward under ``plan``, exchanging K/V with ``comm``.
 
     ``comm`` is ``full``, ``allgather``, ``a2a``, ``auto`` or ``ring``; ``overlap`` computes local shards
     while the exchange is in flight (ignored for ``ring``, which always overlaps step by step). ``work``
     replaces the projected per-rank compute (e.g. with measured kernel times). ``gpus_per_node``: ranks per
-    node (0: one node; None: the profile's).
+    node (0: one node; None: the profile's). ``token_layers`` adds every rank's per-token layers to its
+    passes (``objective.token_seconds``: a third forward, two thirds backward), which plans with token slack
+    make unequal; ``total`` then holds them too, beside attention, exposed comm and copies.
     """
     if comm not in COMM_CHOICES:
         raise ValueError(f"unknown comm mode '{comm}' (choose from {', '.join(COMM_CHOICES)})")
     per_node = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
+    layers = _token_layer_seconds(plan, shape, profile) if token_layers else np.zeros(plan.cp)
     if comm == "ring":
-        return _project_ring(plan, shape, profile, per_node)
+        ring = _project_ring(plan, shape, profile, per_node)
+        return replace(ring, total=ring.total + float(layers.max())) if token_layers else ring
     volumes = comm_volumes(plan, per_node)
     mode = resolve_comm(comm, volumes, shape.dtype_bytes)
     work = rank_work(plan, shape, profile, mode, volumes) if work is None else work
@@ -318,6 +306,7 @@ def project_step(plan: SequencePlan, shape: ModelShape, profile: HardwareProfile
                                               work.remote_copy, work.other_copy, overlap, local_first=True)
     bwd, bwd_attn, bwd_copy, bwd_comm = _pass(seconds_bwd, work.remote_bwd, work.remote_copy, work.local_bwd,
                                               work.local_copy, work.other_copy, overlap, local_first=False)
+    fwd, bwd = fwd + layers / 3.0, bwd + 2.0 * layers / 3.0
     f, b = int(np.argmax(fwd)), int(np.argmax(bwd))
     return StepLatency(total=float(fwd[f] + bwd[b]), attn_fwd=float(fwd_attn[f]), attn_bwd=float(bwd_attn[b]),
                        comm=float(fwd_comm[f] + bwd_comm[b]), other=float(fwd_copy[f] + bwd_copy[b]),
@@ -326,11 +315,17 @@ def project_step(plan: SequencePlan, shape: ModelShape, profile: HardwareProfile
                        kernels=int(work.kernels.max()), measured=work.measured)
 
 
-def _project_ring(plan: SequencePlan, shape: ModelShape, profile: HardwareProfile,
+def _token_layer_seconds(plan: PlanArrays, shape: AttentionShape, profile: HardwareProfile) -> np.ndarray:
+    """(cp,) seconds of every rank's per-token layers, one layer, forward + backward."""
+    tokens = rank_tokens(plan.shard_len, plan.shard_rank, plan.cp).astype(np.float64)
+    return token_seconds(tokens, shape.token_flops(), profile.peak_tflops)
+
+
+def _project_ring(plan: PlanArrays, shape: AttentionShape, profile: HardwareProfile,
                   gpus_per_node: int = 0) -> StepLatency:
     cp = plan.cp
-    steps = cost.ring_step_work(*_arrays(plan), cp)
-    tokens = cost.rank_tokens(plan.shard_len, plan.shard_rank, cp)
+    steps = ring_step_work(*_arrays(plan), cp)
+    tokens = rank_tokens(plan.shard_len, plan.shard_rank, cp)
     sequences = np.maximum(steps.sequences, 1)
     pair_mean = steps.pairs / sequences
     row_mean = steps.query_tokens / sequences
@@ -361,7 +356,7 @@ def _project_ring(plan: SequencePlan, shape: ModelShape, profile: HardwareProfil
         attn.append(float(kernel[slowest, np.arange(cp)].sum()))
         copies.append(float(copy[slowest, np.arange(cp)].sum()))
     total = sum(totals)
-    sent, _ = cost.ring_comm_tokens(plan.shard_len, plan.shard_rank, cp)
+    sent, _ = ring_comm_tokens(plan.shard_len, plan.shard_rank, cp)
     wire = 3 * int(sent.max()) * shape.kv_row_bytes  # K/V forward, K/V + dK/dV backward
     return StepLatency(total=total, attn_fwd=attn[0], attn_bwd=attn[1],
                        comm=max(0.0, total - sum(attn) - sum(copies)), other=sum(copies), comm_mode="ring",

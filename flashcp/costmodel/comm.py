@@ -1,36 +1,7 @@
-"""The cost model: the single source of truth for workload, quotas, imbalance and communication volume.
+"""Communication volume of a plan (definitions in flashcp.costmodel).
 
-Every other part of flashcp (strategies, kernels, audit, bench, runtime checks) imports these definitions.
-A plan is described by four parallel integer arrays, one entry per shard:
-
-    shard_doc    document index inside the packed sequence
-    shard_start  first token of the shard inside its document (its prefix length)
-    shard_len    number of tokens (> 0)
-    shard_rank   CP rank that computes the shard
-
-Definitions (DESIGN.md section 2, paper section 3):
-
-- workload of a shard: ``(2*start + length + 1) * length / 2`` query-key pairs of causal attention;
-  always an integer.
-- equal-token quotas: every rank gets ``C // N`` tokens, the first ``C % N`` ranks one more.
-- imbalance ratio: ``max_rank W / mean_rank W``.
-- all-gather comm (paper Eq. 5, compacted): a rank contributes every shard of its that is not the last shard
-  of its document and whose document has shards on more than one rank; the critical path is the largest
-  contribution (an all-gather moves equal-sized buffers).
-- exact-need comm: rank r receives, per document, the tokens of ``[0, max end of r's shards)`` it does not
-  hold itself; the critical path is the largest receive.
-- comm saving: ``1 - critical path / (C / N)``, against the full-KV all-gather of Llama3 / Per-Doc CP.
-- exact-need saving: ``1 - max received / ((N - 1) * C / N)``, against the tokens every rank receives in
-  that full-KV all-gather (the all-gather saving above is the same ratio, as a rank receives N - 1 buffers).
-- K/V bytes per token for one layer and one pass: ``2 * H_kv * D * dtype_bytes``; backward moves dK/dV:
-  as much again over ``a2a`` (partials on the wire in the K/V dtype, summed in float32 at the owner), but
-  ``max(dtype_bytes, 4)`` bytes per element over the all-gather's reduce-scatter (``allgather``, ``full``),
-  which sums inside the collective in float32 (``grad_bytes_per_token``; ``runtime/comm.py``).
-- ``auto`` comm: ``a2a`` when its busiest rank moves fewer bytes, forward plus backward, than an
-  all-gather rank does (``auto_comm``).
-- ring comm (Ring-Attn baseline): every rank's whole K/V block travels around the ring in ``N - 1`` steps,
-  so rank r receives ``C - T_r`` tokens and sends ``C - T_{r+1}`` per pass, whatever the plan. Its attention
-  runs as one kernel call per step over the visiting block (``ring_step_work``).
+All-gather contributions, exact-need send and receive, wire rows, the busiest rank, bytes per K/V token, the
+``auto`` comm rule, rows inside and across nodes, the ring.
 """
 
 from __future__ import annotations
@@ -40,69 +11,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from flashcp._numba import njit
-from flashcp.planner._sort import first_at_or_after, sort_range
-
-__all__ = [
-    "PlanMetrics",
-    "RingStepWork",
-    "allgather_contributions",
-    "allgather_node_rows",
-    "allgather_shard_mask",
-    "auto_comm_a2a",
-    "batch_node_received",
-    "comm_saving",
-    "exact_need_node_volumes",
-    "exact_need_received",
-    "exact_need_saving",
-    "exact_need_sent",
-    "grad_bytes_per_token",
-    "imbalance_ratio",
-    "kv_bytes_per_token",
-    "node_busiest",
-    "node_receive_summary",
-    "plan_metrics",
-    "rank_tokens",
-    "rank_workloads",
-    "ring_comm_tokens",
-    "ring_held_before",
-    "ring_step_work",
-    "token_quotas",
-    "workload",
-]
-
-
-@njit(cache=True)
-def workload(start, length):
-    """Query-key pairs of causal attention for ``length`` queries after a prefix of ``start`` keys.
-
-    Works on integers and on integer arrays (elementwise); inside Numba kernels too.
-    """
-    return (2 * start + length + 1) * length // 2
-
-
-def token_quotas(context_len: int, cp: int) -> np.ndarray:
-    """Tokens each rank must hold: ``C // N``, the first ``C % N`` ranks one more. Shape (cp,), int64."""
-    if cp < 1:
-        raise ValueError(f"cp must be at least 1, got {cp}")
-    quotas = np.full(cp, context_len // cp, dtype=np.int64)
-    quotas[: context_len % cp] += 1
-    return quotas
-
-
-@njit(cache=True)
-def _rank_sums(values, shard_rank, cp):
-    out = np.zeros(cp, dtype=np.int64)
-    for i in range(shard_rank.shape[0]):
-        out[shard_rank[i]] += values[i]
-    return out
-
-
-@njit(cache=True)
-def _rank_workloads(shard_start, shard_len, shard_rank, cp):
-    out = np.zeros(cp, dtype=np.int64)
-    for i in range(shard_rank.shape[0]):
-        out[shard_rank[i]] += workload(shard_start[i], shard_len[i])
-    return out
+from flashcp.costmodel.sort import _order_of
+from flashcp.costmodel.workload import (
+    _as_int64,
+    imbalance_ratio,
+    rank_tokens,
+    rank_workloads,
+)
 
 
 @njit(cache=True)
@@ -135,39 +50,6 @@ def _allgather_contributions(shard_doc, shard_start, shard_rank, shard_len, cp):
         if mask[i]:
             out[shard_rank[i]] += shard_len[i]
     return out
-
-
-@njit(cache=True)
-def _order_of(key):
-    """``np.argsort(key, kind="mergesort")`` of int64 keys (stable: equal keys by index).
-
-    Sorts ``key << bits | index`` values, which is faster than sorting indices. Keys that are negative or too
-    large for that are first replaced by their rank among the sorted keys (equal keys, equal rank).
-    """
-    n = key.shape[0]
-    bits = 1
-    while (1 << bits) < n:
-        bits += 1
-    top = 0
-    low = 0
-    for i in range(n):
-        top = max(top, key[i])
-        low = min(low, key[i])
-    if low < 0 or top >= (1 << (62 - bits)):
-        ranks = key.copy()
-        sort_range(ranks, 0, n)
-        dense = np.empty(n, np.int64)
-        for i in range(n):
-            dense[i] = first_at_or_after(ranks, key[i])
-        key = dense
-    packed = np.empty(n, np.int64)
-    for i in range(n):
-        packed[i] = (key[i] << bits) | i
-    sort_range(packed, 0, n)
-    mask = (1 << bits) - 1
-    for i in range(n):
-        packed[i] &= mask
-    return packed
 
 
 @njit(cache=True)
@@ -214,29 +96,6 @@ def _exact_need_sent(shard_doc, shard_start, shard_len, shard_rank, cp):
             if r != b:
                 out[b] += min(shard_len[i], max(0, max_end[d, r] - shard_start[i]))
     return out
-
-
-def _as_int64(*arrays):
-    return tuple(np.ascontiguousarray(a, dtype=np.int64) for a in arrays)
-
-
-def rank_tokens(shard_len, shard_rank, cp: int) -> np.ndarray:
-    """Tokens held by each rank. Shape (cp,), int64."""
-    shard_len, shard_rank = _as_int64(shard_len, shard_rank)
-    return _rank_sums(shard_len, shard_rank, cp)
-
-
-def rank_workloads(shard_start, shard_len, shard_rank, cp: int) -> np.ndarray:
-    """Attention workload (query-key pairs) of each rank. Shape (cp,), int64."""
-    shard_start, shard_len, shard_rank = _as_int64(shard_start, shard_len, shard_rank)
-    return _rank_workloads(shard_start, shard_len, shard_rank, cp)
-
-
-def imbalance_ratio(workloads) -> float:
-    """``max / mean`` of per-rank workloads; 1.0 for an all-zero vector."""
-    workloads = np.asarray(workloads, dtype=np.float64)
-    mean = workloads.mean()
-    return float(workloads.max() / mean) if mean > 0 else 1.0
 
 
 def allgather_contributions(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> np.ndarray:
@@ -294,12 +153,14 @@ def exact_need_saving(received_tokens: float, context_len: int, cp: int) -> floa
     return 1.0 - received_tokens / ((cp - 1) * context_len / cp)
 
 
-def kv_bytes_per_token(num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+@njit(cache=True)
+def kv_bytes_per_token(num_kv_heads, head_dim, dtype_bytes):
     """Bytes of K and V for one token, one layer, one pass: ``2 * H_kv * D * dtype_bytes``."""
     return 2 * num_kv_heads * head_dim * dtype_bytes
 
 
-def grad_bytes_per_token(num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+@njit(cache=True)
+def grad_bytes_per_token(num_kv_heads, head_dim, dtype_bytes):
     """Bytes of dK and dV for one token in the all-gather's backward reduce-scatter.
 
     It sums inside the collective in float32 (or the K/V dtype when wider): ``2 * H_kv * D * max(dtype_bytes,
@@ -317,8 +178,26 @@ def auto_comm_a2a(a2a_busiest, ag_slot, cp, dtype_bytes):
     (``grad_bytes_per_token``); ``a2a`` moves its rows in the K/V dtype both ways.
     """
     a2a_bytes = 2 * a2a_busiest * dtype_bytes
-    ag_bytes = (cp - 1) * ag_slot * (dtype_bytes + max(dtype_bytes, 4))
+    ag_bytes = allgather_wire(ag_slot, cp) * (dtype_bytes + max(dtype_bytes, 4))
     return a2a_bytes < ag_bytes
+
+
+@njit(cache=True)
+def allgather_wire(slot, cp):
+    """Rows one rank receives in an all-gather of ``slot`` rows per rank: ``(cp - 1) * slot``."""
+    return (cp - 1) * slot
+
+
+@njit(cache=True)
+def busiest_rows(sent, received):
+    """Rows the busiest rank of an all-to-all moves: the largest of every rank's ``max(sent, received)``.
+
+    ``sent``, ``received`` (cp,): every rank's rows (the links are full duplex, so the larger side counts).
+    """
+    most = 0
+    for r in range(sent.shape[0]):
+        most = max(most, sent[r], received[r])
+    return most
 
 
 @njit(cache=True)
@@ -348,7 +227,7 @@ def allgather_node_rows(slot, cp, gpus_per_node):
     ``gpus_per_node`` 0 (or at least ``cp``): one node, ``((cp - 1) * slot, 0)``.
     """
     if gpus_per_node <= 0 or gpus_per_node >= cp:
-        return (cp - 1) * slot, 0
+        return allgather_wire(slot, cp), 0
     near = 0
     far = 0
     for first in range(0, cp, gpus_per_node):

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashcp.planner.cost import rank_workloads
-from flashcp.planner.objective import step_seconds
+from flashcp.costmodel.objective import step_seconds
+from flashcp.costmodel.workload import rank_workloads
 from flashcp.planner.plan import SequencePlan
 
 __all__ = ["DEFAULT_ILP_SECONDS", "parse_effort", "polish_plan"]
@@ -48,7 +48,7 @@ def parse_effort(value) -> tuple[int, float | None]:
 
 def polish_plan(doc_lens, plan: SequencePlan, model: np.ndarray, seconds: float, seed: int = 0) -> SequencePlan:
     """The faster of ``plan`` and CP-SAT's plan warm-started from it (see the module docstring)."""
-    from flashcp.planner.ilp import IlpOptions, solve_sequence
+    from flashcp.planner.ilp.model import IlpOptions, solve_sequence
 
     cap = int(rank_workloads(plan.shard_start, plan.shard_len, plan.shard_rank, plan.cp).max())
     options = IlpOptions(granularity=1024, hint_cuts=True, time_limit_s=seconds, num_workers=1, seed=seed)

@@ -5,7 +5,7 @@ same workloads, tokens and exact-need volumes, only a different node for each ra
 topology (``gpus_per_node`` ranks per node, rank r on node ``r // gpus_per_node``), ``relabel_kernel`` swaps
 ranks between nodes so that less exact-need traffic crosses them: first the largest cross-node rows of one
 rank (sent or received, what the slow link's time follows), then the total crossing. Rules in
-flashcp/planner/strategies.py; reference in ``tests/naive.py``.
+flashcp.planner.strategies; reference in ``tests/naive.py``.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def _far_rows(traffic, node, cp):
 @njit(cache=True)
 def _swap_rows(traffic, node, a, b, far_sent, far_received, cp):
     """Add to ``far_sent``/``far_received`` what swapping the nodes of ranks a and b changes; returns the
-    change of the total. Only pairs of a or b with the ranks of their two nodes change side."""
+    change of the total. Only pairs of a or b with the ranks of their two nodes change side.
+    """
     change = 0
     for x in range(cp):
         if x == a or x == b:

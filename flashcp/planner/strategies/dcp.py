@@ -28,7 +28,7 @@ import functools
 
 import numpy as np
 
-from flashcp.planner.cost import token_quotas, workload
+from flashcp.costmodel.workload import token_quotas, workload
 
 __all__ = ["DCP_EPSILON", "MISSING", "dcp_available", "dcp_plan", "dcp_rows"]
 
@@ -155,7 +155,7 @@ def dcp_plan(lens, cp: int, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 
 def dcp_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, params: dict):
-    """``_batch.plan_batch``'s result for ``dcp``: every row planned by :func:`dcp_plan`."""
+    """``batch.plan_batch``'s result for ``dcp``: every row planned by :func:`dcp_plan`."""
     chunk = int(params.get("chunk_size", 1024))
     parts = [dcp_plan(doc_lens[row_offsets[i]:row_offsets[i + 1]], cp, chunk) for i in range(row_offsets.size - 1)]
     offsets = np.zeros(len(parts) + 1, np.int64)

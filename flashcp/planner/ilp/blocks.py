@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashcp.planner.cost import workload
+from flashcp.costmodel.workload import workload
 from flashcp.planner.plan import SequencePlan
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Hardware profiles: the numbers the latency projection runs on, read from a JSON file that cites each one.
 
-A profile file (``flashcp/bench/profiles/h100-sxm-nvlink.json`` is the default) holds, each with a
+A profile file (``flashcp/costmodel/profiles/h100-sxm-nvlink.json`` is the default) holds, each with a
 ``source`` sentence:
 
 - ``peak_tflops``: dense BF16 tensor-core peak (caps the attention curve);
@@ -35,16 +35,17 @@ from pathlib import Path
 import numpy as np
 
 from flashcp.errors import FlashcpError
-from flashcp.outputs import OutputKind, write_json_output
 
-__all__ = ["DEFAULT_PROFILE", "PROFILE_OUTPUT", "HardwareProfile", "load_profile", "save_profile"]
+__all__ = ["DEFAULT_PROFILE", "HardwareProfile", "load_profile"]
 
 DEFAULT_PROFILE = "h100-sxm-nvlink.json"
-"""File name of the default profile inside ``flashcp/bench/profiles``."""
+"""File name of the default profile inside ``flashcp/costmodel/profiles``."""
 
 PROFILE_FORMAT = "flashcp-hardware-profile"
 SCALARS = ("peak_tflops", "query_tile", "link_gbps", "hbm_gbps", "kernel_overhead_us",
            "collective_latency_us")
+
+
 OPTIONAL = {"sequence_overhead_us": 0.0, "causal_skip": 1.0, "inter_node_gbps": 0.0, "gpus_per_node": 0.0}
 """Parameters a profile file may leave out, with their defaults."""
 
@@ -116,7 +117,7 @@ class HardwareProfile:
         Log-log interpolation between the curve's points; below the first point the first segment's power
         law continues, above the last point the last value holds; never above ``peak_tflops``.
         """
-        from flashcp.planner.objective import curve_tflops
+        from flashcp.costmodel.objective import curve_tflops
 
         knots, values = self.log_curve(backward)
         length = np.asarray(length, dtype=np.float64)
@@ -195,8 +196,8 @@ def _profile_from_json(obj, label: str) -> HardwareProfile:
 def load_profile(path: str | Path | None = None) -> HardwareProfile:
     """Read a profile file; ``None`` reads the default H100 NVLink profile. Bad files get one sentence."""
     if path is None:
-        resource = resources.files("flashcp.bench") / "profiles" / DEFAULT_PROFILE
-        text, label = resource.read_text(), f"flashcp/bench/profiles/{DEFAULT_PROFILE}"
+        resource = resources.files("flashcp.costmodel") / "profiles" / DEFAULT_PROFILE
+        text, label = resource.read_text(), f"flashcp/costmodel/profiles/{DEFAULT_PROFILE}"
     else:
         label = str(path)
         try:
@@ -208,20 +209,3 @@ def load_profile(path: str | Path | None = None) -> HardwareProfile:
     except json.JSONDecodeError as e:
         raise FlashcpError(f"hardware profile {label} is not valid JSON ({e})") from None
     return _profile_from_json(obj, label)
-
-
-def _is_profile(path: Path) -> bool:
-    try:
-        load_profile(path)
-    except FlashcpError:
-        return False
-    return True
-
-
-PROFILE_OUTPUT = OutputKind(what="a flashcp hardware profile", option="--profile-out", recognise=_is_profile)
-"""``flashcp bench --calibrate --profile-out FILE``: a file ``load_profile`` reads."""
-
-
-def save_profile(profile: HardwareProfile, path: str | Path) -> None:
-    """Write ``profile`` to ``path`` atomically, in the format ``load_profile`` reads (``flashcp.outputs`` rules)."""
-    write_json_output(path, PROFILE_OUTPUT, profile.to_json())

@@ -1,0 +1,128 @@
+"""Workload, equal-token quotas and imbalance: what a rank computes (definitions in flashcp.costmodel)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from flashcp._numba import njit
+
+
+class PlanArrays(Protocol):
+    """A plan as the cost model reads it: four parallel int64 arrays, one entry per shard, and the CP size.
+
+    ``flashcp.planner.plan.SequencePlan`` is one.
+    """
+
+    @property
+    def shard_doc(self) -> np.ndarray:
+        """(n,) document of each shard."""
+        ...
+
+    @property
+    def shard_start(self) -> np.ndarray:
+        """(n,) first token of each shard inside its document."""
+        ...
+
+    @property
+    def shard_len(self) -> np.ndarray:
+        """(n,) tokens of each shard."""
+        ...
+
+    @property
+    def shard_rank(self) -> np.ndarray:
+        """(n,) rank of each shard."""
+        ...
+
+    @property
+    def cp(self) -> int:
+        """CP size."""
+        ...
+
+
+@njit(cache=True)
+def workload(start, length):
+    """Query-key pairs of causal attention for ``length`` queries after a prefix of ``start`` keys.
+
+    Works on integers and on integer arrays (elementwise); inside Numba kernels too.
+    """
+    return (2 * start + length + 1) * length // 2
+
+
+def token_quotas(context_len: int, cp: int) -> np.ndarray:
+    """Tokens each rank must hold: ``C // N``, the first ``C % N`` ranks one more. Shape (cp,), int64."""
+    if cp < 1:
+        raise ValueError(f"cp must be at least 1, got {cp}")
+    quotas = np.full(cp, context_len // cp, dtype=np.int64)
+    quotas[: context_len % cp] += 1
+    return quotas
+
+
+@njit(cache=True)
+def _rank_sums(values, shard_rank, cp):
+    out = np.zeros(cp, dtype=np.int64)
+    for i in range(shard_rank.shape[0]):
+        out[shard_rank[i]] += values[i]
+    return out
+
+
+@njit(cache=True)
+def _rank_workloads(shard_start, shard_len, shard_rank, cp):
+    out = np.zeros(cp, dtype=np.int64)
+    for i in range(shard_rank.shape[0]):
+        out[shard_rank[i]] += workload(shard_start[i], shard_len[i])
+    return out
+
+
+def _as_int64(*arrays):
+    return tuple(np.ascontiguousarray(a, dtype=np.int64) for a in arrays)
+
+
+def rank_tokens(shard_len, shard_rank, cp: int) -> np.ndarray:
+    """Tokens held by each rank. Shape (cp,), int64."""
+    shard_len, shard_rank = _as_int64(shard_len, shard_rank)
+    return _rank_sums(shard_len, shard_rank, cp)
+
+
+def rank_workloads(shard_start, shard_len, shard_rank, cp: int) -> np.ndarray:
+    """Attention workload (query-key pairs) of each rank. Shape (cp,), int64."""
+    shard_start, shard_len, shard_rank = _as_int64(shard_start, shard_len, shard_rank)
+    return _rank_workloads(shard_start, shard_len, shard_rank, cp)
+
+
+def imbalance_ratio(workloads) -> float:
+    """``max / mean`` of per-rank workloads; 1.0 for an all-zero vector."""
+    workloads = np.asarray(workloads, dtype=np.float64)
+    mean = workloads.mean()
+    return float(workloads.max() / mean) if mean > 0 else 1.0
+
+
+@njit(cache=True)
+def _quotas(context_len, cp):
+    quotas = np.empty(cp, np.int64)
+    for r in range(cp):
+        quotas[r] = context_len // cp + (1 if r < context_len % cp else 0)
+    return quotas
+
+
+@njit(cache=True)
+def _ratio(max_work, total_work, cp):
+    """``max / mean`` as float64, the one way kernels and references compute it (1.0 when all is zero)."""
+    if total_work == 0:
+        return 1.0
+    return float(max_work) / (float(total_work) / float(cp))
+
+
+@njit(cache=True)
+def _doc_offsets(lens):
+    offsets = np.zeros(lens.shape[0] + 1, np.int64)
+    for i in range(lens.shape[0]):
+        offsets[i + 1] = offsets[i] + lens[i]
+    return offsets
+
+
+@njit(cache=True)
+def slack_tokens(share, context_len, cp):
+    """Tokens a rank may be off its quota under token slack ``share``: ``floor(share * C / N)``."""
+    return np.int64(np.floor(share * context_len / cp))
