@@ -19,6 +19,7 @@ from numba.extending import overload
 
 from flashcp._numba import njit
 from flashcp.planner.check import check_batch
+from flashcp.planner.strategies.pieces import new_pieces
 
 KERNEL_PARAMS = ("target", "chunk", "effort", "model", "slack")
 """What ``plan_batch`` passes on, in this order; a strategy's kernel takes ``(lens, cp)`` and the ones its
@@ -142,10 +143,7 @@ def _plan_batch(row_offsets, doc_lens, cp, strategy, target, chunk, effort, mode
     rows = row_offsets.shape[0] - 1
     shard_offsets = np.zeros(rows + 1, np.int64)
     capacity = 2 * doc_lens.shape[0] + 4 * cp * rows + 16
-    out_doc = np.empty(capacity, np.int64)
-    out_start = np.empty(capacity, np.int64)
-    out_len = np.empty(capacity, np.int64)
-    out_rank = np.empty(capacity, np.int64)
+    out_doc, out_start, out_len, out_rank = new_pieces(capacity)
     size = 0
     for row in range(rows):
         lens = np.ascontiguousarray(doc_lens[row_offsets[row]:row_offsets[row + 1]])

@@ -10,7 +10,7 @@ import numpy as np
 from flashcp._numba import njit
 from flashcp.costmodel.workload import _doc_offsets, _quotas
 from flashcp.planner.plan import SequencePlan
-from flashcp.planner.strategies.pieces import _emit_span, _finish, _finish_within, _zigzag_sizes
+from flashcp.planner.strategies.pieces import _emit_span, _finish, _finish_within, _zigzag_sizes, new_pieces
 
 __all__ = ["llama3_kernel", "llama3_within", "perdoc_kernel", "ring_kernel", "ring_plan"]
 
@@ -26,10 +26,7 @@ def llama3_within(lens, cp, limit):
     offsets = _doc_offsets(lens)
     quotas = _quotas(offsets[-1], cp)
     capacity = lens.shape[0] + 2 * cp + 1
-    pdoc = np.empty(capacity, np.int64)
-    pstart = np.empty(capacity, np.int64)
-    plen = np.empty(capacity, np.int64)
-    prank = np.empty(capacity, np.int64)
+    pdoc, pstart, plen, prank = new_pieces(capacity)
     count = 0
     doc = 0
     pos = 0
@@ -47,10 +44,7 @@ def ring_kernel(lens, cp):
     offsets = _doc_offsets(lens)
     quotas = _quotas(offsets[-1], cp)
     capacity = lens.shape[0] + cp + 1
-    pdoc = np.empty(capacity, np.int64)
-    pstart = np.empty(capacity, np.int64)
-    plen = np.empty(capacity, np.int64)
-    prank = np.empty(capacity, np.int64)
+    pdoc, pstart, plen, prank = new_pieces(capacity)
     count = 0
     doc = 0
     pos = 0
@@ -79,10 +73,7 @@ def perdoc_kernel(lens, cp):
             late_start[j, i] = start
             start += late[j, i]
     capacity = num_docs * 2 * cp
-    out_doc = np.empty(capacity, np.int64)
-    out_start = np.empty(capacity, np.int64)
-    out_len = np.empty(capacity, np.int64)
-    out_rank = np.empty(capacity, np.int64)
+    out_doc, out_start, out_len, out_rank = new_pieces(capacity)
     m = 0
     for i in range(cp):
         for j in range(num_docs):

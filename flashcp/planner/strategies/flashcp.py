@@ -20,6 +20,7 @@ from flashcp.planner.strategies.pieces import (
     _most_over,
     _zigzag_sizes,
     move_head,
+    new_pieces,
 )
 
 __all__ = ["flashcp_bounded", "flashcp_kernel", "flashcp_within"]
@@ -64,41 +65,14 @@ def _alg1_whole_doc(lens, cp, quotas, order, num_perdoc, work, tokens, pdoc, pst
 
 @njit(cache=True)
 def flashcp_kernel(lens, cp, target):
+    """Algorithm 1: Per-Doc for the k longest documents, the first k whose plan is within ``target``."""
     return flashcp_within(lens, cp, target, np.inf)
 
 
 @njit(cache=True)
 def flashcp_within(lens, cp, target, limit):
     """``flashcp_kernel``, no shards when it misses imbalance ``limit`` (``_finish_within``)."""
-    num_docs = lens.shape[0]
-    quotas = _quotas(lens.sum(), cp)
-    order = _descending_order(lens)
-    capacity = num_docs * (2 * cp + 1) + 4 * cp + 4
-    pdoc = np.empty(capacity, np.int64)
-    pstart = np.empty(capacity, np.int64)
-    plen = np.empty(capacity, np.int64)
-    prank = np.empty(capacity, np.int64)
-    early = np.empty((num_docs, cp), np.int64)
-    late = np.empty((num_docs, cp), np.int64)
-    for num_perdoc in range(num_docs + 1):
-        # Per-Doc sharding of the popped documents, dealt in document order
-        perdoc = order[:num_perdoc].copy()
-        sort_range(perdoc, 0, num_perdoc)
-        _zigzag_sizes(lens[perdoc], cp, early, late)
-        work = np.zeros(cp, np.int64)
-        tokens = np.zeros(cp, np.int64)
-        count = 0
-        for j in range(num_perdoc):
-            first = count
-            count = _emit_zigzag(perdoc[j], 0, early[j], late[j], cp, pdoc, pstart, plen, prank, count)
-            for i in range(first, count):
-                work[prank[i]] += workload(pstart[i], plen[i])
-                tokens[prank[i]] += plen[i]
-        count = _alg1_whole_doc(lens, cp, quotas, order, num_perdoc, work, tokens, pdoc, pstart, plen, prank,
-                                count)
-        if _ratio(work.max(), work.sum(), cp) <= target or num_perdoc == num_docs:
-            return _finish_within(pdoc, pstart, plen, prank, count, lens, cp, limit)
-    return _finish(pdoc, pstart, plen, prank, 0, lens)  # unreachable
+    return flashcp_bounded(lens, cp, target, limit, lens.shape[0])
 
 
 @njit(cache=True)
@@ -110,10 +84,7 @@ def flashcp_bounded(lens, cp, target, limit, max_zigzag):
     quotas = _quotas(lens.sum(), cp)
     order = _descending_order(lens)
     capacity = num_docs * (2 * cp + 1) + 4 * cp + 4
-    pdoc = np.empty(capacity, np.int64)
-    pstart = np.empty(capacity, np.int64)
-    plen = np.empty(capacity, np.int64)
-    prank = np.empty(capacity, np.int64)
+    pdoc, pstart, plen, prank = new_pieces(capacity)
     early = np.empty((num_docs, cp), np.int64)
     late = np.empty((num_docs, cp), np.int64)
     for num_perdoc in range(min(num_docs, max_zigzag) + 1):

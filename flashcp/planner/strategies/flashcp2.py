@@ -12,12 +12,12 @@ from flashcp._numba import njit
 from flashcp.costmodel.comm import _exact_need_received
 from flashcp.costmodel.objective import _NODE, one_shard_seconds, shard_seconds, step_seconds_of
 from flashcp.costmodel.sort import _order_of
-from flashcp.costmodel.workload import _quotas, _rank_workloads, slack_tokens, workload
+from flashcp.costmodel.workload import _doc_offsets, _quotas, _rank_workloads, slack_tokens, workload
 from flashcp.planner.strategies.baselines import llama3_within
 from flashcp.planner.strategies.flashcp import flashcp_bounded
 from flashcp.planner.strategies.flashcp_plus import flashcp_plus_bounded
-from flashcp.planner.strategies.peers import magi_within
-from flashcp.planner.strategies.pieces import _finish
+from flashcp.planner.strategies.peers import _place, magi_within
+from flashcp.planner.strategies.pieces import _finish, _lightest_under, new_pieces
 from flashcp.planner.strategies.topology import relabel_kernel, traffic_matrix
 
 __all__ = ["affinity_kernel", "flashcp2_kernel", "local_search", "slack_tokens"]
@@ -298,11 +298,9 @@ def _affinity_assign(lens, cp, chunks, tolerance, limit):
     quotas = _quotas(lens.sum(), cp)
     mean = total / cp
     owner = np.full(num_chunks, -1, np.int64)  # rank of each chunk, -1 until placed (or when split)
+    offsets = _doc_offsets(lens)
     capacity = 2 * num_chunks + 4 * cp + 4
-    pdoc = np.empty(capacity, np.int64)
-    pstart = np.empty(capacity, np.int64)
-    plen = np.empty(capacity, np.int64)
-    prank = np.empty(capacity, np.int64)
+    pdoc, pstart, plen, prank = new_pieces(capacity)
     load = np.zeros(cp, np.int64)
     tokens = np.zeros(cp, np.int64)
     count = 0
@@ -329,22 +327,9 @@ def _affinity_assign(lens, cp, chunks, tolerance, limit):
             tokens[best] += size
             owner[i] = best
             continue
-        pos = cstart[i]
-        end = pos + size
-        while pos < end:
-            best = -1
-            for r in range(cp):
-                if tokens[r] < quotas[r] and (best < 0 or load[r] < load[best]):
-                    best = r
-            take = min(end - pos, quotas[best] - tokens[best])
-            pdoc[count] = cdoc[i]
-            pstart[count] = pos
-            plen[count] = take
-            prank[count] = best
-            count += 1
-            load[best] += workload(pos, take)
-            tokens[best] += take
-            pos += take
+        pos = offsets[cdoc[i]] + cstart[i]  # no rank has room for all of it: split, head first
+        count = _place(offsets, pos, pos + size, _lightest_under(tokens, quotas, load, cp), quotas, tokens, load,
+                       -1, cp, pdoc, pstart, plen, prank, count)
     if _imbalance_of(load, cp) > limit:
         return pdoc[:0], pstart[:0], plen[:0], prank[:0]
     return _finish(pdoc, pstart, plen, prank, count, lens)

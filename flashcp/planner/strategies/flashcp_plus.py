@@ -20,6 +20,7 @@ from flashcp.planner.strategies.pieces import (
     _most_over,
     _zigzag_sizes,
     move_head,
+    new_pieces,
 )
 
 
@@ -296,36 +297,8 @@ def _build(lens, cp, quotas, order, num_popped, anchored, mean, target, pdoc, ps
 
 @njit(cache=True)
 def flashcp_plus_kernel(lens, cp, target):
-    num_docs = lens.shape[0]
-    quotas = _quotas(lens.sum(), cp)
-    order = _descending_order(lens)
-    total = 0
-    for doc in range(num_docs):
-        total += workload(0, lens[doc])
-    mean = total // cp
-    num_heavy = 0
-    for doc in range(num_docs):
-        if workload(0, lens[doc]) > mean:
-            num_heavy += 1
-    capacity = num_docs * (2 * cp + 2) + 16 * cp + 16
-    pdoc = np.empty(capacity, np.int64)
-    pstart = np.empty(capacity, np.int64)
-    plen = np.empty(capacity, np.int64)
-    prank = np.empty(capacity, np.int64)
-    ratio, count = _build(lens, cp, quotas, order, num_heavy, True, mean, target, pdoc, pstart, plen, prank)
-    best = _finish(pdoc, pstart, plen, prank, count, lens)
-    if ratio <= target:
-        return best
-    best_ratio = ratio
-    for num_popped in range(max(1, num_heavy), num_docs + 1):
-        ratio, count = _build(lens, cp, quotas, order, num_popped, False, mean, target, pdoc, pstart, plen,
-                              prank)
-        if ratio < best_ratio:
-            best_ratio = ratio
-            best = _finish(pdoc, pstart, plen, prank, count, lens)
-        if ratio <= target:
-            break
-    return best
+    """``flashcp+``: its search over zigzagged documents runs to the last document if it must."""
+    return flashcp_plus_bounded(lens, cp, target, lens.shape[0])
 
 
 @njit(cache=True)
@@ -348,10 +321,7 @@ def flashcp_plus_bounded(lens, cp, target, max_zigzag):
         if workload(0, lens[doc]) > mean:
             num_heavy += 1
     capacity = num_docs * (2 * cp + 2) + 16 * cp + 16
-    pdoc = np.empty(capacity, np.int64)
-    pstart = np.empty(capacity, np.int64)
-    plen = np.empty(capacity, np.int64)
-    prank = np.empty(capacity, np.int64)
+    pdoc, pstart, plen, prank = new_pieces(capacity)
     ratio, count = _build(lens, cp, quotas, order, num_heavy, True, mean, target, pdoc, pstart, plen, prank)
     best = _finish(pdoc, pstart, plen, prank, count, lens)
     if ratio <= target:

@@ -12,7 +12,7 @@ import numpy as np
 from flashcp._numba import njit
 from flashcp.costmodel.sort import _order_of, last_at_or_before
 from flashcp.costmodel.workload import _doc_offsets, _quotas, workload
-from flashcp.planner.strategies.pieces import _finish, _finish_within
+from flashcp.planner.strategies.pieces import _emit_span, _finish, _finish_within, _lightest_under, new_pieces
 
 
 @njit(cache=True)
@@ -30,18 +30,8 @@ def _chunk_pieces_workload(offsets, pos, end, doc):
 
 @njit(cache=True)
 def _emit(offsets, pos, end, rank, pdoc, pstart, plen, prank, count):
-    doc = last_at_or_before(offsets, pos)
-    while pos < end:
-        while offsets[doc + 1] <= pos:
-            doc += 1
-        take = min(end, offsets[doc + 1]) - pos
-        pdoc[count] = doc
-        pstart[count] = pos - offsets[doc]
-        plen[count] = take
-        prank[count] = rank
-        count += 1
-        pos += take
-    return count
+    """``_emit_span`` of ``[pos, end)`` from the document holding ``pos``; returns the updated count."""
+    return _emit_span(offsets, last_at_or_before(offsets, pos), pos, end, rank, pdoc, pstart, plen, prank, count)[1]
 
 
 @njit(cache=True)
@@ -84,10 +74,7 @@ def _place(offsets, pos, end, preferred, quotas, tokens, load, weight, cp, pdoc,
                 load[rank] += weight
             pos += take
         if pos < end:
-            rank = -1
-            for r in range(cp):
-                if tokens[r] < quotas[r] and (rank < 0 or load[r] < load[rank]):
-                    rank = r
+            rank = _lightest_under(tokens, quotas, load, cp)
     return count
 
 
@@ -106,10 +93,7 @@ def magi_within(lens, cp, chunk, limit):
     # decreasing workload, ties: the later chunk first (MagiAttention reverses an ascending stable sort)
     order = _order_of(work)[::-1]
     capacity = 2 * num_chunks + lens.shape[0] + 2 * cp + 4
-    pdoc = np.empty(capacity, np.int64)
-    pstart = np.empty(capacity, np.int64)
-    plen = np.empty(capacity, np.int64)
-    prank = np.empty(capacity, np.int64)
+    pdoc, pstart, plen, prank = new_pieces(capacity)
     load = np.zeros(cp, np.int64)
     tokens = np.zeros(cp, np.int64)
     count = 0
@@ -157,10 +141,7 @@ def ptrr_kernel(lens, cp, chunk):
     # decreasing process time, ties: the earlier block first (torch's stable descending sort)
     order = _order_of(times.max() - times)
     capacity = 2 * num_blocks + lens.shape[0] + 2 * cp + 4
-    pdoc = np.empty(capacity, np.int64)
-    pstart = np.empty(capacity, np.int64)
-    plen = np.empty(capacity, np.int64)
-    prank = np.empty(capacity, np.int64)
+    pdoc, pstart, plen, prank = new_pieces(capacity)
     load = np.zeros(cp, np.int64)
     tokens = np.zeros(cp, np.int64)
     count = 0

@@ -18,6 +18,13 @@ from flashcp.costmodel.workload import _doc_offsets, _ratio, workload
 
 
 @njit(cache=True)
+def new_pieces(capacity):
+    """An empty piece buffer of ``capacity`` pieces: ``(pdoc, pstart, plen, prank)``, int64 each."""
+    return (np.empty(capacity, np.int64), np.empty(capacity, np.int64), np.empty(capacity, np.int64),
+            np.empty(capacity, np.int64))
+
+
+@njit(cache=True)
 def _finish(pdoc, pstart, plen, prank, count, lens):
     """Sort pieces by (rank, position in the sequence), drop empty ones, merge touching ones of one doc.
 
