@@ -52,11 +52,10 @@ from flashcp.integrations.torchtitan import (  # noqa: E402
     titan_model_config,
 )
 from flashcp.planner.strategies import plan_sequence  # noqa: E402
-from flashcp.runtime import CPAttnMeta, CPLoader  # noqa: E402
+from flashcp.runtime import CPAttention, CPAttnMeta, CPLoader  # noqa: E402
 from flashcp.train import fold_vocab, train_step  # noqa: E402
 from flashcp.train.loop import TrainOptions, run_training  # noqa: E402
 from flashcp.train.parallel import full_parameters  # noqa: E402
-from flashcp.train.step import CPAttention  # noqa: E402
 from tests.dist import spawn  # noqa: E402
 from tests.naive import naive_document_attention, naive_sequence_views  # noqa: E402
 from tests.plans import write_dataset, write_plan  # noqa: E402
