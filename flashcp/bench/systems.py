@@ -13,7 +13,7 @@ The paper's Figure 5 compares five CP systems; flashcp runs each of them with it
 plus ours: the improved strategy of the registry with ``auto`` comm (exact-need all-to-all or compacted
 all-gather, whichever moves less) and local shards computed while the exchange is in flight. The paper's
 figures stack communication on top of compute for the collective-based systems, so those run without
-overlap here. Systems whose strategy or comm mode this checkout lacks are left out, with a note.
+overlap here.
 """
 
 from __future__ import annotations
@@ -68,13 +68,6 @@ def _ring_plan():
         return None
 
 
-def _ring_comm_available() -> bool:
-    from flashcp.planner import cost
-    from flashcp.runtime import meta
-
-    return hasattr(cost, "ring_step_work") and "ring" in getattr(meta, "COMM_MODES", ())
-
-
 def available_strategies() -> list[str]:
     """Registry strategy names in registry order, then ``ring`` when the ring layout is available.
 
@@ -101,11 +94,9 @@ def improved_strategy() -> str | None:
 
 
 def default_systems() -> tuple[list[System], list[str]]:
-    """The paper's five systems plus ours, as far as this checkout provides them; and notes on what is not."""
-    strategies = set(available_strategies())
-    ring = _ring_comm_available()
+    """The paper's five systems plus ours; and a note when the registry has no improved strategy."""
     improved = improved_strategy()
-    wanted = [
+    systems = [
         System(label="Llama3 CP", strategy="llama3", comm="full", overlap=False),
         System(label="Per-Doc CP", strategy="perdoc", comm="full", overlap=False),
         System(label="Ring-Attn", strategy="ring", comm="ring", overlap=True),
@@ -113,32 +104,21 @@ def default_systems() -> tuple[list[System], list[str]]:
         System(label="FlashCP", strategy="flashcp", comm="allgather", overlap=False),
     ]
     if improved is not None:
-        wanted.append(System(label=f"{improved} + auto comm + overlap (ours)", strategy=improved, comm="auto",
-                             overlap=True, ours=True))
-    systems, notes = [], []
-    for system in wanted:
-        if system.strategy not in strategies:
-            notes.append(f"{system.label} left out: strategy '{system.strategy}' is not in this checkout")
-        elif system.comm == "ring" and not ring:
-            notes.append(f"{system.label} left out: the ring comm mode is not in this checkout")
-        else:
-            systems.append(system)
-    if improved is None:
-        notes.append("no improved strategy beyond llama3/perdoc/flashcp is registered")
+        systems.append(System(label=f"{improved} + auto comm + overlap (ours)", strategy=improved, comm="auto",
+                              overlap=True, ours=True))
+    notes = [] if improved is not None else ["no improved strategy beyond llama3/perdoc/flashcp is registered"]
     return systems, notes
 
 
 def plan_for(strategy: str, doc_lens: np.ndarray, cp: int) -> SequencePlan:
     """Plan one sequence with ``strategy`` (a registry name or ``ring``), default parameters."""
     if strategy == "ring":
-        ring_plan = _ring_plan()
-        if ring_plan is None:
-            raise ValueError("the ring layout (flashcp.planner.ring) is not in this checkout")
+        from flashcp.planner.ring import ring_plan
+
         return ring_plan(doc_lens, cp)
-    module = _strategies_module()
-    if module is None:
-        raise ValueError("the planner (flashcp.planner.strategies) is not in this checkout")
-    return module.plan_sequence(strategy, doc_lens, cp)
+    from flashcp.planner.strategies import plan_sequence
+
+    return plan_sequence(strategy, doc_lens, cp)
 
 
 class PlanBook:
