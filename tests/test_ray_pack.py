@@ -107,24 +107,6 @@ def small_shards(monkeypatch):
     monkeypatch.setattr(ray_pack, "SHARD_BYTES", 40_000)  # a dozen tokenize tasks over the corpus
 
 
-# ---- the lengths-only packer is the packer ----
-
-@pytest.mark.parametrize("overflow", OVERFLOWS)
-def test_length_packer_closes_the_same_sequences_as_the_packer(overflow):
-    rng = np.random.default_rng(0)
-    for context_len in (1, 7, 64):
-        tokens_packer = Packer(context_len, overflow, PackCounts(documents_split=3))
-        lengths = ray_pack.LengthPacker(context_len, overflow, PackCounts(documents_split=3))
-        for doc in range(400):
-            n = int(rng.choice([1, 2, context_len, context_len + 1, 3 * context_len + 2, rng.integers(1, 200)]))
-            start = int(rng.integers(0, n)) if doc % 50 == 0 else 0
-            windows = tokens_packer.add(doc, np.arange(n, dtype=np.int32), start)
-            closed = lengths.add(n, start)
-            assert closed == [(w.resume_offset, w.counts.to_json()) for w in windows]
-            assert lengths.tail() == tokens_packer.tail()
-        assert lengths.counts == tokens_packer.counts
-
-
 # ---- byte for byte ----
 
 @pytest.mark.parametrize("extra", [(), ("--overflow", "truncate", "--no-eos")])
@@ -323,19 +305,20 @@ def test_plan_on_ray_equals_local_plan(tmp_path, local_ray):
 
 
 @pytest.mark.parametrize("overflow", OVERFLOWS)
-def test_layout_kernel_equals_the_length_packer(overflow):
+def test_layout_kernel_equals_the_lengths_only_packer(overflow):
     from flashcp.engines._layout import lay_out
 
     rng = np.random.default_rng(1)
     for context_len in (1, 5, 64):
-        reference = ray_pack.LengthPacker(context_len, overflow, PackCounts(documents_truncated=2))
+        reference = Packer(context_len, overflow, PackCounts(documents_truncated=2), lengths_only=True)
         state = np.array([0, 0, 0, 2, 0], np.int64)
         for _ in range(20):  # shard after shard, the state carried over
             lens = rng.choice([1, 2, context_len, context_len + 1, 4 * context_len, 70], rng.integers(0, 30))
             starts = np.where(rng.random(lens.size) < 0.1, rng.integers(0, lens), 0).astype(np.int64)
             windows = lay_out(lens.astype(np.int64), starts, context_len, overflow == "truncate", state)
-            expected = [(i, *closed) for i, (n, start) in enumerate(zip(lens.tolist(), starts.tolist()))
-                        for closed in reference.add(n, start)]
+            expected = [(i, w.resume_offset, w.counts.to_json())
+                        for i, (n, start) in enumerate(zip(lens.tolist(), starts.tolist()))
+                        for w in reference.add_length(n, start)]
             assert [(int(w[0]), int(w[1]), {"documents_split": int(w[2]), "documents_truncated": int(w[3]),
                                             "tokens_truncated": int(w[4])}) for w in windows] == expected
             assert (int(state[0]), int(state[1])) == reference.tail()
