@@ -195,39 +195,49 @@ def test_an_input_changed_under_the_pack_is_refused_alike(tmp_path, local_ray, s
     assert not (tmp_path / "ray").exists() and not (tmp_path / "local").exists()
 
 
-def _descendant(pid: int) -> bool:
-    """Whether process ``pid`` descends from this one (a worker of the Ray this test process started)."""
-    me = os.getpid()
-    while pid > 1:
+def _first_run_waits(task: str, folder: Path):
+    """A stand-in for ``ray_pack.<task>``: the first run anywhere (claimed through a file in ``folder``) writes its
+    worker's PID to ``folder/pid`` and waits to be killed, a write task after its first row group (its data file
+    half written); every other run, Ray's re-run of the killed one included, is the real task."""
+
+    def wait_to_be_killed() -> None:
+        (folder / "pid.tmp").write_text(str(os.getpid()))
+        os.replace(folder / "pid.tmp", folder / "pid")
+        time.sleep(120)
+        raise RuntimeError(f"the {task} task was not killed")
+
+    def run(*args):
+        import flashcp.engines.ray_pack as module  # in the worker: the real tasks
+
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            return False
-        if pid == me:
-            return True
-    return False
+            os.close(os.open(folder / "claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return getattr(module, task)(*args)
+        if task == "_tokenize_shard":
+            wait_to_be_killed()
+        write_group = module._write_group
+
+        def write_group_then_wait(*group_args):
+            write_group(*group_args)
+            wait_to_be_killed()
+
+        module._write_group = write_group_then_wait  # this worker dies with it
+        return module._write_part(*args)
+
+    return run
 
 
-def _kill_first_task(title: str, stop: threading.Event, killed: list[int]) -> None:
-    """Kill (SIGKILL, by PID) the first process of ours seen running the Ray task ``title``."""
+def _kill_when_waiting(folder: Path, stop: threading.Event, killed: list[int]) -> None:
+    """SIGKILL the worker whose PID the waiting task wrote to ``folder/pid``."""
     while not stop.is_set():
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    running = f.read().startswith(title.encode())
-            except OSError:
-                continue
-            if running and _descendant(int(entry)):
-                os.kill(int(entry), signal.SIGKILL)
-                killed.append(int(entry))
-                return
-        time.sleep(0.001)
+        if (folder / "pid").exists():
+            pid = int((folder / "pid").read_text())
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return
+        stop.wait(0.01)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker through /proc")
 @pytest.mark.parametrize("task", ["_tokenize_shard", "_write_part"])
 def test_a_worker_killed_mid_task_changes_nothing(tmp_path, local_ray, monkeypatch, task):
     monkeypatch.setattr(ray_pack, "SHARD_BYTES", 100_000)
@@ -235,8 +245,11 @@ def test_a_worker_killed_mid_task_changes_nothing(tmp_path, local_ray, monkeypat
     args = [*map(str, inputs), "--context-len", "4096", "--rows-per-file", "8", "--row-group-rows", "4"]
     local = run("pack", *args, "-o", tmp_path / "local", "--workers", "1")  # the deepseek-v3 tokenizer
     assert local.exit_code == 0, local.output
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    monkeypatch.setattr(ray_pack, task, _first_run_waits(task, signals))  # the driver submits the stand-in
     stop, killed = threading.Event(), []
-    watcher = threading.Thread(target=_kill_first_task, args=(f"ray::{task}", stop, killed), daemon=True)
+    watcher = threading.Thread(target=_kill_when_waiting, args=(signals, stop, killed), daemon=True)
     watcher.start()
     try:
         result = run("pack", *args, "-o", tmp_path / "ray", "--engine", "ray")
@@ -244,7 +257,8 @@ def test_a_worker_killed_mid_task_changes_nothing(tmp_path, local_ray, monkeypat
         stop.set()
         watcher.join()
     assert result.exit_code == 0, result.output
-    assert killed, f"no {task} task was seen running"
+    assert killed == [int((signals / "pid").read_text())], f"no {task} task was killed"
+    assert killed[0] != os.getpid()  # a Ray worker, not the driver
     assert file_hashes(tmp_path / "ray") == file_hashes(tmp_path / "local")
 
 
