@@ -179,7 +179,7 @@ def print_bytes(rows) -> None:
 def print_loss_error(num_tokens: int = 4096, vocab: int = 32000) -> None:
     """Relative error of a summed next-token loss over bf16 logits: computed in bf16, and the way
     ``causal_lm_loss_sum`` computes it."""
-    from flashcp.models.tiny import causal_lm_loss_sum
+    from flashcp.train.loss import causal_lm_loss_sum
 
     gen = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(num_tokens, vocab, generator=gen)).to(torch.bfloat16)

@@ -26,6 +26,7 @@ if str(ROOT) not in sys.path:
 
 from flashcp.cli.console import error  # noqa: E402
 from flashcp.errors import FlashcpError  # noqa: E402
+from flashcp.integrations.models import build_model  # noqa: E402
 from flashcp.outputs import check_output, json_report, write_json_output  # noqa: E402
 from flashcp.train.loop import TrainOptions, run_training  # noqa: E402
 
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
                                    backend=args.backend, model=args.model, dtype=args.dtype, dim=args.dim,
                                    num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
                                    shuffle=False)
-            timed = run_training(options, device=device)[args.warmup:]
+            timed = run_training(options, device=device, build_model=build_model)[args.warmup:]
             seconds = sum(s.seconds for s in timed)
             results.append({"plan": plan, "steps": len(timed), "tokens": sum(s.num_tokens for s in timed),
                             "seconds": seconds, "tokens_per_s": sum(s.num_tokens for s in timed) / seconds,

@@ -18,8 +18,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from flashcp.models.tiny import TinyConfig, TinyDecoder, causal_lm_loss_sum
+from flashcp.models.tiny import TinyConfig, TinyDecoder
 from flashcp.runtime import CommStats, CPLoader, cp_attention
+from flashcp.train.loss import causal_lm_loss_sum
 
 MODES = ("allgather", "a2a", "full", "ring")
 

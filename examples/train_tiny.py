@@ -24,9 +24,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from flashcp.cli.console import error, info
+from flashcp.cli.console import error, info, progress
 from flashcp.errors import FlashcpError
-from flashcp.train.loop import DTYPES, MODELS, TrainOptions, run_training
+from flashcp.integrations.models import MODELS, build_model
+from flashcp.train.loop import DTYPES, TrainOptions, run_training
 
 
 def parse_args(argv=None) -> TrainOptions:
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
         dist.init_process_group("nccl" if use_cuda else "gloo")
     rank = dist.get_rank() if distributed else 0
     try:
-        run_training(options, group=None, device=device, log=info, show_progress=True)
+        run_training(options, group=None, device=device, log=info, progress=progress, build_model=build_model)
         status = 0
     except FlashcpError as e:  # raised alike on every rank: say it once
         if rank == 0:

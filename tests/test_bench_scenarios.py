@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from flashcp.cli import cli
+from tests import naive
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,19 +60,38 @@ def test_ring_cost_scenario(tmp_path):
         assert mine[("perdoc", "ring")]["calls"] == 4.0  # one call per ring step, every step has work
 
 
-def test_speed_reference_count_and_end_to_end(tmp_path):
+def test_speed_and_end_to_end(tmp_path):
     out = tmp_path / "s.json"
     result = _bench("--scenario", "speed", "--dist", "wlb", "--cp", "2", "--context-len", "2048", "--speed-seqs",
-                    "4", "--reference-seqs", "2", "--strategies", "llama3,flashcp+", "--e2e-seqs", "3",
-                    "--e2e-strategies", "flashcp", "--workers", "1", "--json", str(out))
+                    "4", "--strategies", "llama3,flashcp+", "--e2e-seqs", "3", "--e2e-strategies", "flashcp",
+                    "--workers", "1", "--json", str(out))
     results = json.loads(out.read_text())
     rows = results["speed"]["rows"]
     assert [r["strategy"] for r in rows] == ["llama3", "flashcp+"]
-    assert all(r["python_seqs"] == 2 and r["python_matches"] for r in rows)
+    assert all(r["num_seqs"] == 4 and r["batch_seqs_per_cpu_s"] > 0 for r in rows)
+    # the plain-Python references are bench/plan_speed.py's (tests/naive.py), not the package's
+    assert not [key for r in rows for key in r if key.startswith("python")] and "Python seq/s" not in result.output
     e2e = results["end_to_end"]
     assert [(p["strategy"], p["workers"]) for p in e2e["plans"]] == [("flashcp", 1)]
     assert e2e["verified_plans"] == 1
     assert "plan --cp 2 --strategy flashcp --workers 1" in result.output
+
+
+def test_plan_speed_script_times_and_checks_the_references(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    script = _script("plan_speed")
+    assert script.main(["--dist", "wlb", "--cp", "2", "--context-len", "2048", "--num-seqs", "4", "--reference-seqs",
+                        "2", "--strategies", "llama3,flashcp+,flashcp+@1.05", "--e2e-seqs", "0", "--json",
+                        str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["format"] == "flashcp-plan-speed" and "end_to_end" not in results
+    rows = results["speed"]["rows"]
+    # a spec with parameters of its own has no reference
+    assert [(r["strategy"], r["python_seqs"], r["python_matches"]) for r in rows] == [
+        ("llama3", 2, True), ("flashcp+", 2, True), ("flashcp+@1.05", 0, None)]
+    assert all(r["speedup"] > 0 for r in rows[:2])
+    assert "Python seq/s" in capsys.readouterr().out
+    assert script.naive_planner("flashcp+") is naive.naive_flashcp_plus
 
 
 def test_runtime_cases_ring_ratios(tmp_path):
@@ -117,9 +137,5 @@ def test_wrappers_spell_bench_commands(tmp_path):
     assert quality == ["bench", "--scenario", "quality", "--dist", "wlb", "--cp", "8,16", "--strategies",
                        "flashcp2:effort=4", "--seqs", "2", "--context-len", "131072", "--seed", "0", "--json",
                        "q.json", "--price-tokens"]
-    speed = _script("plan_speed").bench_args(["--num-seqs", "3", "--reference-seqs", "1", "--e2e-seqs", "0"])
-    assert speed == ["bench", "--scenario", "speed", "--dist", "pile", "--cp", "8", "--context-len", "131072",
-                     "--speed-seqs", "3", "--reference-seqs", "1", "--strategies", "llama3,perdoc,flashcp,flashcp+",
-                     "--e2e-seqs", "0", "--e2e-strategies", "flashcp,flashcp+", "--workers", "1,2", "--seed", "0"]
     # and the CLI takes what they spell
     _bench(*quality[1:-3], "--context-len", "4096", "--json", str(tmp_path / "q.json"))

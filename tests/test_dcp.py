@@ -6,8 +6,8 @@ import pytest
 from flashcp.costmodel.comm import exact_need_sent
 from flashcp.costmodel.workload import token_quotas, workload
 from flashcp.planner.plan import SequencePlan
+from flashcp.planner.registry import dcp as hypergraph
 from flashcp.planner.registry import plan_sequence
-from flashcp.planner.strategies import dcp as hypergraph
 
 
 def test_refuses_in_one_sentence_without_the_package(monkeypatch, tmp_path):

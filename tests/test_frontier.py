@@ -4,7 +4,6 @@ import time
 
 import numpy as np
 import pytest
-from flashcp.costmodel.shape import AttentionShape
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -12,11 +11,12 @@ from flashcp.costmodel.comm import exact_need_node_volumes, exact_need_received
 from flashcp.costmodel.objective import cached_model, plan_step_seconds
 from flashcp.costmodel.profile import load_profile
 from flashcp.costmodel.projection import project_step
+from flashcp.costmodel.shape import AttentionShape
 from flashcp.data.synth import load_distribution, pack_lengths
 from flashcp.planner.plan import SequencePlan
+from flashcp.planner.registry import flashcp2 as _search
 from flashcp.planner.registry import parse_topology, plan_sequence
-from flashcp.planner.strategies import flashcp2 as _search
-from flashcp.planner.strategies import topology as _topology
+from flashcp.planner.registry import topology as _topology
 from flashcp.planner.strategies.flashcp import flashcp_bounded
 from flashcp.planner.strategies.flashcp_plus import flashcp_plus_bounded
 from tests.naive import (

@@ -4,17 +4,17 @@ import json
 
 import numpy as np
 import pytest
-from flashcp.costmodel.shape import AttentionShape
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashcp.costmodel.objective import cached_model, plan_step_seconds
 from flashcp.costmodel.profile import load_profile
 from flashcp.costmodel.projection import project_step
+from flashcp.costmodel.shape import AttentionShape
 from flashcp.planner import batch
 from flashcp.planner.plan import SequencePlan
+from flashcp.planner.registry import flashcp2 as _search
 from flashcp.planner.registry import plan_sequence
-from flashcp.planner.strategies import flashcp2 as _search
 from flashcp.planner.strategies.peers import ptrr_process_times
 from tests.naive import (
     naive_affinity,

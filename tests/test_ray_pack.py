@@ -107,24 +107,6 @@ def small_shards(monkeypatch):
     monkeypatch.setattr(ray_pack, "SHARD_BYTES", 40_000)  # a dozen tokenize tasks over the corpus
 
 
-# ---- the lengths-only packer is the packer ----
-
-@pytest.mark.parametrize("overflow", OVERFLOWS)
-def test_length_packer_closes_the_same_sequences_as_the_packer(overflow):
-    rng = np.random.default_rng(0)
-    for context_len in (1, 7, 64):
-        tokens_packer = Packer(context_len, overflow, PackCounts(documents_split=3))
-        lengths = ray_pack.LengthPacker(context_len, overflow, PackCounts(documents_split=3))
-        for doc in range(400):
-            n = int(rng.choice([1, 2, context_len, context_len + 1, 3 * context_len + 2, rng.integers(1, 200)]))
-            start = int(rng.integers(0, n)) if doc % 50 == 0 else 0
-            windows = tokens_packer.add(doc, np.arange(n, dtype=np.int32), start)
-            closed = lengths.add(n, start)
-            assert closed == [(w.resume_offset, w.counts.to_json()) for w in windows]
-            assert lengths.tail() == tokens_packer.tail()
-        assert lengths.counts == tokens_packer.counts
-
-
 # ---- byte for byte ----
 
 @pytest.mark.parametrize("extra", [(), ("--overflow", "truncate", "--no-eos")])
@@ -213,39 +195,49 @@ def test_an_input_changed_under_the_pack_is_refused_alike(tmp_path, local_ray, s
     assert not (tmp_path / "ray").exists() and not (tmp_path / "local").exists()
 
 
-def _descendant(pid: int) -> bool:
-    """Whether process ``pid`` descends from this one (a worker of the Ray this test process started)."""
-    me = os.getpid()
-    while pid > 1:
+def _first_run_waits(task: str, folder: Path):
+    """A stand-in for ``ray_pack.<task>``: the first run anywhere (claimed through a file in ``folder``) writes its
+    worker's PID to ``folder/pid`` and waits to be killed, a write task after its first row group (its data file
+    half written); every other run, Ray's re-run of the killed one included, is the real task."""
+
+    def wait_to_be_killed() -> None:
+        (folder / "pid.tmp").write_text(str(os.getpid()))
+        os.replace(folder / "pid.tmp", folder / "pid")
+        time.sleep(120)
+        raise RuntimeError(f"the {task} task was not killed")
+
+    def run(*args):
+        import flashcp.engines.ray_pack as module  # in the worker: the real tasks
+
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            return False
-        if pid == me:
-            return True
-    return False
+            os.close(os.open(folder / "claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return getattr(module, task)(*args)
+        if task == "_tokenize_shard":
+            wait_to_be_killed()
+        write_group = module._write_group
+
+        def write_group_then_wait(*group_args):
+            write_group(*group_args)
+            wait_to_be_killed()
+
+        module._write_group = write_group_then_wait  # this worker dies with it
+        return module._write_part(*args)
+
+    return run
 
 
-def _kill_first_task(title: str, stop: threading.Event, killed: list[int]) -> None:
-    """Kill (SIGKILL, by PID) the first process of ours seen running the Ray task ``title``."""
+def _kill_when_waiting(folder: Path, stop: threading.Event, killed: list[int]) -> None:
+    """SIGKILL the worker whose PID the waiting task wrote to ``folder/pid``."""
     while not stop.is_set():
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    running = f.read().startswith(title.encode())
-            except OSError:
-                continue
-            if running and _descendant(int(entry)):
-                os.kill(int(entry), signal.SIGKILL)
-                killed.append(int(entry))
-                return
-        time.sleep(0.001)
+        if (folder / "pid").exists():
+            pid = int((folder / "pid").read_text())
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return
+        stop.wait(0.01)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker through /proc")
 @pytest.mark.parametrize("task", ["_tokenize_shard", "_write_part"])
 def test_a_worker_killed_mid_task_changes_nothing(tmp_path, local_ray, monkeypatch, task):
     monkeypatch.setattr(ray_pack, "SHARD_BYTES", 100_000)
@@ -253,8 +245,11 @@ def test_a_worker_killed_mid_task_changes_nothing(tmp_path, local_ray, monkeypat
     args = [*map(str, inputs), "--context-len", "4096", "--rows-per-file", "8", "--row-group-rows", "4"]
     local = run("pack", *args, "-o", tmp_path / "local", "--workers", "1")  # the deepseek-v3 tokenizer
     assert local.exit_code == 0, local.output
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    monkeypatch.setattr(ray_pack, task, _first_run_waits(task, signals))  # the driver submits the stand-in
     stop, killed = threading.Event(), []
-    watcher = threading.Thread(target=_kill_first_task, args=(f"ray::{task}", stop, killed), daemon=True)
+    watcher = threading.Thread(target=_kill_when_waiting, args=(signals, stop, killed), daemon=True)
     watcher.start()
     try:
         result = run("pack", *args, "-o", tmp_path / "ray", "--engine", "ray")
@@ -262,7 +257,8 @@ def test_a_worker_killed_mid_task_changes_nothing(tmp_path, local_ray, monkeypat
         stop.set()
         watcher.join()
     assert result.exit_code == 0, result.output
-    assert killed, f"no {task} task was seen running"
+    assert killed == [int((signals / "pid").read_text())], f"no {task} task was killed"
+    assert killed[0] != os.getpid()  # a Ray worker, not the driver
     assert file_hashes(tmp_path / "ray") == file_hashes(tmp_path / "local")
 
 
@@ -323,19 +319,20 @@ def test_plan_on_ray_equals_local_plan(tmp_path, local_ray):
 
 
 @pytest.mark.parametrize("overflow", OVERFLOWS)
-def test_layout_kernel_equals_the_length_packer(overflow):
+def test_layout_kernel_equals_the_lengths_only_packer(overflow):
     from flashcp.engines._layout import lay_out
 
     rng = np.random.default_rng(1)
     for context_len in (1, 5, 64):
-        reference = ray_pack.LengthPacker(context_len, overflow, PackCounts(documents_truncated=2))
+        reference = Packer(context_len, overflow, PackCounts(documents_truncated=2), lengths_only=True)
         state = np.array([0, 0, 0, 2, 0], np.int64)
         for _ in range(20):  # shard after shard, the state carried over
             lens = rng.choice([1, 2, context_len, context_len + 1, 4 * context_len, 70], rng.integers(0, 30))
             starts = np.where(rng.random(lens.size) < 0.1, rng.integers(0, lens), 0).astype(np.int64)
             windows = lay_out(lens.astype(np.int64), starts, context_len, overflow == "truncate", state)
-            expected = [(i, *closed) for i, (n, start) in enumerate(zip(lens.tolist(), starts.tolist()))
-                        for closed in reference.add(n, start)]
+            expected = [(i, w.resume_offset, w.counts.to_json())
+                        for i, (n, start) in enumerate(zip(lens.tolist(), starts.tolist()))
+                        for w in reference.add_length(n, start)]
             assert [(int(w[0]), int(w[1]), {"documents_split": int(w[2]), "documents_truncated": int(w[3]),
                                             "tokens_truncated": int(w[4])}) for w in windows] == expected
             assert (int(state[0]), int(state[1])) == reference.tail()

@@ -42,6 +42,7 @@ from torchtitan.config import ParallelismConfig  # noqa: E402
 from torchtitan.tools.utils import set_default_dtype  # noqa: E402
 
 from flashcp.errors import FlashcpError  # noqa: E402
+from flashcp.integrations.models import build_model  # noqa: E402
 from flashcp.integrations.torchtitan import (  # noqa: E402
     CPInnerAttention,
     TitanMeshes,
@@ -52,11 +53,10 @@ from flashcp.integrations.torchtitan import (  # noqa: E402
     titan_model_config,
 )
 from flashcp.planner.registry import plan_sequence  # noqa: E402
-from flashcp.runtime import CPAttnMeta, CPLoader  # noqa: E402
+from flashcp.runtime import CPAttention, CPAttnMeta, CPLoader  # noqa: E402
 from flashcp.train import fold_vocab, train_step  # noqa: E402
 from flashcp.train.loop import TrainOptions, run_training  # noqa: E402
 from flashcp.train.parallel import full_parameters  # noqa: E402
-from flashcp.train.step import CPAttention  # noqa: E402
 from tests.dist import spawn  # noqa: E402
 from tests.naive import naive_document_attention, naive_sequence_views  # noqa: E402
 from tests.plans import write_dataset, write_plan  # noqa: E402
@@ -216,8 +216,8 @@ def _loop_checks(root, references, ckpt_dir):
     options = dict(data=root, plan="cp2-flashcp2", model="titan-llama3", dtype="float64", vocab_size=VOCAB,
                    dim=DIM, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, lr=LR, seed=SEED, dp=2,
                    sharding="fsdp", comm="a2a", shuffle=False, prefetch=0, ckpt=f"{ckpt_dir}/titan")
-    first = run_training(TrainOptions(**options, steps=2))
-    second = run_training(TrainOptions(**options, steps=3, resume=True))
+    first = run_training(TrainOptions(**options, steps=2), build_model=build_model)
+    second = run_training(TrainOptions(**options, steps=3, resume=True), build_model=build_model)
     losses = [s.loss for s in first + second]
     ref_losses = references[2, "llama3"][0]
     err = _loss_error(losses, ref_losses)

@@ -1,6 +1,7 @@
 """Training pieces in one process (no process group): the loop on a cp-1 plan, checkpoints, refusals."""
 
 import importlib.util
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +50,38 @@ def test_single_process_run_equals_reference(planned):
     assert [s.step for s in logs] == [1, 2, 3]
     assert max(abs(s.loss - r) for s, r in zip(logs, ref)) < 1e-12
     assert all(s.num_tokens == CONTEXT and s.kv_bytes_total == 0 and s.grad_bytes > 0 for s in logs)
+
+
+def test_progress_and_model_come_from_the_caller(planned):
+    """``run_training`` advances the caller's progress once per step run, and builds with the caller's builder
+    (the default builds ``tiny`` only; ``flashcp.integrations.models.build_model`` knows every name)."""
+    from flashcp.integrations.models import MODELS, build_model
+    from flashcp.train.loop import TrainModel, build_tiny_model
+
+    root, _ = planned
+    calls = []
+
+    @contextmanager
+    def progress(description, total):
+        calls.append(("open", description, total))
+        yield lambda: calls.append("advance")
+        calls.append("close")
+
+    built = []
+
+    def builder(options, device, context_len):
+        built.append((options.model, device, context_len))
+        return build_tiny_model(options, device, context_len)
+
+    logs = run_training(options(root, steps=2), progress=progress, build_model=builder)
+    assert calls == [("open", "training", 2), "advance", "advance", "close"]
+    assert built == [("tiny", torch.device("cpu"), CONTEXT)]
+    assert [s.loss for s in logs] == [s.loss for s in run_training(options(root, steps=2), build_model=build_model)]
+    assert "llama" in MODELS and isinstance(build_tiny_model(options(root), torch.device("cpu")), TrainModel)
+    with pytest.raises(FlashcpError, match=r"^model 'llama' needs its builder: pass build_model=flashcp"):
+        run_training(options(root, model="llama"))
+    with pytest.raises(FlashcpError, match=r"^unknown model 'gpt5' \(choose from tiny, llama, qwen2, "):
+        run_training(options(root, model="gpt5"), build_model=build_model)
 
 
 def test_fold_vocab_keeps_ignored_labels(planned):

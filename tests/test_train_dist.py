@@ -29,7 +29,7 @@ from flashcp.models.tiny import TinyConfig, TinyDecoder
 from flashcp.runtime import CPLoader
 from flashcp.train import fold_vocab, train_step
 from flashcp.train.loop import TrainOptions, run_training
-from flashcp.train.step import tiny_loss_sum
+from flashcp.train.loss import tiny_loss_sum
 from tests.dist import free_port, spawn
 from tests.naive import naive_document_attention, naive_training
 from tests.plans import llama3_like_plan, plan_builders, write_dataset, write_plan

@@ -26,8 +26,8 @@ from flashcp.planner.registry import plan_sequence
 from flashcp.runtime import CPLoader
 from flashcp.train import fold_vocab, train_step
 from flashcp.train.loop import TrainOptions, run_training
+from flashcp.train.loss import tiny_loss_sum
 from flashcp.train.parallel import SHARDING_MODES, ParallelGroups, build_mesh, full_parameters, shard_model
-from flashcp.train.step import tiny_loss_sum
 from tests.dist import spawn
 from tests.naive import naive_document_attention, naive_sequence_views
 from tests.plans import write_dataset, write_plan

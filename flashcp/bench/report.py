@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-__all__ = ["paper_comparison", "print_report"]
+__all__ = ["paper_comparison", "print_report", "print_speed"]
 
 REPORT_WIDTH = 160
 """Columns of the tables when the output is not a terminal."""
@@ -95,22 +95,33 @@ def _ring_cost(console: Console, ring_cost: dict) -> None:
 
 def _speed(console: Console, speed: dict) -> None:
     rows = speed["rows"]
+    referenced = any("python_seqs_per_s" in r for r in rows)  # Python references given (bench/plan_speed.py)
+    columns = ["strategy", "Numba seq/s (per sequence)", "batch kernel seq/s", "batch + check seq/s"]
+    if referenced:
+        columns += ["Python seq/s", "speedup (per sequence / batch)", "same plans"]
     table = _table(f"Planner speed ({rows[0]['source']}, C={rows[0]['context_len']}, cp {rows[0]['cp']}, "
-                   f"{rows[0]['num_seqs']} sequences, one core of {speed.get('cpus', '?')} visible; batch and Python: "
-                   "per CPU-second, wall clock in brackets)", "strategy", "Numba seq/s (per sequence)",
-                   "batch kernel seq/s", "batch + check seq/s", "Python seq/s", "speedup (per sequence / batch)",
-                   "same plans")
+                   f"{rows[0]['num_seqs']} sequences, one core of {speed.get('cpus', '?')} visible; batch"
+                   f"{' and Python' if referenced else ''}: per CPU-second, wall clock in brackets)", *columns)
     table.columns[0].min_width = max(len(r["strategy"]) for r in rows)  # specs in full, never cut
     for r in rows:
-        python = r["python_seqs_per_s"]
-        table.add_row(r["strategy"], f"{r['numba_seqs_per_s']:,.0f}",
-                      f"{r['kernel_seqs_per_cpu_s']:,.0f} ({r['kernel_seqs_per_s']:,.0f})",
-                      f"{r['batch_seqs_per_cpu_s']:,.0f} ({r['batch_seqs_per_s']:,.0f})",
-                      "n/a" if python is None else f"{r['python_seqs_per_cpu_s']:,.2f} ({python:,.2f}; "
+        cells = [r["strategy"], f"{r['numba_seqs_per_s']:,.0f}",
+                 f"{r['kernel_seqs_per_cpu_s']:,.0f} ({r['kernel_seqs_per_s']:,.0f})",
+                 f"{r['batch_seqs_per_cpu_s']:,.0f} ({r['batch_seqs_per_s']:,.0f})"]
+        if referenced:
+            python = r.get("python_seqs_per_s")
+            cells += ["n/a" if python is None else f"{r['python_seqs_per_cpu_s']:,.2f} ({python:,.2f}; "
                       f"{r['python_seqs']} seqs)",
                       "n/a" if python is None else f"{r['speedup']:,.0f}x / {r['kernel_speedup']:,.0f}x",
-                      "n/a" if r["python_matches"] is None else ("yes" if r["python_matches"] else "NO"))
+                      "n/a" if r.get("python_matches") is None else ("yes" if r["python_matches"] else "NO")]
+        table.add_row(*cells)
     _show(console, table)
+
+
+def print_speed(console: Console, speed: dict, end_to_end: dict | None = None) -> None:
+    """The planner speed table, and the end-to-end lines when given: ``print_report``'s speed sections."""
+    _speed(console, speed)
+    if end_to_end:
+        _end_to_end(console, end_to_end)
 
 
 def _end_to_end(console: Console, e2e: dict) -> None:

@@ -1,13 +1,15 @@
-"""Scenario 2, planner speed: sequences per second of each strategy's Numba kernels and its Python reference.
+"""Scenario 2, planner speed: sequences per second of each strategy's Numba kernels.
 
-All run in one process, one core, on the same sequences: ``plan_sequence`` one sequence at a time; the batch
-kernel over all sequences (the call ``pipeline.plan_rows`` makes), alone and with the batch validator that
-recomputes every plan's metrics (together what ``flashcp plan`` runs per file); and the plain-Python reference.
-Batch and reference rates are given per CPU-second of this process (what one core spent, whatever else the
-machine runs) and per wall-clock second. The Numba kernels are compiled (or loaded from the cache) on a first
-sequence that is not timed. The plain-Python references live in ``tests/naive.py``, so that column exists only
-in a source checkout; it runs on the first ``reference_seqs`` sequences, or until ``python_budget_s`` is spent
-(at least one sequence), and the bench checks that the reference's shards equal the kernel's.
+All run in one process, one core, on the same sequences: ``plan_sequence`` one sequence at a time; and the
+batch kernel over all sequences (the call ``pipeline.plan_rows`` makes), alone and with the batch validator
+that recomputes every plan's metrics (together what ``flashcp plan`` runs per file). Batch rates are given per
+CPU-second of this process (what one core spent, whatever else the machine runs) and per wall-clock second.
+The Numba kernels are compiled (or loaded from the cache) on a first sequence that is not timed.
+
+A caller may add plain-Python reference planners (``references``; ``bench/plan_speed.py`` passes the ones in
+``tests/naive.py``, which a source checkout has): each runs on the first ``reference_seqs`` sequences, or until
+``python_budget_s`` is spent (at least one sequence), timed the same way, and its shards are checked equal to
+the kernel's. ``flashcp bench`` runs without them.
 
 Optionally, end to end: a lengths-only dataset of ``e2e_seqs`` sequences is synthesised in a temporary folder
 and planned with ``plan_dataset`` (read, plan, validate, write, and the comparison with the baselines on
@@ -16,10 +18,10 @@ and planned with ``plan_dataset`` (read, plan, validate, write, and the comparis
 
 from __future__ import annotations
 
-import importlib
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +29,11 @@ import numpy as np
 
 from flashcp.bench.systems import PlanBook
 
-__all__ = ["end_to_end", "naive_planner", "planner_speed"]
+__all__ = ["References", "end_to_end", "planner_speed"]
 
-
-def naive_planner(strategy: str):
-    """``tests.naive.naive_<strategy>`` (``+`` spelt ``_plus``) in a source checkout, else None."""
-    try:
-        naive = importlib.import_module("tests.naive")
-    except ImportError:
-        return None
-    return getattr(naive, "naive_" + strategy.replace("+", "_plus"), None)
+References = Callable[[str], Callable[[list[int], int], list] | None]
+"""``references(strategy)``: a plain-Python planner of that strategy, ``reference(doc_lens, cp) -> shards`` as
+``(doc, start, len, rank)`` tuples, or None."""
 
 
 class _Timer:
@@ -84,11 +81,13 @@ def _batch_timing(strategy, params: dict, offsets, lens, cp: int) -> tuple[_Time
 
 
 def planner_speed(book: PlanBook, source, strategies: list[str], cp: int, context_len: int, num_seqs: int,
-                  python_budget_s: float = 5.0, reference_seqs: int | None = None) -> dict:
-    """Rows per strategy spec: per-sequence, batch (kernel; kernel + check) and Python rates; see the module.
+                  python_budget_s: float = 5.0, reference_seqs: int | None = None, *,
+                  references: References | None = None) -> dict:
+    """Rows per strategy spec: per-sequence and batch (kernel; kernel + check) rates; see the module.
 
-    ``reference_seqs`` runs the Python reference on exactly that many sequences instead of for
-    ``python_budget_s`` seconds.
+    With ``references`` the rows also hold the Python reference's rates, the speedups and whether its plans
+    are the kernel's (None where a spec has no reference: one with parameters of its own);
+    ``reference_seqs`` runs it on exactly that many sequences instead of for ``python_budget_s`` seconds.
     """
     from flashcp.bench.quality import parse_strategy
     from flashcp.planner.registry import get_strategy, resolve_params
@@ -111,10 +110,13 @@ def planner_speed(book: PlanBook, source, strategies: list[str], cp: int, contex
                "numba_seqs_per_s": numba_rate,
                "kernel_seqs_per_cpu_s": n / kernel_t.cpu, "kernel_seqs_per_s": n / kernel_t.wall,
                "batch_seqs_per_cpu_s": n / (kernel_t.cpu + check_t.cpu),
-               "batch_seqs_per_s": n / (kernel_t.wall + check_t.wall),
-               "python_seqs_per_s": None, "python_seqs_per_cpu_s": None, "python_seqs": 0, "speedup": None,
-               "kernel_speedup": None, "python_matches": None}
-        reference = naive_planner(name) if params == resolve_params(strategy) else None
+               "batch_seqs_per_s": n / (kernel_t.wall + check_t.wall)}
+        rows.append(row)
+        if references is None:
+            continue
+        row.update(python_seqs_per_s=None, python_seqs_per_cpu_s=None, python_seqs=0, speedup=None,
+                   kernel_speedup=None, python_matches=None)
+        reference = references(name) if params == resolve_params(strategy) else None
         if reference is not None:
             matches, done = True, 0
             limit = n if reference_seqs is None else min(reference_seqs, n)
@@ -130,7 +132,6 @@ def planner_speed(book: PlanBook, source, strategies: list[str], cp: int, contex
                        python_seqs=done, speedup=numba_rate * python_t.wall / done,
                        kernel_speedup=row["kernel_seqs_per_cpu_s"] * python_t.cpu / done,
                        python_matches=bool(matches))
-        rows.append(row)
     return {"rows": rows, "cpus": os.cpu_count()}
 
 

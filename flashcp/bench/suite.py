@@ -68,10 +68,6 @@ class BenchConfig:
     """Sequences per context length in the Figure 7 sweep."""
     speed_seqs: int = 64
     """Sequences timed per strategy for planner speed."""
-    python_budget_s: float = 10.0
-    """Seconds the Python reference planners may take per strategy."""
-    reference_seqs: int | None = None
-    """Sequences the Python reference plans per strategy (instead of ``python_budget_s``)."""
     e2e_seqs: int = 0
     """Planner speed end to end: sequences of a lengths-only dataset to synthesise, plan and verify (0: none)."""
     e2e_strategies: tuple[str, ...] = ("flashcp", "flashcp+")
@@ -148,7 +144,7 @@ def bench_config(*, quick: bool, data: str | None = None, dists: tuple[str, ...]
                  **overrides) -> BenchConfig:
     """The full or ``--quick`` configuration; DATA alone replaces the default distributions."""
     sources = ((data,) if data else ()) + (dists if dists is not None else (() if data else DEFAULT_DISTS))
-    sizes: dict = dict(num_seqs=4, sweep_seqs=2, speed_seqs=8, python_budget_s=1.0, runtime_context_len=4096,
+    sizes: dict = dict(num_seqs=4, sweep_seqs=2, speed_seqs=8, runtime_context_len=4096,
                        runtime_seqs=1, runtime_reps=1, runtime_systems_only=True) if quick else {}
     sizes.update({k: v for k, v in overrides.items() if v is not None})
     return BenchConfig(sources=sources, **sizes)
@@ -194,8 +190,7 @@ def run_bench(config: BenchConfig, profile: HardwareProfile, log=print) -> dict:
                                              config.num_seqs, config.seed))
     if "speed" in config.scenarios:
         timed("speed", lambda: planner_speed(book, sources[0], list(config.strategies or strategies),
-                                             max(config.cps), config.context_len, config.speed_seqs,
-                                             config.python_budget_s, config.reference_seqs))
+                                             max(config.cps), config.context_len, config.speed_seqs))
         if config.e2e_seqs:
             timed("end_to_end", lambda: end_to_end(sources[0].spec, max(config.cps), config.context_len,
                                                    config.e2e_seqs, list(config.e2e_strategies),

@@ -13,12 +13,11 @@ The paper's Figure 5 compares five CP systems; flashcp runs each of them with it
 plus ours: the improved strategy of the registry with ``auto`` comm (exact-need all-to-all or compacted
 all-gather, whichever moves less) and local shards computed while the exchange is in flight. The paper's
 figures stack communication on top of compute for the collective-based systems, so those run without
-overlap here. Systems whose strategy or comm mode this checkout lacks are left out, with a note.
+overlap here.
 """
 
 from __future__ import annotations
 
-import importlib
 import time
 from dataclasses import dataclass
 
@@ -54,37 +53,14 @@ class System:
         return f"{self.strategy}/{self.comm}"
 
 
-def _strategies_module():
-    try:
-        return importlib.import_module("flashcp.planner.registry")
-    except ImportError:
-        return None
-
-
-def _ring_plan():
-    try:
-        return importlib.import_module("flashcp.planner.strategies.baselines").ring_plan
-    except (ImportError, AttributeError):
-        return None
-
-
-def _ring_comm_available() -> bool:
-    from flashcp.costmodel import comm as cost
-    from flashcp.runtime import meta
-
-    return hasattr(cost, "ring_step_work") and "ring" in getattr(meta, "COMM_MODES", ())
-
-
 def available_strategies() -> list[str]:
-    """Registry strategy names in registry order, then ``ring`` when the ring layout is available.
+    """Registry strategy names in registry order (``ring`` among them).
 
     Strategies planned in Python (``dcp``, seconds per sequence) are left out: name them in ``--strategies``.
     """
-    module = _strategies_module()
-    registry = getattr(module, "STRATEGIES", {}) if module is not None else {}
-    names = [name for name, entry in registry.items() if getattr(entry, "rows", None) is None]
-    # the registry names ``ring`` itself now; add it only where an older registry lacked it (not twice)
-    return names + (["ring"] if "ring" not in names and _ring_plan() is not None else [])
+    from flashcp.planner.registry import STRATEGIES
+
+    return [name for name, entry in STRATEGIES.items() if entry.rows is None]
 
 
 def improved_strategy() -> str | None:
@@ -93,19 +69,18 @@ def improved_strategy() -> str | None:
     The planner's default when it is beyond the paper's three (``flashcp2``), else the first registry
     strategy beyond them (e.g. ``flashcp+``).
     """
+    from flashcp.planner.registry import DEFAULT_STRATEGY
+
     names = available_strategies()
-    default = getattr(_strategies_module(), "DEFAULT_STRATEGY", None)
-    if default in names and default not in PAPER_STRATEGIES:
-        return default
+    if DEFAULT_STRATEGY in names and DEFAULT_STRATEGY not in PAPER_STRATEGIES:
+        return DEFAULT_STRATEGY
     return next((s for s in names if s not in PAPER_STRATEGIES and s != "ring"), None)
 
 
 def default_systems() -> tuple[list[System], list[str]]:
-    """The paper's five systems plus ours, as far as this checkout provides them; and notes on what is not."""
-    strategies = set(available_strategies())
-    ring = _ring_comm_available()
+    """The paper's five systems plus ours; and a note when the registry has no improved strategy."""
     improved = improved_strategy()
-    wanted = [
+    systems = [
         System(label="Llama3 CP", strategy="llama3", comm="full", overlap=False),
         System(label="Per-Doc CP", strategy="perdoc", comm="full", overlap=False),
         System(label="Ring-Attn", strategy="ring", comm="ring", overlap=True),
@@ -113,32 +88,21 @@ def default_systems() -> tuple[list[System], list[str]]:
         System(label="FlashCP", strategy="flashcp", comm="allgather", overlap=False),
     ]
     if improved is not None:
-        wanted.append(System(label=f"{improved} + auto comm + overlap (ours)", strategy=improved, comm="auto",
-                             overlap=True, ours=True))
-    systems, notes = [], []
-    for system in wanted:
-        if system.strategy not in strategies:
-            notes.append(f"{system.label} left out: strategy '{system.strategy}' is not in this checkout")
-        elif system.comm == "ring" and not ring:
-            notes.append(f"{system.label} left out: the ring comm mode is not in this checkout")
-        else:
-            systems.append(system)
-    if improved is None:
-        notes.append("no improved strategy beyond llama3/perdoc/flashcp is registered")
+        systems.append(System(label=f"{improved} + auto comm + overlap (ours)", strategy=improved, comm="auto",
+                              overlap=True, ours=True))
+    notes = [] if improved is not None else ["no improved strategy beyond llama3/perdoc/flashcp is registered"]
     return systems, notes
 
 
 def plan_for(strategy: str, doc_lens: np.ndarray, cp: int) -> SequencePlan:
     """Plan one sequence with ``strategy`` (a registry name or ``ring``), default parameters."""
     if strategy == "ring":
-        ring_plan = _ring_plan()
-        if ring_plan is None:
-            raise ValueError("the ring layout (flashcp.planner.strategies.baselines) is not in this checkout")
+        from flashcp.planner.strategies.baselines import ring_plan
+
         return ring_plan(doc_lens, cp)
-    module = _strategies_module()
-    if module is None:
-        raise ValueError("the planner (flashcp.planner.registry) is not in this checkout")
-    return module.plan_sequence(strategy, doc_lens, cp)
+    from flashcp.planner.registry import plan_sequence
+
+    return plan_sequence(strategy, doc_lens, cp)
 
 
 class PlanBook:

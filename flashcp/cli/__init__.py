@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 import click
 
@@ -30,10 +29,10 @@ class LazyGroup(click.Group):
     """Imports a command's module only when that command runs (keeps ``flashcp --help`` fast)."""
 
     def list_commands(self, ctx):
-        return [name for name, module in COMMANDS.items() if _has_module(module)]
+        return list(COMMANDS)
 
     def get_command(self, ctx, name):
-        if name not in COMMANDS or not _has_module(COMMANDS[name]):
+        if name not in COMMANDS:
             return None
         return _with_verbosity(importlib.import_module(f"flashcp.cli.{COMMANDS[name]}").command)
 
@@ -82,10 +81,6 @@ def _with_verbosity(command: click.Command) -> click.Command:
                 flags, is_flag=True, expose_value=False, help=text,
                 callback=lambda ctx, param, value, level=level: set_verbosity(level) if value else None))
     return command
-
-
-def _has_module(module: str) -> bool:
-    return importlib.util.find_spec(f"flashcp.cli.{module}") is not None
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -54,8 +54,6 @@ def _names(value: str | None) -> tuple[str, ...] | None:
 @click.option("--seqs", type=click.IntRange(min=1), help="Sequences per source (default 32, quick 4).")
 @click.option("--speed-seqs", type=click.IntRange(min=1), help="Sequences timed per strategy for planner "
               "speed (default 64, quick 8).")
-@click.option("--reference-seqs", type=click.IntRange(min=1), help="Sequences the Python reference plans per "
-              "strategy (default: as many as fit in 10 s, quick 1 s).")
 @click.option("--e2e-seqs", type=click.IntRange(min=0), help="Planner speed end to end: synthesise, plan and "
               "verify a lengths-only dataset of this many sequences (default 0: skip).")
 @click.option("--e2e-strategies", metavar="LIST", help="Strategies planned end to end (default flashcp,flashcp+).")
@@ -95,7 +93,7 @@ def _names(value: str | None) -> tuple[str, ...] | None:
               help="Write the figure-style charts to this PNG.")
 def command(data, quick, scenarios, dists, cps, strategies, price_tokens, gpus_per_node, time_sequences, heads,
             context_len, seqs, speed_seqs,
-            reference_seqs, e2e_seqs, e2e_strategies, workers,
+            e2e_seqs, e2e_strategies, workers,
             runtime_context_len, runtime_cp, runtime_cases, runtime_seqs, runtime_reps, runtime_heads,
             runtime_kv_heads, runtime_head_dim, seed, profile_path, calibrate, profile_out, measured, measure_budget,
             device, json_path, plot_path):
@@ -132,7 +130,7 @@ def command(data, quick, scenarios, dists, cps, strategies, price_tokens, gpus_p
                               price_tokens=price_tokens or None, gpus_per_node=gpus_per_node,
                               time_sequences=time_sequences or None, heads=_ints(heads, "--heads"),
                               context_len=context_len,
-                              num_seqs=seqs, speed_seqs=speed_seqs, reference_seqs=reference_seqs,
+                              num_seqs=seqs, speed_seqs=speed_seqs,
                               e2e_seqs=e2e_seqs, e2e_strategies=_names(e2e_strategies),
                               workers=_ints(workers, "--workers"), runtime_context_len=runtime_context_len,
                               runtime_cp=runtime_cp,

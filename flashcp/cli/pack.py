@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from flashcp.cli.console import console, emit_json, emit_json_error, error, info, progress, set_json_output, warn
+from flashcp.cli.options import engine_options
 from flashcp.data.pack import PackConfig, PackResult, run_pack
 from flashcp.data.packing import OVERFLOWS
 from flashcp.data.tokenizer import BUILTINS, DEFAULT_TOKENIZER
@@ -51,11 +52,7 @@ def _default_workers() -> int:
 @click.option("--row-group-rows", type=int, default=0,
               help="Sequences per Parquet row group [default: ~4M tokens].")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (text on stderr).")
-@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
-              help="Run here, or on a Ray cluster (the same bytes; needs pip install 'flashcp[ray]').")
-@click.option("--ray-address", default=None, metavar="ADDRESS",
-              help="With --engine ray: join the cluster at ADDRESS ('auto': the running one) instead of "
-                   "starting Ray on this machine with --workers CPUs.")
+@engine_options("Run here, or on a Ray cluster (the same bytes; needs pip install 'flashcp[ray]').")
 def command(inputs: tuple[str, ...], output: Path, context_len: int, tokenizer: str, text_field: str,
             overflow: str, workers: int | None, include: tuple[str, ...], exclude: tuple[str, ...], eos: bool,
             strict: bool, force: bool, rows_per_file: int, row_group_rows: int, as_json: bool = False,

@@ -13,6 +13,7 @@ from rich import box
 from rich.table import Table
 
 from flashcp.cli.console import console, emit_json, info, progress, set_json_output
+from flashcp.cli.options import engine_options
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
 from flashcp.planner.pipeline import BASELINES, COMPARE_DEFAULT, plan_dataset
@@ -107,11 +108,7 @@ def _reading(compared: list[tuple[str, dict]], compare: dict, sampled: bool) -> 
 @click.option("--name", default=None, help="Plan folder name [default: cp{N}-{strategy}].")
 @click.option("--force", is_flag=True, help="Replace an existing plan of the same name.")
 @click.option("--json", "as_json", is_flag=True, help="Print plan.json and the time on stdout (text on stderr).")
-@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
-              help="Plan here, or one Ray task per data file (the same bytes; needs pip install 'flashcp[ray]').")
-@click.option("--ray-address", default=None, metavar="ADDRESS",
-              help="With --engine ray: join the cluster at ADDRESS ('auto': the running one) instead of "
-                   "starting Ray on this machine with --workers CPUs.")
+@engine_options("Plan here, or one Ray task per data file (the same bytes; needs pip install 'flashcp[ray]').")
 def command(data: str, cp: int, strategy: str, target_imbalance: float | None, objective: str | None,
             profile: str | None, effort: str | None, token_slack: float | None, topology: str | None,
             chunk_size: int | None, compare: int, workers: int, name: str | None, force: bool,

@@ -52,7 +52,7 @@ from flashcp.data.tokenizer import (
 )
 from flashcp.errors import FlashcpError
 
-__all__ = ["PackConfig", "PackEngine", "PackResult", "check_inputs_unchanged", "file_layout", "run_pack"]
+__all__ = ["PackConfig", "PackEngine", "PackResult", "PackRun", "check_inputs_unchanged", "file_layout", "run_pack"]
 
 ROW_GROUP_TOKENS = 1 << 22
 """Default row group: about 4M tokens (16 MiB of int32 ids before compression)."""
@@ -224,8 +224,12 @@ def _input_documents(parts: list[PartRecord], num_inputs: int) -> list[int]:
     return documents
 
 
-class _PackRun:
-    """One pass over the inputs from a resume point, writing data files as sequences complete."""
+class PackRun:
+    """One pass over the inputs from a resume point, writing data files as sequences complete.
+
+    ``run_pack`` makes one (or its engine's ``pack_run``, e.g. the Ray engine's subclass) and calls ``run()``;
+    then ``last_file``, ``input_documents`` and ``final_counts`` give what the manifest records.
+    """
 
     def __init__(self, config: PackConfig, encoder: Encoder, pool: ProcessPoolExecutor | None,
                  inputs: list[InputFile], out: OutputFolder, identity: dict, identity_sha256: str,
@@ -363,7 +367,7 @@ class PackEngine(Protocol):
 
     def pack_run(self, config: PackConfig, encoder: Encoder, pool: None, inputs: list[InputFile],
                  out: OutputFolder, identity: dict, identity_sha256: str, on_rows: Callable[[int], None]):
-        """An object like ``_PackRun``: ``run()``, then ``last_file``, ``input_documents``, ``final_counts``."""
+        """An object like ``PackRun``: ``run()``, then ``last_file``, ``input_documents``, ``final_counts``."""
 
 
 def check_inputs_unchanged(inputs: list[InputFile], first: int, last: int) -> None:
@@ -440,7 +444,7 @@ def _run_pack(config: PackConfig, pool: ProcessPoolExecutor | None, on_rows: Cal
     resumed_tokens = sum(p.file.tokens for p in out.parts)
     try:
         out.write_state(identity_sha256, identity)  # from now on the folder is recognisably this pack's
-        run = (engine.pack_run if engine else _PackRun)(config, encoder, pool, inputs, out, identity,
+        run = (engine.pack_run if engine else PackRun)(config, encoder, pool, inputs, out, identity,
                                                         identity_sha256, on_rows)
         run.run()
         files = [p.file for p in out.parts] + ([run.last_file] if run.last_file else [])

@@ -7,7 +7,9 @@ piece whose ``doc_offset`` is its offset inside the document (``overflow="split"
 in the last, partial sequence when the input ends is the *tail*: it is never written, only counted.
 
 The packer holds one sequence at a time, so memory does not grow with the input. ``tests/naive.py`` has a
-token-at-a-time reference that the tests compare it with.
+token-at-a-time reference that the tests compare it with. A *lengths-only* packer runs the same loop on
+document lengths alone: the same sequence boundaries and counts, no tokens (the Ray engine's driver lays out a
+pack this way, ``flashcp.engines.ray_pack``; ``flashcp.engines._layout`` is the loop's Numba twin).
 """
 
 from __future__ import annotations
@@ -42,13 +44,13 @@ class PackCounts:
 class Window:
     """One full packed sequence, and where packing stands right after it."""
 
-    tokens: np.ndarray
-    """(context_len,) int32 token ids."""
-    doc_lens: np.ndarray
+    tokens: np.ndarray | None
+    """(context_len,) int32 token ids; None from a lengths-only packer (so are the three piece arrays)."""
+    doc_lens: np.ndarray | None
     """(pieces,) int32 piece lengths, summing to context_len, none 0."""
-    doc_source: np.ndarray
+    doc_source: np.ndarray | None
     """(pieces,) int64 index of each piece's document in input order."""
-    doc_offset: np.ndarray
+    doc_offset: np.ndarray | None
     """(pieces,) int32 offset of each piece inside its document."""
     resume_offset: int
     """Offset inside the document being added at which the next sequence starts; 0 when it starts with the
@@ -58,18 +60,25 @@ class Window:
 
 
 class Packer:
-    """Packs documents, fed one at a time with ``add``, into Windows of exactly ``context_len`` tokens."""
+    """Packs documents, fed one at a time with ``add``, into Windows of exactly ``context_len`` tokens.
 
-    def __init__(self, context_len: int, overflow: str = "split", counts: PackCounts | None = None):
+    With ``lengths_only`` it is fed lengths with ``add_length`` instead, and its Windows carry only where the
+    next sequence starts and the counts.
+    """
+
+    def __init__(self, context_len: int, overflow: str = "split", counts: PackCounts | None = None, *,
+                 lengths_only: bool = False):
         if context_len < 1:
             raise ValueError(f"context_len must be at least 1, got {context_len}")
         if overflow not in OVERFLOWS:
             raise ValueError(f"overflow must be one of {', '.join(OVERFLOWS)}, got {overflow!r}")
         self.context_len = context_len
         self.overflow = overflow
+        self.lengths_only = lengths_only
         self.counts = PackCounts(**counts.to_json()) if counts is not None else PackCounts()
-        self._tokens = np.empty(context_len, np.int32)
+        self._tokens = None if lengths_only else np.empty(context_len, np.int32)
         self._fill = 0
+        self._starts = 0  # pieces of the open sequence that begin their document
         self._sources: list[int] = []
         self._offsets: list[int] = []
         self._lens: list[int] = []
@@ -80,15 +89,39 @@ class Packer:
         ``tokens`` (n,) int32 is the whole document (EOS included); ``start`` > 0 resumes a document that an
         earlier run had already placed up to ``start``.
         """
-        context_len, n = self.context_len, len(tokens)
+        if self.lengths_only:
+            raise ValueError("a lengths-only packer is fed lengths (add_length), not tokens")
+        return self._lay(doc_index, len(tokens), start, tokens)
+
+    def add_length(self, n: int, start: int = 0) -> list[Window]:
+        """Lengths-only: lay tokens ``[start, n)`` of a document of ``n`` tokens; return the sequences it closed."""
+        if not self.lengths_only:
+            raise ValueError("a packer of tokens is fed tokens (add), not lengths")
+        return self._lay(-1, n, start, None)
+
+    def resume(self, fill: int, starts: int, counts: PackCounts) -> None:
+        """Lengths-only: continue from where a layout of the same lengths elsewhere stopped.
+
+        That is an open sequence of ``fill`` tokens in which ``starts`` documents begin, and ``counts`` (the
+        Ray driver's Numba layout, ``flashcp.engines._layout``, hands its state over so).
+        """
+        if not self.lengths_only:
+            raise ValueError("a packer of tokens resumes only at a sequence boundary (it would need the tokens)")
+        self._fill, self._starts, self.counts = fill, starts, PackCounts(**counts.to_json())
+
+    def _lay(self, doc_index: int, n: int, start: int, tokens: np.ndarray | None) -> list[Window]:
+        """The packing loop: ``tokens`` (or, lengths-only, None) ``[start, n)`` into the open sequence."""
+        context_len = self.context_len
         pos = start
         closed: list[Window] = []
         while pos < n:
             take = min(n - pos, context_len - self._fill)
-            self._tokens[self._fill:self._fill + take] = tokens[pos:pos + take]
-            self._sources.append(doc_index)
-            self._offsets.append(pos)
-            self._lens.append(take)
+            if tokens is not None and self._tokens is not None:
+                self._tokens[self._fill:self._fill + take] = tokens[pos:pos + take]
+                self._sources.append(doc_index)
+                self._offsets.append(pos)
+                self._lens.append(take)
+            self._starts += pos == 0
             self._fill += take
             piece_start, pos = pos, pos + take
             if self._fill < context_len:
@@ -104,14 +137,19 @@ class Packer:
         return closed
 
     def _close(self, resume_offset: int) -> Window:
-        window = Window(tokens=self._tokens.copy(), doc_lens=np.array(self._lens, np.int32),
-                        doc_source=np.array(self._sources, np.int64),
-                        doc_offset=np.array(self._offsets, np.int32),
-                        resume_offset=resume_offset, counts=PackCounts(**self.counts.to_json()))
-        self._fill = 0
+        counts = PackCounts(**self.counts.to_json())
+        if self._tokens is None:
+            window = Window(tokens=None, doc_lens=None, doc_source=None, doc_offset=None,
+                            resume_offset=resume_offset, counts=counts)
+        else:
+            window = Window(tokens=self._tokens.copy(), doc_lens=np.array(self._lens, np.int32),
+                            doc_source=np.array(self._sources, np.int64),
+                            doc_offset=np.array(self._offsets, np.int32), resume_offset=resume_offset,
+                            counts=counts)
+        self._fill = self._starts = 0
         self._sources, self._offsets, self._lens = [], [], []
         return window
 
     def tail(self) -> tuple[int, int]:
         """The partial sequence left at the end: ``(tokens, documents that begin in it)``; it is dropped."""
-        return self._fill, sum(1 for offset in self._offsets if offset == 0)
+        return self._fill, self._starts

@@ -48,6 +48,7 @@ __all__ = [
     "hash_input",
     "iter_records",
     "parse_jsonl_line",
+    "read_records",
     "recheck_input",
 ]
 
@@ -474,6 +475,15 @@ _READERS = {"jsonl": _jsonl_records, "jsonl.gz": _jsonl_records, "parquet": _par
             "text": _text_records}
 
 
+def read_records(input_file: InputFile, *, index: int = 0, text_field: str = "text", start: int = 0,
+                 strict: bool = False) -> Iterator[tuple[int, int, int, str | None]]:
+    """Stream ``(index, record_index, kind, text)`` over one input file from record ``start`` on.
+
+    ``index`` is the input's index to report; records and errors are those of ``iter_records``.
+    """
+    return _READERS[input_file.format](index, input_file, text_field, start, strict)
+
+
 def iter_records(inputs: list[InputFile], *, text_field: str = "text", start: tuple[int, int] = (0, 0),
                  strict: bool = False) -> Iterator[tuple[int, int, int, str | None]]:
     """Stream ``(input_index, record_index, kind, text)`` over all inputs from position ``start``.
@@ -484,6 +494,5 @@ def iter_records(inputs: list[InputFile], *, text_field: str = "text", start: tu
     """
     first_input, first_record = start
     for index in range(first_input, len(inputs)):
-        input_file = inputs[index]
-        reader = _READERS[input_file.format]
-        yield from reader(index, input_file, text_field, first_record if index == first_input else 0, strict)
+        yield from read_records(inputs[index], index=index, text_field=text_field,
+                                start=first_record if index == first_input else 0, strict=strict)

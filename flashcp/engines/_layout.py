@@ -1,7 +1,7 @@
-"""Numba kernel of the driver's layout: ``ray_pack.LengthPacker`` over a whole shard's document lengths at once.
+"""Numba kernel of the driver's layout: the packer's loop on lengths alone over a whole shard's documents at once.
 
-``ray_pack.LengthPacker`` is its plain-Python reference (tests compare the two), and ``packing.Packer`` is
-that one's.
+``packing.Packer(lengths_only=True)`` (the packer's own loop) is its plain-Python reference: tests compare the
+two.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 from flashcp.errors import FlashcpError
 
-__all__ = ["cluster_cpus", "ray_session", "require_ray"]
+__all__ = ["cluster_cpus", "get_result", "ray_session", "require_ray"]
 
 
 def require_ray():
@@ -58,6 +58,16 @@ def ray_session(address: str | None = None, workers: int | None = None) -> Itera
 def cluster_cpus(ray) -> int:
     """CPUs the cluster offers (at least 1)."""
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def get_result(ray, ref):
+    """``ray.get``, with a task's FlashcpError or OSError raised as itself (one sentence, as locally)."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, FlashcpError | OSError):
+            raise e.cause from None
+        raise
 
 
 def _check_reachable(address: str) -> None:

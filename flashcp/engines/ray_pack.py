@@ -8,10 +8,10 @@ The run has three kinds of work, and only the second runs on the driver:
    small *meta* (every record's kind and position, every document's length) and the *tokens*, which stay in
    the object store.
 2. *Lay out* (the driver, lengths only). Shards are taken in input order. The driver counts records exactly
-   as the local pack does and feeds every document's length to a lengths-only twin of the packer
-   (``LengthPacker``): the prefix sum of lengths fixes where every sequence, row group and data file starts,
-   and the counters at every data file boundary (the resume point the local pack records). It never touches
-   a token.
+   as the local pack does and feeds every document's length to the packer's loop on lengths alone (the Numba
+   ``flashcp.engines._layout``, a twin of ``Packer(lengths_only=True)``): the prefix sum of lengths fixes
+   where every sequence, row group and data file starts, and the counters at every data file boundary (the
+   resume point the local pack records). It never touches a token.
 3. *Write* (Ray tasks, one per data file). A task gets the documents of its file (their shard, offset and
    length) and the start state, runs the real ``Packer`` from that state over those tokens, and writes the
    file with the local ``DataFileWriter`` in the same row groups. The output folder must be on a filesystem
@@ -36,11 +36,10 @@ from pathlib import Path
 import numpy as np
 
 from flashcp.data.dataset import DATA_DIR, DataFile, DataFileWriter, data_table
-from flashcp.data.pack import BATCH_CHARS, PackConfig, _PackRun, check_inputs_unchanged
+from flashcp.data.pack import BATCH_CHARS, PackConfig, PackRun, check_inputs_unchanged
 from flashcp.data.pack_output import OutputFolder, PartRecord
 from flashcp.data.packing import PackCounts, Packer
 from flashcp.data.readers import (
-    _READERS,
     DOC,
     SKIP_REASONS,
     InputFile,
@@ -48,14 +47,15 @@ from flashcp.data.readers import (
     check_stamp,
     hash_input,
     parse_jsonl_line,
+    read_records,
     recheck_input,
 )
 from flashcp.data.tokenizer import Encoder, resolve_tokenizer
 from flashcp.engines._layout import lay_out
-from flashcp.engines.ray_cluster import cluster_cpus, require_ray
+from flashcp.engines.ray_cluster import cluster_cpus, get_result, require_ray
 from flashcp.errors import FlashcpError
 
-__all__ = ["SHARD_BYTES", "LengthPacker", "RayPackEngine", "Shard", "get_result"]
+__all__ = ["SHARD_BYTES", "RayPackEngine", "Shard"]
 
 SHARD_BYTES = 1 << 24
 """Input bytes per tokenize task at most (about 4M tokens of English text)."""
@@ -78,44 +78,6 @@ class Shard:
     ``whole``: the whole file (``.jsonl.gz``, text, or a Parquet file whose footer cannot be read)."""
     start: int
     stop: int
-
-
-# ---- the lengths-only packer ----
-
-class LengthPacker:
-    """``flashcp.data.packing.Packer`` on document lengths alone: the same sequence boundaries and counts."""
-
-    def __init__(self, context_len: int, overflow: str, counts: PackCounts):
-        self.context_len, self.overflow = context_len, overflow
-        self.counts = PackCounts(**counts.to_json())
-        self._fill = 0
-        self._starts = 0  # pieces in the open sequence that start their document
-
-    def add(self, n: int, start: int = 0) -> list[tuple[int, dict]]:
-        """Lay document tokens ``[start, n)``; return ``(resume_offset, counts)`` of every sequence closed."""
-        context_len, pos = self.context_len, start
-        closed: list[tuple[int, dict]] = []
-        while pos < n:
-            take = min(n - pos, context_len - self._fill)
-            self._starts += pos == 0
-            self._fill += take
-            piece_start, pos = pos, pos + take
-            if self._fill < context_len:
-                break
-            if pos < n:
-                if self.overflow == "truncate":
-                    self.counts.documents_truncated += 1
-                    self.counts.tokens_truncated += n - pos
-                    pos = n
-                elif piece_start == 0:
-                    self.counts.documents_split += 1
-            closed.append((pos if pos < n else 0, self.counts.to_json()))
-            self._fill = self._starts = 0
-        return closed
-
-    def tail(self) -> tuple[int, int]:
-        """As ``Packer.tail``: tokens and documents beginning in the open, partial sequence."""
-        return self._fill, self._starts
 
 
 # ---- what runs in Ray worker processes ----
@@ -216,7 +178,7 @@ def _tokenize_shard(input_file: InputFile, kind: str, start: int, stop: int, ski
     if kind == "bytes":
         stream: Iterator = _jsonl_range(input_file, text_field, start, stop, counted)
     else:
-        reader = _READERS[input_file.format](0, input_file, text_field, max(start, skip_before), False)
+        reader = read_records(input_file, text_field=text_field, start=max(start, skip_before))
         stream = ((record, record_kind, text) for _, record, record_kind, text in reader)
     try:
         for record, record_kind, text in stream:
@@ -325,16 +287,6 @@ class RayPackEngine:
         return _RayPackRun(self, config, encoder, inputs, out, identity, identity_sha256, on_rows)
 
 
-def get_result(ray, ref):
-    """``ray.get``, with a task's FlashcpError or OSError raised as itself (one sentence, as locally)."""
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, FlashcpError | OSError):
-            raise e.cause from None
-        raise
-
-
 @dataclass(slots=True)
 class _Part:
     """A data file being laid out: its documents and the token arrays they are in."""
@@ -356,15 +308,16 @@ class _Part:
         self.chunks.append(docs)
 
 
-class _RayPackRun(_PackRun):
-    """``_PackRun`` with its pass over the inputs done by Ray tasks (module docstring)."""
+class _RayPackRun(PackRun):
+    """``PackRun`` with its pass over the inputs done by Ray tasks (module docstring)."""
 
     def __init__(self, engine: RayPackEngine, config: PackConfig, encoder: Encoder, inputs: list[InputFile],
                  out: OutputFolder, identity: dict, identity_sha256: str, on_rows: Callable[[int], None]):
         super().__init__(config, encoder, None, inputs, out, identity, identity_sha256, on_rows)
         self.engine, self.ray = engine, engine.ray
-        self.lengths = LengthPacker(config.context_len, config.overflow, PackCounts(**self.snapshot["packer"]))
-        self.packer = self.lengths  # type: ignore[assignment]  # final_counts reads its counts and tail
+        # final_counts reads its counts and tail; the layout kernel hands it its state at the end
+        self.packer = Packer(config.context_len, config.overflow, PackCounts(**self.snapshot["packer"]),
+                             lengths_only=True)
         self.tokenizer_name = config.tokenizer
         if os.path.exists(self.tokenizer_name):
             self.tokenizer_name = str(Path(self.tokenizer_name).resolve())
@@ -460,9 +413,8 @@ class _RayPackRun(_PackRun):
             doc_index += doc_lens.size
             if meta["error"] is not None:
                 raise meta["error"]
-        self.lengths._fill, self.lengths._starts = int(state[0]), int(state[1])
-        self.lengths.counts = PackCounts(documents_split=int(state[2]), documents_truncated=int(state[3]),
-                                         tokens_truncated=int(state[4]))
+        self.packer.resume(int(state[0]), int(state[1]), PackCounts(
+            documents_split=int(state[2]), documents_truncated=int(state[3]), tokens_truncated=int(state[4])))
         self._recheck_inputs(first_input)
         if rows_in_part:
             ref = self._submit_write(part, rows_in_part)
@@ -519,7 +471,7 @@ class _RayPackRun(_PackRun):
 
     def _finish_part(self, part: _Part, rows: int, window_counts: dict, input_index: int, record_index: int,
                      doc_index: int, resume_offset: int) -> None:
-        """Submit the data file's write task with the resume point and counters ``_PackRun`` would record."""
+        """Submit the data file's write task with the resume point and counters ``PackRun`` would record."""
         if resume_offset:
             resume = {"input": input_index, "record": record_index, "offset": resume_offset,
                       "next_doc": doc_index}
@@ -538,7 +490,7 @@ class _RayPackRun(_PackRun):
         self._collect(block=False)
 
     def _collect(self, *, block: bool, one: bool = False) -> None:
-        """Record finished data files in order, as ``_PackRun`` does after each."""
+        """Record finished data files in order, as ``PackRun`` does after each."""
         while self.write_queue:
             ref, resume, snapshot = self.write_queue[0]
             if not block and not self.ray.wait([ref], timeout=0)[0]:

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from flashcp.engines.ray_cluster import require_ray
-from flashcp.engines.ray_pack import get_result
+from flashcp.engines.ray_cluster import get_result, require_ray
 from flashcp.errors import FlashcpError
 
 __all__ = ["run_jobs"]

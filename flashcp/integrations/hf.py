@@ -30,10 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from flashcp.models.tiny import causal_lm_loss_sum
-from flashcp.runtime import CommStats, CPAttnMeta, cp_attention
+from flashcp.runtime import CommStats, CPAttention, CPAttnMeta, cp_attention
 from flashcp.runtime.loader import Batch
-from flashcp.train.step import CPAttention
+from flashcp.train.loss import causal_lm_loss_sum
 
 __all__ = ["ATTN_IMPLEMENTATION", "HF_ARCHITECTURES", "CPTrainer", "flashcp_attention_forward",  # noqa: F822
            "hf_attention_kwargs", "hf_loss_sum", "register_flashcp_attention", "tiny_hf_model"]

@@ -63,9 +63,9 @@ from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
 from flashcp.fileio import write_json_atomic
 from flashcp.integrations.hf import ATTN_IMPLEMENTATION, hf_attention_kwargs, register_flashcp_attention
-from flashcp.models.tiny import causal_lm_loss_sum
 from flashcp.planner.store import PlanStore
 from flashcp.runtime.loader import Batch, CPLoader
+from flashcp.train.loss import causal_lm_loss_sum
 from flashcp.train.parallel import ParallelGroups, build_mesh
 
 __all__ = ["LOADER_STATE_NAME", "CPTrainer", "CPTrainerMixin"]  # and CPSFTTrainer, built on first access

@@ -52,9 +52,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flashcp.runtime import CPAttention
 from flashcp.runtime.loader import Batch
+from flashcp.train.loss import LossSumFn
 from flashcp.train.parallel import ParallelGroups
-from flashcp.train.step import CPAttention, LossSumFn
 
 try:
     from torchtitan.components.loss import BaseLoss, CrossEntropyLoss

@@ -3,6 +3,7 @@
 Shapes: T tokens of this rank (packed, documents back to back), H query heads, H_kv key/value heads, D head
 dim, C model width, V vocabulary. Attention is injected as a callable ``attn_fn(q_THD, k_TKD, v_TKD) ->
 out_THD`` so that the same module runs with ``cp_attention`` (CP) or a single-process document-masked reference.
+Its training loss lives with the training code (``flashcp.train.loss.tiny_loss_sum``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["AttnFn", "TinyConfig", "TinyDecoder", "apply_rope", "causal_lm_loss_sum"]
+__all__ = ["AttnFn", "TinyConfig", "TinyDecoder", "apply_rope"]
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -136,14 +137,3 @@ class TinyDecoder(nn.Module):
             x_TC = block(x_TC, position_ids_T, attn_fn)
         return self.head(self.norm(x_TC))
 
-
-def causal_lm_loss_sum(logits_TV: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy over labels != -100.
-
-    Under CP every rank returns its local sum; dividing by the sequence's total label count (known from the
-    plan) and all-reducing gradients gives exactly the single-process mean loss and its gradient. Computed
-    in float32 or wider whatever the logits' dtype (a bf16 softmax over the vocabulary and a bf16 sum over
-    thousands of tokens are each off by about 0.1%); the result is float32 or float64.
-    """
-    wide = torch.promote_types(logits_TV.dtype, torch.float32)
-    return F.cross_entropy(logits_TV.to(wide), labels_T, ignore_index=-100, reduction="sum")

@@ -1,4 +1,5 @@
-"""Runtime: the per-rank loader (plan -> batch + CPAttnMeta) and context-parallel attention.
+"""Runtime: the per-rank loader (plan -> batch + CPAttnMeta), context-parallel attention, and ``CPAttention``
+(that attention bound to one batch, what a model attends with).
 
 ``flashcp.runtime.kernels`` is the only module that imports ``flash_attn``, lazily.
 """
@@ -6,8 +7,9 @@
 from flashcp.runtime.attention import cp_attention
 from flashcp.runtime.comm import CommStats
 from flashcp.runtime.meta import COMM_MODES, CPAttnMeta
+from flashcp.runtime.module import CPAttention
 
-__all__ = ["COMM_MODES", "CPAttnMeta", "CPLoader", "CommStats", "cp_attention"]
+__all__ = ["COMM_MODES", "CPAttention", "CPAttnMeta", "CPLoader", "CommStats", "cp_attention"]
 
 
 def __getattr__(name):

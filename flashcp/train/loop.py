@@ -16,13 +16,17 @@ sync (``train_step``'s read after the optimizer step, which brings every rank's 
 leave the step after the same collectives, so one rank's wall time is the slowest rank's up to its local
 optimizer update. The parameter dtype defaults to bfloat16 on CUDA (the GPU attention kernels need 16-bit
 inputs) and float32 elsewhere.
+
+The caller brings what the loop does not choose itself: the model (a ``ModelBuilder``; ``build_tiny_model``
+by default, ``flashcp.integrations.models.build_model`` for every ``--model`` name) and the progress bar (a
+``ProgressFn`` such as ``flashcp.cli.console.progress``; None: no bar).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -31,7 +35,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flashcp.cli.console import progress
 from flashcp.errors import FlashcpError
 from flashcp.models.tiny import TinyConfig, TinyDecoder
 from flashcp.runtime import CPLoader
@@ -44,23 +47,18 @@ from flashcp.train.checkpoint import (
     save_checkpoint,
     save_sharded_checkpoint,
 )
-from flashcp.train.parallel import SHARDING_MODES, ParallelGroups, build_mesh, shard_model
-from flashcp.train.step import (
-    LossSumFn,
-    agree_on_errors,
-    fold_vocab,
-    group_rank,
-    group_size,
-    tiny_loss_sum,
-    train_step,
-)
+from flashcp.train.loss import LossSumFn, tiny_loss_sum
+from flashcp.train.parallel import SHARDING_MODES, FsdpFn, ParallelGroups, build_mesh, shard_model
+from flashcp.train.step import agree_on_errors, fold_vocab, group_rank, group_size, train_step
 
-__all__ = ["DTYPES", "MODELS", "StepLog", "TrainOptions", "agree_on_errors", "build_model", "default_dtype",
-           "run_training"]
+__all__ = ["DTYPES", "ModelBuilder", "ProgressFn", "StepLog", "TrainModel", "TrainOptions", "agree_on_errors",
+           "build_tiny_model", "default_dtype", "run_training"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-MODELS = ("tiny", "llama", "qwen2", "titan-llama3", "titan-qwen3")
-"""``tiny``, transformers architectures, and torchtitan decoders (``flashcp.integrations.torchtitan``)."""
+
+ProgressFn = Callable[[str, int], AbstractContextManager[Callable[[], Any]]]
+"""``progress(description, total)``: a context manager yielding ``advance()``, called after every step
+(``flashcp.cli.console.progress`` draws a bar on an interactive terminal)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,8 +82,9 @@ class TrainOptions:
     dtype: str | None = None
     """Parameter dtype: float32, float64 or bfloat16; None: bfloat16 on CUDA, float32 elsewhere."""
     model: str = "tiny"
-    """``tiny`` (flashcp.models.tiny), a transformers architecture (``llama``, ``qwen2``) or a torchtitan decoder
-    (``titan-llama3``, ``titan-qwen3``)."""
+    """The model's name, built by ``run_training``'s ``build_model``: ``tiny`` (flashcp.models.tiny), or with
+    ``flashcp.integrations.models.build_model`` also a transformers architecture (``llama``, ``qwen2``) or a
+    torchtitan decoder (``titan-llama3``, ``titan-qwen3``)."""
     vocab_size: int = 512
     """Model vocabulary; token ids are folded into it (``id % vocab_size``)."""
     dim: int = 64
@@ -118,8 +117,6 @@ class TrainOptions:
             raise ValueError(f"steps must be at least 0, got {self.steps}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
-        if self.model not in MODELS:
-            raise ValueError(f"unknown model '{self.model}' (choose from {', '.join(MODELS)})")
         if self.resume and not self.ckpt:
             raise ValueError("--resume needs --ckpt, the checkpoint file to resume from")
         if self.save_every < 0:
@@ -171,27 +168,36 @@ def default_dtype(device: torch.device | str) -> str:
     return "bfloat16" if torch.device(device).type == "cuda" else "float32"
 
 
-def build_model(options: TrainOptions, device: torch.device,
-                context_len: int | None = None) -> tuple[nn.Module, LossSumFn]:
-    """The model of ``options`` on ``device`` (weights from torch's RNG) and its loss hook for train_step.
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class TrainModel:
+    """A freshly built model and what training it needs (what a ``ModelBuilder`` returns)."""
 
-    ``context_len`` sizes a torchtitan model's RoPE cache (None: its flavor's).
+    model: nn.Module
+    """The model, on its device, every rank with the same weights (drawn from torch's RNG)."""
+    loss_sum_fn: LossSumFn
+    """Its summed loss over this rank's labels (``train_step``'s hook)."""
+    fsdp: FsdpFn | None = None
+    """How ``sharding="fsdp"`` wraps it (``shard_model``'s ``fsdp``); None: FSDP2 per decoder block."""
+
+
+ModelBuilder = Callable[[TrainOptions, torch.device, int | None], TrainModel]
+"""``build_model(options, device, context_len)``: the model ``options.model`` names, shaped by ``options``, in
+the parameter dtype ``options.dtype`` on ``device``; ``context_len`` (the dataset's) may size a position cache.
+Raises ValueError for a name it does not build."""
+
+
+def build_tiny_model(options: TrainOptions, device: torch.device, context_len: int | None = None) -> TrainModel:
+    """``run_training``'s default ``ModelBuilder``: ``tiny``, a ``TinyDecoder`` (FFN width ``2 * dim``).
+
+    Raises ValueError for another ``options.model`` (``flashcp.integrations.models.build_model`` builds them all).
     """
+    if options.model != "tiny":
+        raise ValueError(f"model '{options.model}' needs its builder: pass "
+                         "build_model=flashcp.integrations.models.build_model to run_training")
     dtype = DTYPES[options.dtype or default_dtype(device)]
-    shape: dict[str, Any] = dict(vocab_size=options.vocab_size, dim=options.dim,
-                                 num_layers=options.num_layers, num_heads=options.num_heads,
-                                 num_kv_heads=options.num_kv_heads)
-    if options.model == "tiny":
-        return TinyDecoder(TinyConfig(**shape, ffn_dim=2 * options.dim)).to(device, dtype), tiny_loss_sum
-    if options.model.startswith("titan-"):
-        from flashcp.integrations.torchtitan import build_titan_model, titan_loss_sum, titan_model_config
-
-        config = titan_model_config(options.model.removeprefix("titan-"), **shape, ffn_dim=2 * options.dim,
-                                    max_seq_len=context_len)
-        return build_titan_model(config, device=device, dtype=dtype), titan_loss_sum
-    from flashcp.integrations.hf import hf_loss_sum, tiny_hf_model
-
-    return tiny_hf_model(options.model, **shape, ffn_dim=2 * options.dim, dtype=dtype).to(device), hf_loss_sum
+    config = TinyConfig(vocab_size=options.vocab_size, dim=options.dim, num_layers=options.num_layers,
+                        num_heads=options.num_heads, num_kv_heads=options.num_kv_heads, ffn_dim=2 * options.dim)
+    return TrainModel(model=TinyDecoder(config).to(device, dtype), loss_sum_fn=tiny_loss_sum)
 
 
 @dataclass(slots=True)
@@ -232,13 +238,15 @@ class _Run:
 
 
 def run_training(options: TrainOptions, *, group=None, device: torch.device | str = "cpu",
-                 log: Callable[[str], None] | None = None, show_progress: bool = False) -> list[StepLog]:
+                 log: Callable[[str], None] | None = None, progress: ProgressFn | None = None,
+                 build_model: ModelBuilder = build_tiny_model) -> list[StepLog]:
     """Train as this rank; returns the steps run (identical on every rank).
 
     Without data parallelism ``group`` is the CP group (None: the default group). With ``options.dp`` > 1
     or FSDP2 the whole world forms the ``(dp, cp)`` mesh (``group`` must be None). ``log`` receives the
-    human-readable lines on rank 0 (None: silent); ``show_progress`` adds a progress bar on rank 0 when its
-    terminal is interactive. Raises FlashcpError, on every rank alike, for bad input found while setting up.
+    human-readable lines on rank 0 (None: silent); ``progress`` wraps the steps on rank 0 (None: no bar).
+    ``build_model`` builds ``options.model`` (default: ``tiny`` only). Raises FlashcpError, on every rank
+    alike, for bad input found while setting up (an unknown model name included).
     """
     device = torch.device(device)
     if options.dtype is None:
@@ -258,7 +266,7 @@ def run_training(options: TrainOptions, *, group=None, device: torch.device | st
         groups = ParallelGroups.from_mesh(build_mesh(options.dp, world // options.dp, device.type))
     if error is None:
         try:
-            run = _set_up(options, rank, world, device, groups)
+            run = _set_up(options, rank, world, device, groups, build_model)
         except (FlashcpError, ValueError) as e:
             error = e
     all_ranks = group if groups is None else groups.grad_group
@@ -273,7 +281,7 @@ def run_training(options: TrainOptions, *, group=None, device: torch.device | st
     logs: list[StepLog] = []
     todo = max(options.steps - run.start, 0)
     try:
-        with (progress("training", todo) if show_progress and rank == 0 else nullcontext(None)) as advance:
+        with (progress("training", todo) if progress is not None and rank == 0 else nullcontext(None)) as advance:
             for step in range(run.start + 1, options.steps + 1):
                 logs.append(_step(options, step, run, group, device))
                 if log:
@@ -293,7 +301,7 @@ def run_training(options: TrainOptions, *, group=None, device: torch.device | st
 
 
 def _set_up(options: TrainOptions, rank: int, world: int, device: torch.device,
-            groups: ParallelGroups | None) -> _Run:
+            groups: ParallelGroups | None, build_model: ModelBuilder) -> _Run:
     if options.ckpt:  # before any work: a path that is not a flashcp checkpoint is refused now
         check_checkpoint_target(options.ckpt, sharded=options.sharding == "fsdp")
     if groups is not None:
@@ -304,9 +312,10 @@ def _set_up(options: TrainOptions, rank: int, world: int, device: torch.device,
     if len(loader) == 0:
         raise FlashcpError(f"dataset {options.data} holds no sequences")
     torch.manual_seed(options.seed)  # the same initial weights on every rank
-    model, loss_sum_fn = build_model(options, device, loader.context_len)
+    built = build_model(options, device, loader.context_len)
+    model, loss_sum_fn = built.model, built.loss_sum_fn
     if groups is not None:
-        model = shard_model(model, groups, options.sharding)
+        model = shard_model(model, groups, options.sharding, fsdp=built.fsdp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=options.weight_decay)
     start = 0
     if options.resume:
@@ -323,7 +332,9 @@ def _set_up(options: TrainOptions, rank: int, world: int, device: torch.device,
 
 def _step(options: TrainOptions, step: int, run: _Run, group, device: torch.device) -> StepLog:
     began = time.perf_counter()
-    batch = run.next_batch().to(device, non_blocking=run.prefetcher is not None, comm=options.comm)
+    kv_bytes = DTYPES[options.dtype or default_dtype(device)].itemsize  # auto comm: the K/V dtype's rule
+    batch = run.next_batch().to(device, non_blocking=run.prefetcher is not None, comm=options.comm,
+                                kv_bytes=kv_bytes)
     batch = fold_vocab(batch, options.vocab_size)
     result = train_step(run.model, run.optimizer, batch, run.loss_sum_fn, group=group, comm=options.comm,
                         backend=options.backend, groups=run.groups)

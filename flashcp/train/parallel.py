@@ -21,17 +21,22 @@ Both make exactly the update a single process makes on the whole global batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["SHARDING_MODES", "ParallelGroups", "build_mesh", "decoder_blocks", "full_parameters", "is_sharded",
-           "shard_model"]
+__all__ = ["SHARDING_MODES", "FsdpFn", "ParallelGroups", "build_mesh", "decoder_blocks", "full_parameters",
+           "is_sharded", "shard_model"]
 
 SHARDING_MODES = ("fsdp", "replicate")
 """How weights are held across the flattened dp x cp mesh."""
+
+FsdpFn = Callable[[nn.Module, Any], nn.Module]
+"""``fsdp(model, flat_mesh) -> model``: a model family's own FSDP2 wrapping over the flattened dp x cp mesh,
+gradients summed (e.g. ``flashcp.integrations.torchtitan.shard_titan_model``)."""
 
 
 def build_mesh(dp: int, cp: int, device_type: str = "cpu"):
@@ -93,22 +98,21 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return list(blocks)
 
 
-def shard_model(model: nn.Module, groups: ParallelGroups, mode: str) -> nn.Module:
+def shard_model(model: nn.Module, groups: ParallelGroups, mode: str, *, fsdp: FsdpFn | None = None) -> nn.Module:
     """Prepare ``model`` (same weights on every rank) for training on ``groups``; returns it.
 
-    ``fsdp``: ``fully_shard`` each decoder block, then the root, over ``groups.flat_mesh``, gradients summed
-    (divide factor 1); a torchtitan decoder is wrapped by torchtitan's own ``apply_fsdp_to_decoder`` over the
-    same mesh (``flashcp.integrations.torchtitan.shard_titan_model``). ``replicate``: the model as it is
-    (``train_step`` all-reduces its gradients). Build the optimizer after this call.
+    ``fsdp`` mode: ``fully_shard`` each decoder block, then the root, over ``groups.flat_mesh``, gradients
+    summed (divide factor 1); or, when the ``fsdp`` hook is given, ``fsdp(model, groups.flat_mesh)``, the
+    model family's own wrapping over the same mesh (a torchtitan decoder: torchtitan's
+    ``apply_fsdp_to_decoder``, ``flashcp.integrations.torchtitan.shard_titan_model``). ``replicate``: the
+    model as it is (``train_step`` all-reduces its gradients). Build the optimizer after this call.
     """
     if mode not in SHARDING_MODES:
         raise ValueError(f"unknown sharding mode '{mode}' (choose from {', '.join(SHARDING_MODES)})")
     if mode == "replicate":
         return model
-    if _is_torchtitan_decoder(model):
-        from flashcp.integrations.torchtitan import shard_titan_model
-
-        return shard_titan_model(model, groups.flat_mesh)
+    if fsdp is not None:
+        return fsdp(model, groups.flat_mesh)
     from torch.distributed.fsdp import fully_shard
 
     sharded = [*decoder_blocks(model), model]
@@ -119,12 +123,6 @@ def shard_model(model: nn.Module, groups: ParallelGroups, mode: str) -> nn.Modul
         # plain SUM collectives: a custom factor would otherwise become NCCL's PREMUL_SUM, which gloo lacks
         module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
     return model
-
-
-def _is_torchtitan_decoder(model: nn.Module) -> bool:
-    """True for a torchtitan ``Decoder`` (without importing torchtitan)."""
-    return any(c.__name__ == "Decoder" and c.__module__ == "torchtitan.models.common.decoder"
-               for c in type(model).__mro__)
 
 
 def is_sharded(model: nn.Module) -> bool:

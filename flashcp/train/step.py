@@ -27,48 +27,21 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from flashcp.errors import FlashcpError
-from flashcp.models.tiny import causal_lm_loss_sum
-from flashcp.runtime import CommStats, CPAttnMeta, cp_attention
+from flashcp.runtime import CommStats, CPAttention
 from flashcp.runtime.loader import IGNORE_INDEX, Batch
+from flashcp.train.loss import LossSumFn, tiny_loss_sum
 from flashcp.train.parallel import ParallelGroups, is_sharded
 
-__all__ = ["CPAttention", "LossSumFn", "StepResult", "agree_on_errors", "all_reduce_gradients", "fold_vocab",
-           "group_rank", "group_size", "tiny_loss_sum", "train_step"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CPAttention:
-    """``cp_attention`` bound to one batch's meta: ``attn(q_THD, k_TKD, v_TKD) -> out_THD``."""
-
-    meta: CPAttnMeta
-    """This rank's meta for the sequence (``batch.attn``)."""
-    group: Any = None
-    """The CP process group (None: the default group)."""
-    comm: str = "auto"
-    """``allgather``, ``a2a``, ``full`` or ``auto``."""
-    backend: str = "auto"
-    """``fa3``, ``fa4``, ``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``."""
-    stats: CommStats | None = None
-    """Records every collective issued, or None."""
-
-    def __call__(self, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
-                 softmax_scale: float | None = None) -> torch.Tensor:
-        """Attention of this rank's queries (T, H, D) over keys/values (T, K, D); returns (T, H, D)."""
-        return cp_attention(q_THD, k_TKD, v_TKD, self.meta, group=self.group, comm=self.comm,
-                            backend=self.backend, stats=self.stats, softmax_scale=softmax_scale)
-
-
-LossSumFn = Callable[[nn.Module, Batch, CPAttention], torch.Tensor]
-"""``loss_sum(model, batch, attn)``: the model's summed next-token loss over this rank's labels (a scalar)."""
+__all__ = ["StepResult", "agree_on_errors", "all_reduce_gradients", "fold_vocab", "group_rank", "group_size",
+           "train_step"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,12 +98,6 @@ def fold_vocab(batch: Batch, vocab_size: int) -> Batch:
     labels = batch.labels
     return replace(batch, input_ids=batch.input_ids % vocab_size,
                    labels=torch.where(labels == IGNORE_INDEX, labels, labels % vocab_size))
-
-
-def tiny_loss_sum(model: nn.Module, batch: Batch, attn: CPAttention) -> torch.Tensor:
-    """Summed loss of a ``TinyDecoder`` (``flashcp.models.tiny``) over this rank's labels."""
-    logits_TV = model(batch.input_ids, batch.position_ids, attn)
-    return causal_lm_loss_sum(logits_TV, batch.labels)
 
 
 class GradientBuffers:
