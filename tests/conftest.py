@@ -16,6 +16,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 KEPT = os.environ.get("FLASHCP_TEST_NUMBA_CACHE")
 SUITE_CACHE = KEPT or tempfile.mkdtemp(prefix="flashcp-suite-numba-")
 os.environ["NUMBA_CACHE_DIR"] = SUITE_CACHE
@@ -24,8 +26,18 @@ FIRST = "tests.test_first_contact"
 
 
 def pytest_collection_modifyitems(config, items):
-    """The first-contact tests first (they need the suite's cache still empty); the rest keep their order."""
+    """The first-contact tests first (they need the suite's cache still empty); the rest keep their order.
+
+    Tests marked ``gpu`` are skipped where torch sees no CUDA device.
+    """
     items.sort(key=lambda item: getattr(item.module, "__name__", "") != FIRST)
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -1,4 +1,4 @@
-"""Run CPTrainer cases on torchrun ranks for tests/test_hf_trainer.py (one launch per world size).
+"""Run CPTrainer cases on torchrun ranks for tests/integrations/test_hf_trainer.py (one launch per world size).
 
 ``python -m torch.distributed.run --nproc-per-node N tests/hf_trainer_worker.py SPEC.json``: SPEC holds the
 dataset folder, an output folder and a list of cases; for each case every rank builds the same seeded tiny

@@ -1,4 +1,4 @@
-"""Plain-Python references, written from the definitions in DESIGN.md section 2 without shortcuts."""
+"""Plain-Python references, written from the definitions in docs/DESIGN.md section 2 without shortcuts."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def naive_document_attention(q, k, v, doc_lens, scale=None):
 
 
 def naive_pack(docs: list[list[int]], context_len: int, overflow: str):
-    """Pack documents one token at a time, as DESIGN.md and ``flashcp pack`` describe it.
+    """Pack documents one token at a time, as docs/DESIGN.md and ``flashcp pack`` describe it.
 
     Returns ``(rows, tail_len, num_split, num_truncated, tokens_truncated)``; a row is
     ``(tokens, [(doc_source, doc_offset, length), ...])``. ``split`` continues a document in the next
@@ -732,10 +732,9 @@ def naive_step_time(cp: int, gpus_per_node: int = 0):
     """The step time as ``flashcp bench`` computes it (numpy projection: default profile, H = H_kv = 32,
     D = 128, auto comm, overlap, ``gpus_per_node`` ranks per node), for plans given as (doc, start, len, rank)
     shards."""
-    from flashcp.costmodel.shape import AttentionShape
-
     from flashcp.costmodel.profile import load_profile
     from flashcp.costmodel.projection import project_step
+    from flashcp.costmodel.shape import AttentionShape
     from flashcp.planner.plan import SequencePlan
 
     profile = load_profile()

@@ -10,11 +10,14 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 from flashcp.costmodel.workload import token_quotas
 from flashcp.data.dataset import Dataset, data_table, write_data_file, write_manifest
 from flashcp.planner.plan import SequencePlan
 from flashcp.planner.store import plan_table, write_plan_file, write_plan_json
+from tests.naive import naive_flashcp, naive_flashcp_plus, naive_llama3, naive_perdoc, naive_ring_plan
 
 
 def _cut(doc_lens, piece_sizes, piece_ranks, cp) -> SequencePlan:
@@ -150,3 +153,64 @@ def write_plan(dataset: Dataset, name: str, plans: list[list[SequencePlan]], cp:
             store.PLAN_ROW_GROUP_ROWS = saved
     write_plan_json(plan_dir, dataset=dataset, strategy="test", params={}, cp=cp, plan_files=entries,
                     summary={})
+
+
+# --- shared by the planner's property tests
+
+def examples(n):
+    """Hypothesis settings of ``n`` examples, no deadline (kernels compile on first use)."""
+    return settings(max_examples=n, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def sequences(draw, max_docs=14, max_len=2500, max_cp=8):
+    """Packed sequences of short and long documents, and a CP size that fits."""
+    lens = draw(st.lists(st.one_of(st.integers(1, 60), st.integers(1, max_len)), min_size=1, max_size=max_docs))
+    cp = draw(st.integers(1, min(max_cp, sum(lens))))
+    return lens, cp
+
+
+@st.composite
+def mixed_sequences(draw, max_docs=24, max_len=3000):
+    """Packed sequences with a mix of short and long documents, and a CP size that fits."""
+    num_docs = draw(st.integers(1, max_docs))
+    long_doc = st.integers(1, max_len)
+    short_doc = st.integers(1, max(1, max_len // 20))
+    lens = draw(st.lists(st.one_of(short_doc, short_doc, long_doc), min_size=num_docs, max_size=num_docs))
+    cp = draw(st.integers(1, min(9, sum(lens))))
+    return lens, cp
+
+
+def as_tuples(plan):
+    """A plan's shards as ``(doc, start, len, rank)`` tuples of ints."""
+    return list(zip(*(np.asarray(a).tolist() for a in (plan.shard_doc, plan.shard_start, plan.shard_len,
+                                                       plan.shard_rank))))
+
+
+def packed(dist, num_seqs, context_len, seed=0):
+    """``num_seqs`` packed sequences' document lengths from a built-in distribution, int64 arrays."""
+    from flashcp.data.synth import load_distribution, pack_lengths
+
+    offsets, lens, *_ = pack_lengths(load_distribution(dist), np.random.default_rng(seed), num_seqs, context_len)
+    return [lens[offsets[i]:offsets[i + 1]].astype(np.int64) for i in range(num_seqs)]
+
+
+# the plain-Python reference of every strategy assert_same_as_reference checks
+REFERENCES = {"llama3": naive_llama3, "perdoc": naive_perdoc, "flashcp": naive_flashcp,
+              "flashcp+": naive_flashcp_plus, "ring": naive_ring_plan}
+
+
+def assert_same_as_reference(name, lens, cp, **params):
+    """Plan with the named strategy and require the plain-Python reference's plan and metrics."""
+    from flashcp.planner import plan_sequence
+    from flashcp.planner.plan import check_metrics
+    from tests.naive import naive_metrics
+
+    got = plan_sequence(name, lens, cp, **params)
+    expected = REFERENCES[name](lens, cp, *params.values())
+    assert as_tuples(got) == expected, f"{name} cp={cp} lens={lens}"
+    got.validate(lens)
+    imbalance, ag, a2a = naive_metrics(expected, cp)
+    check_metrics(got, imbalance, ag, a2a)
+    return got
+

@@ -73,7 +73,7 @@ def readme_chain(tmp: Path, cache: Path) -> list[str]:
         args = [str(corpus) if a == "$S" else a for a in step]
         if "--context-len" in args:
             args[args.index("--context-len") + 1] = str(CONTEXT_LEN)
-        if args[0] == "bench":  # --quick on small settings (those of tests/test_bench_cli.py's smoke test)
+        if args[0] == "bench":  # --quick on small settings (those of tests/cli/test_bench.py's smoke test)
             args += ["--dist", "wlb,pile", "--context-len", "16384", "--seqs", "2", "--cp", "2,4", "--heads", "8",
                      "--runtime-context-len", "256", "--runtime-cp", "2"]
         done = flashcp(args, env, tmp)

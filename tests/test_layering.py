@@ -90,3 +90,70 @@ def test_imports_follow_the_layers(package, forbidden):
             if any(_within(name, bad) for bad in forbidden):
                 broken.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
     assert not broken, f"{package} must not import {', '.join(forbidden)}:\n" + "\n".join(broken)
+
+
+LAYERS: list[tuple[str, ...]] = [
+    ("flashcp.costmodel",),
+    ("flashcp.data", "flashcp.planner"),
+    ("flashcp.runtime", "flashcp.models"),
+    ("flashcp.train", "flashcp.integrations"),
+    ("flashcp.bench",),
+    ("flashcp.engines",),
+    ("flashcp.cli",),
+]
+"""The layer order, bottom first: a module imports flashcp's shared modules (``errors``, ``fileio``,
+``outputs``, ``_numba``, the version) and packages of its own layer or below, never one above."""
+
+
+def _layer(module: str) -> int | None:
+    if module == "flashcp.__main__":  # ``python -m flashcp``: the command line
+        return len(LAYERS) - 1
+    return next((i for i, layer in enumerate(LAYERS) if any(_within(module, p) for p in layer)), None)
+
+
+def test_every_package_has_a_layer():
+    packages = {module_name(path.parent / "__init__.py") for path in PACKAGE.glob("*/__init__.py")}
+    assert packages == {p for layer in LAYERS for p in layer}
+
+
+def test_no_import_runs_upward():
+    broken = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = module_name(path)
+        own = _layer(module)
+        if own is None:  # flashcp's shared modules import only each other
+            own = -1
+        for line, name in imports_of(path.read_text(encoding="utf-8"), module, path.name == "__init__.py"):
+            target = _layer(name) if name.startswith("flashcp.") else None
+            if target is not None and target > own:
+                broken.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name} "
+                              f"(layer {LAYERS[target][0]} above {LAYERS[own][0] if own >= 0 else 'flashcp'})")
+    assert not broken, "imports that run upward:\n" + "\n".join(broken)
+
+
+def test_the_cost_model_imports_only_numpy_numba_and_errors():
+    allowed = ("flashcp.costmodel", "flashcp._numba", "flashcp.errors", "numpy", "numba", "__future__",
+               "dataclasses", "functools", "math", "json", "importlib", "pathlib", "typing")
+    broken = [f"{path.name}:{line} imports {name}"
+              for path in sorted((PACKAGE / "costmodel").rglob("*.py"))
+              for line, name in imports_of(path.read_text(encoding="utf-8"), module_name(path),
+                                           path.name == "__init__.py")
+              if not any(_within(name, ok) for ok in allowed)]
+    assert not broken, "\n".join(broken)
+
+
+def test_importing_the_runtime_loads_no_planning_kernel():
+    """A training process reads plans and the cost model; it never imports a strategy kernel or the batch
+    planner (nor, through them, compiles or loads their machine code)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, flashcp.runtime, flashcp.train\n"
+            "print('\\n'.join(m for m in sys.modules if m.startswith('flashcp.planner')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=PACKAGE.parent).stdout.split()
+    assert "flashcp.planner.plan" in loaded and "flashcp.planner.store" in loaded
+    kernels = [m for m in loaded if m.startswith(("flashcp.planner.strategies", "flashcp.planner.batch",
+                                                  "flashcp.planner.check", "flashcp.planner.registry",
+                                                  "flashcp.planner.ilp", "flashcp.planner.pipeline"))]
+    assert not kernels, kernels

@@ -29,7 +29,7 @@ __all__ = ["PAPER_STRATEGIES", "PlanBook", "System", "available_strategies", "de
            "improved_strategy", "plan_for"]
 
 PAPER_STRATEGIES = ("llama3", "perdoc", "flashcp")
-"""The strategies the paper defines (DESIGN.md section 3)."""
+"""The strategies the paper defines (docs/DESIGN.md section 3)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

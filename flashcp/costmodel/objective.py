@@ -3,10 +3,10 @@
 This module holds the projection's formulas in one place: ``flashcp.costmodel.projection`` (``flashcp bench``)
 and ``flashcp.costmodel.profile`` import the attention curve and the kernel time from here, and
 :func:`step_seconds` assembles them exactly as ``projection.project_step(plan, shape, profile, "auto",
-overlap=True)`` does (``tests/test_objective.py`` checks that the two agree). The planner sees the model
+overlap=True)`` does (``tests/costmodel/test_objective.py`` checks that the two agree). The planner sees the model
 through one float64 vector (:func:`model_vector`), so kernels compile once whatever the profile.
 
-Per rank, one layer, forward and backward (DESIGN.md cost model, ``flashcp.costmodel.projection``):
+Per rank, one layer, forward and backward (docs/DESIGN.md cost model, ``flashcp.costmodel.projection``):
 
 - attention: every shard is one sequence of a varlen kernel and computes whole query tiles; forward FLOPs
   ``4 W H D``, backward 2.5x, at the profile's throughput for the equivalent length ``sqrt(2 W)``; one call

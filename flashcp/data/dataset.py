@@ -1,4 +1,4 @@
-"""A flashcp dataset on disk: ``manifest.json`` plus ``data/part-NNNNN.parquet`` (DESIGN.md section 4).
+"""A flashcp dataset on disk: ``manifest.json`` plus ``data/part-NNNNN.parquet`` (docs/DESIGN.md section 4).
 
 The dataset exists once its manifest exists; the manifest is always written last. This module owns the data
 file schema, the manifest's shape, and the readers that planners, the loader and the bench share.

@@ -1,4 +1,4 @@
-"""``flashcp pack``: text files in, a packed dataset out (DESIGN.md sections 4 and 5).
+"""``flashcp pack``: text files in, a packed dataset out (docs/DESIGN.md sections 4 and 5).
 
 The pipeline streams: the main process reads records in input order and groups them into batches; batches are
 tokenized in order (in ``workers`` processes, at most a few batches in flight, so memory stays bounded); the

@@ -17,18 +17,18 @@ __all__ = ["run_jobs"]
 
 
 def run_jobs(jobs: list, workers: int, progress: Callable[[int], None] | None) -> list:
-    """Run ``pipeline._plan_file`` on every job as a Ray task; the results in job order.
+    """Run ``pipeline.plan_data_file`` on every job as a Ray task; the results in job order.
 
     ``workers`` is not used: the cluster's CPUs set how many jobs run at once.
     """
-    from flashcp.planner.pipeline import _plan_file, warm_up
+    from flashcp.planner.pipeline import plan_data_file, warm_up
 
     ray = require_ray()
     if jobs:
         # compile (and cache) the kernels here once, so that the workers on this node load them instead of
         # each compiling them at the same time
         warm_up(jobs[0])
-    plan_file = ray.remote(num_cpus=1)(_plan_file)
+    plan_file = ray.remote(num_cpus=1)(plan_data_file)
     refs = [plan_file.remote(job) for job in jobs]
     results = []
     try:

@@ -48,10 +48,13 @@ from flashcp.planner.store import PlanFileWriter, PlanSlot, plan_name, plan_tabl
 
 __all__ = [
     "BASELINES",
+    "FileJob",
+    "FileResult",
     "COMPARE_DEFAULT",
     "PlannedRows",
     "check_rows",
     "describe_error",
+    "plan_data_file",
     "plan_dataset",
     "plan_rows",
     "read_row_group_lens",
@@ -252,7 +255,7 @@ def step_params(strategy: str, params: dict) -> dict:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _FileJob:
+class FileJob:
     """One data file to plan; the worker writes its plan file into ``staging``."""
 
     root: str
@@ -269,7 +272,9 @@ class _FileJob:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _FileResult:
+class FileResult:
+    """What a file's job returns: its plan.json entry and its rows' metrics."""
+
     plan_file: dict
     metrics: tuple[np.ndarray, np.ndarray, np.ndarray]
     """(imbalance, all-gather, exact-need) of every row."""
@@ -281,7 +286,7 @@ class _FileResult:
     gpus_per_node: int = 0
 
 
-def _plan_file(job: _FileJob) -> _FileResult:
+def plan_data_file(job: FileJob) -> FileResult:
     """Plan one data file a row group at a time: plan, validate, write, compare; runs in worker processes too.
 
     A row group's plans are written and dropped before the next row group is read, so at most one row group's
@@ -319,14 +324,14 @@ def _plan_file(job: _FileJob) -> _FileResult:
     except BaseException:
         writer.abort()
         raise
-    return _FileResult(plan_file=plan_file, metrics=_joined(metrics, 3),  # type: ignore[arg-type]
+    return FileResult(plan_file=plan_file, metrics=_joined(metrics, 3),  # type: ignore[arg-type]
                        compared={name: _joined(parts, 4) for name, parts in compared.items()},
                        node_received=None if node_received is None else
                        np.concatenate(node_received) if node_received else np.zeros((0, 2), np.int64),
                        gpus_per_node=per_node)
 
 
-def warm_up(job: _FileJob) -> None:
+def warm_up(job: FileJob) -> None:
     """Load (or compile) every kernel a job runs by planning (not polishing) and pricing a one-document sequence.
 
     Numba's first call of a strategy's batch kernel goes through its dispatcher, which leaves a reference
@@ -347,7 +352,7 @@ def _compared_names(strategy: str) -> list[str]:
     return [strategy] + [name for name in BASELINES if name != strategy]
 
 
-def _compare(job: _FileJob, offsets: np.ndarray, lens: np.ndarray, planned: PlannedRows, rows: np.ndarray,
+def _compare(job: FileJob, offsets: np.ndarray, lens: np.ndarray, planned: PlannedRows, rows: np.ndarray,
              model: np.ndarray | None, where: str, first: int) -> dict[str, tuple]:
     """(imbalance, all-gather, exact-need, step seconds) of ``rows`` of a row group, per compared strategy.
 
@@ -445,7 +450,7 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
             staging = slot.staging()
             jobs, first_row = [], 0
             for index, data_file in enumerate(dataset.files):
-                jobs.append(_FileJob(root=str(dataset.root), file_index=index, first_row=first_row, cp=cp,
+                jobs.append(FileJob(root=str(dataset.root), file_index=index, first_row=first_row, cp=cp,
                                      strategy=chosen.name, params=params, context_len=dataset.context_len,
                                      compare_step=step, staging=str(staging)))
                 first_row += data_file.rows
@@ -460,12 +465,12 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
     return meta
 
 
-def _run_jobs(jobs: list[_FileJob], workers: int,
-              progress: Callable[[int], None] | None) -> list[_FileResult]:
-    results: list[_FileResult] = []
+def _run_jobs(jobs: list[FileJob], workers: int,
+              progress: Callable[[int], None] | None) -> list[FileResult]:
+    results: list[FileResult] = []
     if workers == 1 or len(jobs) <= 1:
         for job in jobs:
-            results.append(_plan_file(job))
+            results.append(plan_data_file(job))
             if progress:
                 progress(int(results[-1].metrics[0].size))
         return results
@@ -473,14 +478,14 @@ def _run_jobs(jobs: list[_FileJob], workers: int,
     # compiled kernels in every worker (seconds). The parent has only read Parquet footers at this point.
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context) as pool:
-        for result in pool.map(_plan_file, jobs):
+        for result in pool.map(plan_data_file, jobs):
             results.append(result)
             if progress:
                 progress(int(result.metrics[0].size))
     return results
 
 
-def _summary(results: list[_FileResult], context_len: int, cp: int, compare: int, step: int,
+def _summary(results: list[FileResult], context_len: int, cp: int, compare: int, step: int,
              priced_by: dict) -> dict:
     """plan.json's ``summary``: the plan's metrics over every sequence, then the comparison.
 

@@ -1,6 +1,6 @@
 """One packed sequence's sharding plan, its validation, and the row it is stored as.
 
-A plan row (DESIGN.md section 4) lists shards as four parallel arrays. A rank's local token layout is its
+A plan row (docs/DESIGN.md section 4) lists shards as four parallel arrays. A rank's local token layout is its
 shards in row order; strategies emit rows sorted by (rank, doc, start), but readers accept any order.
 """
 

@@ -8,7 +8,7 @@ meta splits the rank's query shards into two kernel calls:
 - the *remote* part: every other shard; computed after the exchange, over keys gathered from
   ``cat(local K/V, receive buffer)``.
 
-and describes, for each comm mode, the exchange (DESIGN.md section 2):
+and describes, for each comm mode, the exchange (docs/DESIGN.md section 2):
 
 - ``allgather`` (paper Eq. 5, compacted): each rank contributes the shards that are not the last shard of a
   document spread over several ranks (``cost.allgather_shard_mask``), in its local order, padded to the

@@ -11,7 +11,7 @@ The model (``flashcp audit --ilp``):
   impossible; such a plan is not a valid flashcp plan).
 - A block's workload is fixed by its position: ``cost.workload(start, length)``; workloads add up over
   consecutive blocks, so a rank's workload is the sum over its blocks.
-- All-gather comm (DESIGN.md section 2): a shard is contributed when it is not the last shard of its document
+- All-gather comm (docs/DESIGN.md section 2): a shard is contributed when it is not the last shard of its document
   and the document spans several ranks. In block terms a block is contributed ("sent") iff a later block of
   its document is on another rank. Linearised as clauses, for consecutive blocks ``b, b+1`` of one document:
   ``x[b,r] and not x[b+1,r] -> sent[b]``, ``sent[b+1] -> sent[b]``, and ``x[b,r] and sent[b] -> z[b,r]``;

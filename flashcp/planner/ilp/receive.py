@@ -1,7 +1,7 @@
 """The exact-need receive of one packed sequence, minimised with OR-Tools CP-SAT at a block granularity.
 
 ``flashcp audit --ilp`` minimises the compacted all-gather's critical path (``flashcp.planner.ilp.model``); this
-model minimises the other exchange's: the largest exact-need receive over ranks (DESIGN.md section 2). It
+model minimises the other exchange's: the largest exact-need receive over ranks (docs/DESIGN.md section 2). It
 measures how much room a heuristic leaves (``bench/cpsat_room.py``). The model:
 
 - Every document is cut into blocks of ``granularity`` tokens and at the warm-start plan's shard boundaries

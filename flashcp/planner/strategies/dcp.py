@@ -9,7 +9,7 @@ only the K/V that is needed. flashcp's version, written from that formulation fo
 - Hyperedges: block b of a document is needed by every block at or after it in the document, so its net
   is ``{b, b+1, ..., last block}``, weighted by b's tokens. Under the connectivity objective (lambda - 1) a
   net spread over lambda ranks costs b's K/V sent to lambda - 1 of them: the partitioner's objective is the
-  total exact-need K/V volume of the plan (DESIGN.md section 2, summed over ranks).
+  total exact-need K/V volume of the plan (docs/DESIGN.md section 2, summed over ranks).
 - Partitioning: Mt-KaHyPar (``mtkahypar``, pip extra ``flashcp[hypergraph]``), k = N blocks, objective
   KM1, imbalance epsilon 0.01 on the vertex weights (scaled into its 32-bit range, ``_vertex_weights``),
   deterministic preset, one thread, seed 0.

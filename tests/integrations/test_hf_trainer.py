@@ -1,0 +1,339 @@
+"""CPTrainer (flashcp CP inside the Hugging Face Trainer) trains exactly what one process trains.
+
+One dataset (8 packed sequences of 256 tokens, token ids below the tiny models' vocabulary of 64) with plans
+for cp 1, 2 and 4. The reference is a plain single-process ``transformers.Trainer`` on the same global batches
+(the sequences in the loader's stream order, ``gradient_accumulation_steps`` = dp x the CP run's), each with a
+4-D document mask (``sdpa``), labels -100 at every document start (the model shifts them), float32. A torchrun
+launch of 2 gloo ranks and one of 4 run the CPTrainer cases (tests/hf_trainer_worker.py); each case's logged
+losses and grad norms and its final parameters must equal the reference's within ``LOSS_TOL``,
+``GRAD_NORM_RTOL`` and ``PARAM_TOL``. The sums run in another order in float32 (measured: losses within 5e-7,
+grad norms within 3e-7 relative); AdamW divides each entry's step by its own gradient scale, so entries with
+tiny gradients carry that noise into their update, and parameters are compared to 1% of the learning rate
+(measured: within 2e-5 after 3-5 steps at lr 1e-2). Resume from a Trainer checkpoint must be bit-for-bit
+exact. The refusals run in this process (one rank).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from flashcp.runtime import CPLoader  # noqa: E402
+from flashcp.runtime.loader import IGNORE_INDEX  # noqa: E402
+from tests.dist import free_port  # noqa: E402
+from tests.hf_trainer_worker import LR, SEED, make_model, training_arguments  # noqa: E402
+from tests.plans import write_dataset, write_plan  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+HAS_TRL = importlib.util.find_spec("trl") is not None
+CONTEXT, NUM_SEQS = 256, 8
+LOSS_TOL, GRAD_NORM_RTOL, PARAM_TOL = 1e-5, 1e-5, 1e-2 * LR
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """The dataset with plans ``cp1``, ``cp2``, ``cp4`` (flashcp strategy) and its sequences by (file, row)."""
+    from flashcp.planner.registry import plan_sequence
+
+    root = tmp_path_factory.mktemp("hf_trainer") / "data"
+    rng = np.random.default_rng(5)
+    rows = []
+    for _ in range(NUM_SEQS):
+        cuts = np.sort(rng.choice(np.arange(1, CONTEXT), size=int(rng.integers(3, 9)), replace=False))
+        rows.append(np.diff(np.r_[0, cuts, CONTEXT]))
+    rows[1] = np.r_[1, 1, 200, 54]  # one-token documents and one long document spread over every rank
+    dataset, tokens = write_dataset(root, [rows], CONTEXT, rng, row_group_rows=4, vocab_size=64)
+    for cp in (1, 2, 4):
+        write_plan(dataset, f"cp{cp}", [[plan_sequence("flashcp", lens, cp) for lens in rows]], cp)
+    return root, {(0, i): (tokens[0][i], rows[i]) for i in range(NUM_SEQS)}
+
+
+def stream_order(root, count: int, *, shuffle: bool) -> list[tuple[int, int]]:
+    """(file, row) of the first ``count`` sequences of the loader's global stream (seed ``SEED``)."""
+    loader = CPLoader(root, "cp1", 0, 1, seed=SEED, shuffle=shuffle)
+    order: list[tuple[int, int]] = []
+    while len(order) < count:
+        order += [(b.file_index, b.row) for b in loader]
+    return order[:count]
+
+
+class ReferenceData(torch.utils.data.Dataset):
+    """Whole packed sequences with a 4-D document mask, for a plain Trainer."""
+
+    def __init__(self, sequences, document_mask: bool = True):
+        self.items = []
+        for tokens, doc_lens in sequences:
+            doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.as_tensor(doc_lens))
+            position = torch.cat([torch.arange(n) for n in doc_lens])
+            ids = torch.as_tensor(tokens, dtype=torch.int64)
+            if not document_mask:  # one document: a causal mask over the whole packed sequence
+                doc = torch.zeros_like(doc)
+                position = torch.arange(len(doc))
+            mask = (doc[:, None] == doc[None, :]) & (position[None, :] <= position[:, None])  # (C, C) bool
+            self.items.append({"input_ids": ids, "position_ids": position,
+                               "labels": torch.where(position == 0, IGNORE_INDEX, ids), "attention_mask": mask[None]})
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def reference_run(planned, tmp_path, arch: str, *, dp: int, ga: int, steps: int, shuffle: bool = True,
+                  document_mask: bool = True, **overrides):
+    """Losses per step and final parameters of a plain single-process Trainer on the same global batches."""
+    from transformers import Trainer
+
+    root, sequences = planned
+    order = stream_order(root, steps * ga * dp, shuffle=shuffle)
+    model = make_model(arch, attn_implementation="sdpa")
+    args = training_arguments(str(tmp_path / f"ref-{arch}"), gradient_accumulation_steps=ga * dp, max_steps=steps,
+                              train_sampling_strategy="sequential", ddp_backend=None, **overrides)
+    trainer = Trainer(model=model, args=args, train_dataset=ReferenceData([sequences[k] for k in order],
+                                                                                 document_mask))
+    trainer.train()
+    log = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return log, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def losses_of(log_history) -> list[float]:
+    return [entry["loss"] for entry in log_history if "loss" in entry]
+
+
+def launch(world: int, root, out: Path, cases: list[dict]) -> dict[str, dict]:
+    """Run ``cases`` on ``world`` torchrun gloo ranks; returns each case's result saved by rank 0."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"data": str(root), "out": str(out), "cases": cases}))
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
+               str(free_port()), str(REPO / "tests" / "hf_trainer_worker.py"), str(spec)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=REPO, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the ranks did not finish within 600 s:\n{output[-5000:]}")
+    assert proc.returncode == 0, output[-5000:]
+    return {case["name"]: torch.load(out / f"{case['name']}.pt", weights_only=False) for case in cases}
+
+
+def max_errors(result, reference) -> tuple[float, float, float]:
+    """Max |loss error|, max relative grad-norm error (before clipping, per step), max |parameter error|."""
+    ref_log, ref_params = reference
+    log = [entry for entry in result["log_history"] if "loss" in entry]
+    assert len(log) == len(ref_log), (log, ref_log)
+    loss_err = max(abs(a["loss"] - b["loss"]) for a, b in zip(log, ref_log))
+    grad_err = max(abs(a["grad_norm"] / b["grad_norm"] - 1) for a, b in zip(log, ref_log))
+    param_err = max((result["params"][n] - p).abs().max().item() for n, p in ref_params.items())
+    return loss_err, grad_err, param_err
+
+
+
+def _cases_2(out: Path, data: Path) -> list[dict]:
+    full = dict(max_steps=5, save_strategy="steps", save_steps=2)
+    cases = [
+        dict(name="llama", arch="llama", plan="cp2", args=full),
+        dict(name="llama-resume-2", arch="llama", plan="cp2", args=full, resume=str(out / "llama" / "checkpoint-2")),
+        dict(name="llama-resume-4", arch="llama", plan="cp2", args=full, resume=str(out / "llama" / "checkpoint-4")),
+        dict(name="llama-checkpointing", arch="llama", plan="cp2", args=dict(max_steps=5, gradient_checkpointing=True),
+             trainer_kwargs=dict(comm="allgather")),
+        dict(name="llama-bf16", arch="llama", plan="cp2", args=dict(max_steps=5, bf16=True)),
+        dict(name="qwen2", arch="qwen2", plan="cp2", args=dict(train_sampling_strategy="sequential"),
+             trainer_kwargs=dict(comm="a2a")),
+        dict(name="cp4-on-2", arch="llama", plan="cp4"),
+        dict(name="example", script=str(REPO / "examples" / "hf_trainer.py"),
+             argv=[str(data), "cp2", str(out / "example")]),
+    ]
+    if HAS_TRL:
+        cases.append(dict(name="llama-sft", arch="llama", plan="cp2", args=dict(max_steps=5), trainer="sft"))
+    return cases
+
+
+def _cases_4() -> list[dict]:
+    return [
+        dict(name="llama-dp2", arch="llama", plan="cp2"),
+        dict(name="qwen2-cp4", arch="qwen2", plan="cp4"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(planned, tmp_path_factory):
+    root, _ = planned
+    out = tmp_path_factory.mktemp("w2")
+    return out, launch(2, root, out, _cases_2(out, root))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(planned, tmp_path_factory):
+    root, _ = planned
+    out = tmp_path_factory.mktemp("w4")
+    return out, launch(4, root, out, _cases_4())
+
+
+@pytest.fixture(scope="module")
+def references(planned, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("references")
+    return {
+        "llama-5": reference_run(planned, tmp, "llama", dp=1, ga=2, steps=5),
+        "qwen2-sequential": reference_run(planned, tmp, "qwen2", dp=1, ga=2, steps=3, shuffle=False),
+        "llama-dp2": reference_run(planned, tmp, "llama", dp=2, ga=2, steps=3),
+        "qwen2": reference_run(planned, tmp, "qwen2", dp=1, ga=2, steps=3),
+    }
+
+
+def check_equal(result, reference, where: str, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_NORM_RTOL,
+                param_tol: float = PARAM_TOL):
+    assert "error" not in result, f"{where}: {result.get('error')}"
+    loss_err, grad_err, param_err = max_errors(result, reference)
+    print(f"{where}: max |loss err| {loss_err:.2e}, grad norm {grad_err:.2e}, max |param err| {param_err:.2e}")
+    assert loss_err < loss_tol and grad_err < grad_tol and param_err < param_tol, \
+        f"{where}: max |loss err| {loss_err:.2e}, max relative grad-norm err {grad_err:.2e}, max |param err| " \
+        f"{param_err:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, reference", [("llama", "llama-5"), ("llama-checkpointing", "llama-5"),
+                                             ("qwen2", "qwen2-sequential")])
+def test_two_ranks_equal_one_process(two_ranks, references, name, reference):
+    _, results = two_ranks
+    assert results[name]["wrapped"] == "DistributedDataParallel"
+    check_equal(results[name], references[reference], f"cp 2 {name}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, reference", [("llama-dp2", "llama-dp2"), ("qwen2-cp4", "qwen2")])
+def test_four_ranks_equal_one_process(four_ranks, references, name, reference):
+    _, results = four_ranks
+    assert results[name]["wrapped"] == "DistributedDataParallel"
+    check_equal(results[name], references[reference], f"4 ranks {name}")
+
+
+@pytest.mark.slow
+def test_bf16_trains_close_to_float32(two_ranks, references):
+    _, results = two_ranks
+    check_equal(results["llama-bf16"], references["llama-5"], "bf16", loss_tol=2e-2, grad_tol=5e-2, param_tol=5 * LR)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRL, reason="needs trl (pip install 'flashcp[trl]')")
+def test_sft_trainer_equals_one_process(two_ranks, references):
+    _, results = two_ranks
+    check_equal(results["llama-sft"], references["llama-5"], "CPSFTTrainer")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", [2, 4])
+def test_resume_from_a_checkpoint_is_exact(two_ranks, step):
+    out, results = two_ranks
+    full, resumed = results["llama"], results[f"llama-resume-{step}"]
+    assert "error" not in resumed, resumed.get("error")
+    # the resumed log is the checkpoint's (steps 1 .. step) and then the resumed run's own steps
+    def steps(result):
+        return [(e["step"], e["loss"], e["grad_norm"]) for e in result["log_history"] if "loss" in e]
+
+    assert steps(resumed) == steps(full) and len(steps(full)) == 5
+    assert all(torch.equal(resumed["params"][n], p) for n, p in full["params"].items())
+    saved = json.loads((out / "llama" / "checkpoint-5" / "flashcp_loader.json").read_text())
+    again = json.loads((out / "llama-resume-2" / "checkpoint-5" / "flashcp_loader.json").read_text())
+    assert saved == again and saved["loader"]["epoch"] == 1 and saved["loader"]["position"] == 2, saved
+
+
+@pytest.mark.slow
+def test_plan_for_another_launch_is_refused(two_ranks):
+    _, results = two_ranks
+    assert results["cp4-on-2"] == {"error": "plan 'cp4' was made for cp 4 but 2 ranks were launched; launch a "
+                                            "multiple of 4 ranks (dp x cp)"}
+
+
+@pytest.mark.slow
+def test_example_script_trains_and_saves(two_ranks):
+    out, results = two_ranks
+    assert "error" not in results["example"], results["example"].get("error")
+    state = json.loads((out / "example" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert [entry["step"] for entry in state["log_history"]] == [1, 2, 3, 4]
+    assert (out / "example" / "checkpoint-2" / "flashcp_loader.json").is_file()
+
+
+def test_the_comparison_can_fail(planned, references, tmp_path):
+    # the parameters moved far more than the tolerance, and attending across documents (one causal mask over
+    # the whole packed sequence) trains parameters that differ by far more too: equal numbers are not by accident
+    log, final = references["llama-5"]
+    init = dict(make_model("llama", attn_implementation="sdpa").named_parameters())
+    assert max((final[n] - p).abs().max().item() for n, p in init.items()) > 100 * PARAM_TOL
+    causal = reference_run(planned, tmp_path, "llama", dp=1, ga=2, steps=5, document_mask=False)
+    assert max((final[n] - p).abs().max().item() for n, p in causal[1].items()) > 100 * PARAM_TOL
+
+
+def test_one_process_with_a_cp1_plan_equals_the_plain_trainer(planned, references, tmp_path):
+    from flashcp.integrations.hf_trainer import CPTrainer
+
+    root, _ = planned
+    args = training_arguments(str(tmp_path / "cp1"), ddp_backend=None)
+    trainer = CPTrainer(model=make_model("qwen2"), args=args, train_dataset=str(root), plan="cp1")
+    trainer.train()
+    result = {"log_history": trainer.state.log_history, "params": dict(trainer.model.named_parameters())}
+    check_equal(result, references["qwen2"], "one process, cp 1")
+
+
+def test_refusals_are_one_sentence(planned, tmp_path):
+    from flashcp.errors import FlashcpError
+    from flashcp.integrations.hf_trainer import CPTrainer
+
+    root, sequences = planned
+    model = make_model("llama")
+
+    def build(*, args=None, **kwargs):
+        kwargs = {"train_dataset": str(root), "plan": "cp1", **kwargs}
+        args = training_arguments(str(tmp_path / "refused"), ddp_backend=None, **(args or {}))
+        return CPTrainer(model=model, args=args, **kwargs)
+
+    cases = [
+        (dict(args=dict(per_device_train_batch_size=2)), "per_device_train_batch_size=2; set it to 1"),
+        (dict(args=dict(auto_find_batch_size=True)), "set auto_find_batch_size=False"),
+        (dict(args=dict(label_smoothing_factor=0.1)), "no label smoothing"),
+        (dict(args=dict(train_sampling_strategy="group_by_length")), "train_sampling_strategy='group_by_length'"),
+        (dict(args=dict(eval_strategy="steps", eval_steps=1)), "does not evaluate yet"),
+        (dict(eval_dataset=ReferenceData([sequences[0, 0]])), "cannot honour eval_dataset"),
+        (dict(data_collator=lambda rows: rows), "cannot honour data_collator"),
+        (dict(compute_loss_func=lambda *a, **k: 0), "cannot honour compute_loss_func"),
+        (dict(train_dataset=ReferenceData([sequences[0, 0]])), "got a ReferenceData; pass the folder's path"),
+        (dict(plan="cp2", cp=4), "plan 'cp2' was made for cp 2 but cp is 4"),
+        (dict(plan="cp2"), "plan 'cp2' was made for cp 2 but 1 ranks were launched"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)) as refused:
+            build(**kwargs)
+        assert "\n" not in str(refused.value)
+    with pytest.raises(FlashcpError, match="plan 'cp9' does not exist"):
+        build(plan="cp9")
+    with pytest.raises(FlashcpError, match="is not a dataset folder"):
+        build(train_dataset=str(tmp_path / "missing"))
+
+    trainer = build(args=dict(max_steps=1, save_strategy="steps", save_steps=1))
+    trainer.train()
+    checkpoint = tmp_path / "refused" / "checkpoint-1"
+    assert json.loads((checkpoint / "flashcp_loader.json").read_text())["loader"]["position"] == 2
+    batch = next(iter(trainer.get_train_dataloader()))
+    padded = dict(batch, attention_mask=torch.ones_like(batch["input_ids"]).index_fill_(1, torch.tensor([3]), 0))
+    with pytest.raises(ValueError, match="have no padding; remove the attention_mask"):
+        trainer.compute_loss(trainer.model, padded, num_items_in_batch=batch["num_label_tokens"])
+    (checkpoint / "flashcp_loader.json").unlink()  # a checkpoint another trainer wrote
+    with pytest.raises(ValueError, match="has no flashcp_loader.json: it was not saved by CPTrainer"):
+        build(args=dict(max_steps=2)).train(resume_from_checkpoint=str(checkpoint))

@@ -1,0 +1,74 @@
+"""Plan files (flashcp.planner.store): written a row group at a time, read back as the planner made them."""
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from flashcp.cli import cli
+from flashcp.data.dataset import Dataset
+from flashcp.fileio import sha256_file
+from flashcp.planner import plan_sequence
+from flashcp.planner.store import CP_KEY, PLAN_SCHEMA, PlanFileWriter, PlanStore, plan_table
+
+
+def _table(plans):
+    offsets = np.r_[0, np.cumsum([p.shard_doc.size for p in plans])]
+    cat = lambda name: np.concatenate([getattr(p, name) for p in plans])  # noqa: E731
+    n = len(plans)
+    return plan_table(offsets, cat("shard_doc"), cat("shard_start"), cat("shard_len"), cat("shard_rank"),
+                      np.ones(n), np.zeros(n, np.int64), np.zeros(n, np.int64))
+
+
+def test_row_groups_round_trip_with_cp_in_the_footer(tmp_path):
+    rng = np.random.default_rng(1)
+    plans = [plan_sequence("flashcp", rng.integers(1, 900, rng.integers(1, 9)), 4) for _ in range(5)]
+    writer = PlanFileWriter(tmp_path, 3, cp=4)
+    writer.write(_table(plans[:2]))
+    writer.write(_table(plans[2:]))
+    entry = writer.close()
+    path = tmp_path / "part-00003.parquet"
+    assert entry["path"] == path.name and entry["rows"] == 5 and entry["sha256"] == sha256_file(path)
+    parquet = pq.ParquetFile(path)
+    assert parquet.num_row_groups == 2 and parquet.schema_arrow.metadata[CP_KEY] == b"4"
+    table = parquet.read()
+    assert table.schema.remove_metadata() == PLAN_SCHEMA.remove_metadata()
+    for row, plan in enumerate(plans):
+        assert table.column("shard_rank")[row].as_py() == plan.shard_rank.tolist()
+        assert table.column("shard_start")[row].as_py() == plan.shard_start.tolist()
+
+
+def test_an_aborted_writer_leaves_what_was_there(tmp_path):
+    old = tmp_path / "part-00000.parquet"
+    old.write_bytes(b"the previous plan file")
+    writer = PlanFileWriter(tmp_path, 0, cp=2)
+    writer.write(_table([plan_sequence("llama3", [5, 7], 2)]))
+    writer.abort()
+    assert old.read_bytes() == b"the previous plan file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [old.name]
+
+
+def test_the_store_reads_back_what_plan_wrote(tmp_path):
+    data = tmp_path / "d"
+    runner = CliRunner()
+    for args in (["synth", str(data), "--dist", "pile", "--num-seqs", "9", "--context-len", "8192", "--no-tokens",
+                  "--rows-per-file", "4"],
+                 ["plan", str(data), "--cp", "8", "--strategy", "flashcp+", "--compare", "0"]):
+        assert runner.invoke(cli, args).exit_code == 0
+    dataset = Dataset(data)
+    store = PlanStore(dataset, "cp8-flashcp+")
+    assert store.cp == 8 and len(store.plan_files) == 3
+    for index, data_file in enumerate(dataset.files):
+        lens = pq.read_table(dataset.path(data_file), columns=["doc_lens"]).column("doc_lens").to_pylist()
+        stored = list(store.iter_plans(index))
+        assert len(stored) == len(lens)
+        for row_lens, one in zip(lens, stored):
+            want = plan_sequence("flashcp+", row_lens, 8)
+            assert (one.plan.shard_rank == want.shard_rank).all() and (one.plan.shard_len == want.shard_len).all()
+    meta = json.loads((data / "plans" / "cp8-flashcp+" / "plan.json").read_text())
+    meta["cp"] = 4
+    (data / "plans" / "cp8-flashcp+" / "plan.json").write_text(json.dumps(meta))
+    with pytest.raises(Exception, match="cp"):
+        PlanStore(Dataset(data), "cp8-flashcp+")
