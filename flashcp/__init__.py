@@ -8,3 +8,6 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0.0.0+source"
 
 __all__ = ["__version__"]
+
+COMMAND_LINE = False
+"""True in a ``flashcp`` command-line process (``flashcp.cli.main``), False in a library user's."""

@@ -216,3 +216,32 @@ def njit(func=None, *, cache: bool = True, **options):
         return dispatcher
 
     return wrap if func is None else wrap(func)
+
+
+def skip_blas_probe() -> None:
+    """Tell numba there is no BLAS before it looks, in the ``flashcp`` command line only.
+
+    The first time numba compiles or loads a kernel it imports its numpy implementations, and one of them
+    (``numba.np.arraymath``) imports ``scipy.linalg`` to learn whether ``np.correlate`` may call BLAS:
+    0.4-0.5 s of a ``flashcp plan`` start-up (measured on a one-sequence plan, bench/RESULTS.md). flashcp's
+    kernels call no BLAS, so the command line (``flashcp.cli.main``) answers that probe with "none": the
+    result only picks numba's own loop for ``np.correlate``. Library users' processes are left alone.
+    """
+    if "numba.np.arraymath" in sys.modules:
+        return
+    import numba.np.linalg as linalg
+
+    real = linalg.ensure_blas
+
+    def no_blas():
+        raise ImportError("flashcp's kernels use no BLAS")
+
+    linalg.ensure_blas = no_blas
+    try:
+        import numba.np.arraymath  # noqa: F401  (runs the probe, which now finds no BLAS)
+    finally:
+        linalg.ensure_blas = real
+
+
+if getattr(sys.modules.get("flashcp"), "COMMAND_LINE", False):
+    skip_blas_probe()

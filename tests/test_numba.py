@@ -71,3 +71,32 @@ def test_no_compile_notice_once_the_kernels_are_compiled():
     errors = check.check_batch(offsets, lens, *plans, 2, 0.0)[0]
     assert errors.tolist() == [0]
     assert not batch.needs_compile("llama3")
+
+
+def test_the_command_line_skips_numbas_blas_probe(tmp_path):
+    """``flashcp`` processes never import scipy.linalg (numba's BLAS probe, ~0.4 s of start-up); a library
+    user's process keeps numba's own probe."""
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+
+    from flashcp.cli import cli
+
+    data = tmp_path / "d"
+    assert CliRunner().invoke(cli, ["synth", str(data), "--dist", "wlb", "--num-seqs", "2", "--context-len", "4096",
+                                    "--no-tokens"]).exit_code == 0
+    command = ("import sys\nfrom flashcp.cli import main\n"
+               f"sys.argv = ['flashcp', 'plan', {str(data)!r}, '--cp', '4', '--strategy', 'llama3', '-q']\n"
+               "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+               "print('scipy.linalg' in sys.modules, 'numba.np.arraymath' in sys.modules)")
+    library = ("import sys\nfrom flashcp.planner import plan_sequence\nplan_sequence('llama3', [5, 9], 2)\n"
+               "print('scipy.linalg' in sys.modules, 'numba.np.arraymath' in sys.modules)")
+    run = lambda code: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,  # noqa: E731
+                                      check=True).stdout.split()[-2:]
+    assert run(command) == ["False", "True"]
+    try:
+        import scipy.linalg  # noqa: F401
+    except ImportError:
+        return  # no scipy: numba's probe finds none either way
+    assert run(library) == ["True", "True"]

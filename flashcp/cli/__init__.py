@@ -95,6 +95,9 @@ def cli(verbose: bool, quiet: bool) -> None:
 
 def main() -> None:
     """Console-script entry point."""
+    import flashcp
+
+    flashcp.COMMAND_LINE = True  # read by flashcp._numba when a command first needs the kernels
     cli(prog_name="flashcp")
 
 
