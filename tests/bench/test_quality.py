@@ -1,0 +1,33 @@
+"""The plan-quality scenario (flashcp.bench.quality): strategy specs with targets and parameters, at toy sizes."""
+
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.bench import bench_run as _bench
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quality_strategy_specs(tmp_path):
+    out = tmp_path / "q.json"
+    result = _bench("--scenario", "quality", "--dist", "wlb", "--cp", "4", "--seqs", "3", "--context-len", "8192",
+                    "--strategies", "flashcp+,flashcp+@1.05,magi:chunk_size=1024,flashcp2:effort=0;token_slack=0.05,"
+                    "flashcp2", "--price-tokens", "--json", str(out))
+    rows = json.loads(out.read_text())["quality"]["rows"]
+    assert [r["strategy"] for r in rows] == ["flashcp+", "flashcp+@1.05", "magi:chunk_size=1024",
+                                             "flashcp2:effort=0;token_slack=0.05", "flashcp2"]
+    assert rows[1]["params"]["target_imbalance"] == 1.05 and rows[2]["params"]["chunk_size"] == 1024
+    assert rows[3]["params"]["effort"] == 0 and rows[3]["params"]["token_slack"] == 0.05
+    for r in rows:
+        assert r["received_pct"] == pytest.approx(100 * (1 - r["a2a_saving_mean"]))
+        assert r["step_ms"] == pytest.approx(sum(r["step_ms_all"]) / 3)
+        assert r["shards_per_rank"] == pytest.approx(r["shards_mean"] / 4)
+    # flashcp2's targets: its imbalance, its step time against the 4 other specs of its row, its receive
+    # against the plain peers among them (flashcp+ only: the others carry parameters)
+    assert "flashcp2:effort=0;token_slack=0.05" in result.output
+    targets = json.loads(out.read_text())["quality"]["targets"]
+    assert len(targets) == 1 + 4 + 1
+    assert sum(f"target: wlb cp4 {t}" in result.output for t in ("flashcp2 max", "step", "receive")) == 3
