@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashcp.runtime import kernels
+from flashcp.runtime import cp_attention, kernels
 from flashcp.runtime.emulate import emulate_cp_attention, random_plan
 from flashcp.runtime.kernels import (
     BackendFallbackWarning,
@@ -24,9 +24,11 @@ from flashcp.runtime.kernels import (
     varlen_attention_backward,
     varlen_attention_forward,
 )
+from flashcp.runtime.meta import rank_token_positions
 from tests import fake_kernels
 from tests.fake_kernels import BACKEND_OF, FAKES
 from tests.naive import naive_document_attention
+from tests.runtime import TOL, qkv
 
 BLOCKWISE_FAKES = tuple(f for f in FAKES if f != "flash_attn-2.5")
 
@@ -314,8 +316,7 @@ def test_old_padded_lse_falls_back_for_blockwise(installed):
 
 def test_float32_on_a_gpu_warns_once_and_runs_the_reference(installed):
     # finding 5: float32 CUDA tensors fit no GPU kernel
-    from flashcp.runtime import cp_attention
-    from flashcp.runtime.meta import CPAttnMeta, rank_token_positions
+    from flashcp.runtime.meta import CPAttnMeta
 
     installed("flash_attn-2.8", "torch_varlen")
     doc_lens = np.array([5, 3])
@@ -348,3 +349,22 @@ def test_training_defaults_to_bfloat16_on_cuda():
     train_tiny = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_tiny)
     assert train_tiny.parse_args(["DATA", "--plan", "cp2-x"]).dtype is None
+
+
+def test_reference_kernel_is_bottom_right_causal():
+    # one query shard [3, 5) of a 5-token document: its rows of full causal attention over keys [0, 5)
+    q, k, v = qkv(5, 4, 2)
+    full = naive_document_attention(q, k, v, [5])
+    out = varlen_attention(q[3:], k, v, torch.tensor([0, 2], dtype=torch.int32),
+                           torch.tensor([0, 5], dtype=torch.int32), 2, 5, "reference")
+    assert (out - full[3:]).abs().max().item() < TOL
+
+
+def test_backend_resolution_on_cpu():
+    q = torch.zeros(2, 2, 4)
+    assert resolve_backend("auto", q) == "reference"
+    for backend in ("flash_attn", "torch_varlen"):
+        with pytest.raises(BackendUnavailableError, match=f"'{backend}' cannot run here: .*CUDA"):
+            resolve_backend(backend, q)
+    with pytest.raises(BackendUnavailableError, match="unknown backend 'flash'"):
+        resolve_backend("flash", q)

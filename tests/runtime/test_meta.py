@@ -1,93 +1,18 @@
-"""Single-process runtime checks: kernels, meta construction and an emulated exchange (no process group)."""
+"""The per-rank attention meta (flashcp.runtime.meta): comm numbers equal to the cost model, local-only shards,
+inactive exchanges, moving to a device once (no process group)."""
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from flashcp.costmodel.comm import allgather_contributions, exact_need_received
 from flashcp.costmodel.workload import token_quotas
 from flashcp.runtime import CPAttnMeta, cp_attention
-from flashcp.runtime.emulate import emulate_cp_attention, random_plan
-from flashcp.runtime.kernels import BackendUnavailableError, resolve_backend, varlen_attention
-from flashcp.runtime.meta import COLLECTIVE_MODES, COMM_MODES, build_rank_metas, rank_token_positions
+from flashcp.runtime.emulate import random_plan
+from flashcp.runtime.meta import COLLECTIVE_MODES, build_rank_metas, rank_token_positions
 from tests.naive import naive_document_attention
-from tests.plans import llama3_like_plan, perdoc_like_plan, whole_docs_case
-
-TOL = 1e-10
-
-
-def qkv(context_len, num_heads, num_kv_heads, head_dim=8, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(h):
-        return torch.randn(context_len, h, head_dim, dtype=torch.float64, generator=gen, requires_grad=True)
-
-    return rand(num_heads), rand(num_kv_heads), rand(num_kv_heads)
-
-
-def max_errors(out, ref, inputs, grad_out, ref_grads):
-    got = torch.autograd.grad(out, inputs, grad_out)
-    return [(out - ref).abs().max().item()] + [(a - b).abs().max().item() for a, b in zip(got, ref_grads)]
-
-
-def check_plan(plan, doc_lens, num_heads=4, num_kv_heads=2, seed=0, comms=COMM_MODES + ("auto",)):
-    q, k, v = qkv(int(np.sum(doc_lens)), num_heads, num_kv_heads, seed=seed)
-    ref = naive_document_attention(q, k, v, doc_lens)
-    grad_out = torch.randn_like(ref)
-    ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out)
-    for comm in comms:
-        out = emulate_cp_attention(q, k, v, plan, doc_lens, comm, "reference")
-        errors = max_errors(out, ref.detach(), (q, k, v), grad_out, ref_grads)
-        assert max(errors) < TOL, f"{comm}: max |err| of out, dq, dk, dv = {errors}"
-
-
-def test_reference_kernel_is_bottom_right_causal():
-    # one query shard [3, 5) of a 5-token document: its rows of full causal attention over keys [0, 5)
-    q, k, v = qkv(5, 4, 2)
-    full = naive_document_attention(q, k, v, [5])
-    out = varlen_attention(q[3:], k, v, torch.tensor([0, 2], dtype=torch.int32),
-                           torch.tensor([0, 5], dtype=torch.int32), 2, 5, "reference")
-    assert (out - full[3:]).abs().max().item() < TOL
-
-
-def test_backend_resolution_on_cpu():
-    q = torch.zeros(2, 2, 4)
-    assert resolve_backend("auto", q) == "reference"
-    for backend in ("flash_attn", "torch_varlen"):
-        with pytest.raises(BackendUnavailableError, match=f"'{backend}' cannot run here: .*CUDA"):
-            resolve_backend(backend, q)
-    with pytest.raises(BackendUnavailableError, match="unknown backend 'flash'"):
-        resolve_backend("flash", q)
-
-
-@st.composite
-def random_cases(draw):
-    cp = draw(st.integers(1, 4))
-    doc_lens = draw(st.lists(st.integers(1, 9), min_size=1, max_size=6))
-    if sum(doc_lens) < cp:
-        doc_lens.append(cp)
-    seed = draw(st.integers(0, 2**32 - 1))
-    max_pieces = draw(st.sampled_from([1, 2, 4, 1000]))
-    plan = random_plan(doc_lens, cp, np.random.default_rng(seed), max_pieces=max_pieces, cut_prob=0.2)
-    return plan, doc_lens, draw(st.sampled_from([(4, 4), (4, 2), (4, 1)]))
-
-
-@settings(max_examples=40, deadline=None)
-@given(random_cases())
-def test_emulated_random_plans_match_dense_reference(case):
-    plan, doc_lens, (num_heads, num_kv_heads) = case
-    check_plan(plan, doc_lens, num_heads, num_kv_heads)
-
-
-@pytest.mark.parametrize("cp", [2, 3, 4])
-def test_emulated_baseline_plans_match_dense_reference(cp):
-    rng = np.random.default_rng(cp)
-    doc_lens = rng.integers(1, 15, size=5)
-    check_plan(llama3_like_plan(doc_lens, cp), doc_lens)
-    doc_lens = 2 * cp * rng.integers(1, 4, size=3)
-    check_plan(perdoc_like_plan(doc_lens, cp), doc_lens, num_kv_heads=4)
+from tests.plans import llama3_like_plan, whole_docs_case
+from tests.runtime import TOL, qkv
 
 
 def test_meta_comm_numbers_equal_the_cost_model():

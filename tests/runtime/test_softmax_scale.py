@@ -8,7 +8,7 @@ from flashcp.runtime.emulate import emulate_cp_attention, random_plan
 from flashcp.runtime.kernels import varlen_attention
 from flashcp.runtime.meta import COMM_MODES
 from tests.naive import naive_document_attention
-from tests.runtime.test_meta import max_errors, qkv
+from tests.runtime import max_errors, qkv
 
 TOL = 1e-10
 
