@@ -21,6 +21,11 @@ import torch
 from click.testing import CliRunner
 
 from flashcp.cli import cli as flashcp_cli
+from flashcp.errors import FlashcpError
+from flashcp.outputs import check_output, json_report, write_json_output
+
+REPORT = json_report("flashcp-snapshot", "a bench/snapshot.py snapshot", option="OUT")
+"""OUT is written only where nothing is or a snapshot was (flashcp.outputs)."""
 
 STRATEGIES = ["llama3", "perdoc", "flashcp", "flashcp+", "ring", "magi", "ptrr", "dcp", "flashcp2"]
 FLASHCP2_VARIANTS = [["--effort", "0"], ["--effort", "2"], ["--token-slack", "0.05"]]
@@ -82,9 +87,16 @@ def hash_value(digest, value) -> None:
 def main() -> None:
     from flashcp.runtime import CPLoader
 
+    if len(sys.argv) != 3:
+        sys.exit("usage: python bench/snapshot.py OUT.json WORKDIR")
     out_path, work = Path(sys.argv[1]), Path(sys.argv[2])
+    try:
+        check_output(out_path, REPORT)  # before any work: a user's file is never replaced
+    except FlashcpError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     work.mkdir(parents=True, exist_ok=True)
-    out: dict = {}
+    out: dict = {"format": "flashcp-snapshot"}
     for dist in ("wlb", "prolong", "pile"):
         data = work / f"d-{dist}"
         if not data.exists():
@@ -121,8 +133,8 @@ def main() -> None:
                                           dp_size=dp, seed=5):
                         hash_value(digest, batch)
                 out[f"loader {strategy} dp{dp} rank{rank}"] = digest.hexdigest()
-    out_path.write_text(json.dumps(out, indent=1, sort_keys=True))
-    print("wrote", out_path, len(out))
+    write_json_output(out_path, REPORT, out)
+    print("wrote", out_path, len(out) - 1, "entries")
 
 
 if __name__ == "__main__":

@@ -39,3 +39,18 @@ def test_wrappers_spell_bench_commands(tmp_path):
                        "q.json", "--price-tokens"]
     # and the CLI takes what they spell
     _bench(*quality[1:-3], "--context-len", "4096", "--json", str(tmp_path / "q.json"))
+
+
+def test_snapshot_refuses_a_users_file_before_any_work(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.faults.workspace import tree
+
+    out = tmp_path / "notes.json"
+    out.write_text('{"mine": true}\n')
+    before = tree(tmp_path)
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "snapshot.py"), str(out), str(tmp_path / "work")],
+                            capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1 and "notes.json" in result.stderr
+    assert tree(tmp_path) == before and not (tmp_path / "work").exists()
