@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 
 from flashcp.costmodel.workload import token_quotas
 from flashcp.data.dataset import Dataset, data_table, write_data_file, write_manifest
-from flashcp.planner.plan import SequencePlan
+from flashcp.planner.plan import SequencePlan, check_metrics
+from flashcp.planner.registry import plan_sequence
 from flashcp.planner.store import plan_table, write_plan_file, write_plan_json
-from tests.naive import naive_flashcp, naive_flashcp_plus, naive_llama3, naive_perdoc, naive_ring_plan
+from tests.naive import naive_flashcp, naive_flashcp_plus, naive_llama3, naive_metrics, naive_perdoc, naive_ring_plan
 
 
 def _cut(doc_lens, piece_sizes, piece_ranks, cp) -> SequencePlan:
@@ -202,10 +203,6 @@ REFERENCES = {"llama3": naive_llama3, "perdoc": naive_perdoc, "flashcp": naive_f
 
 def assert_same_as_reference(name, lens, cp, **params):
     """Plan with the named strategy and require the plain-Python reference's plan and metrics."""
-    from flashcp.planner import plan_sequence
-    from flashcp.planner.plan import check_metrics
-    from tests.naive import naive_metrics
-
     got = plan_sequence(name, lens, cp, **params)
     expected = REFERENCES[name](lens, cp, *params.values())
     assert as_tuples(got) == expected, f"{name} cp={cp} lens={lens}"
