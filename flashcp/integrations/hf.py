@@ -10,6 +10,9 @@ attention function as a keyword argument::
 
     register_flashcp_attention()
     model = LlamaForCausalLM._from_config(config, attn_implementation="cp_attention")
+    if not getattr(model, "_flashcp_checked", False):
+        check_hf_model(model)
+        model._flashcp_checked = True  # a plain attribute: not in the state dict
     out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], use_cache=False,
                 **hf_attention_kwargs(batch.attn, group=group, comm="a2a"))
 
@@ -30,6 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from flashcp.integrations.hf_support import (
+    UnsupportedModelError,
+    attention_kwarg_problem,
+    check_hf_config,
+    check_hf_model,
+)
 from flashcp.runtime import CommStats, CPAttention, CPAttnMeta, cp_attention
 from flashcp.runtime.loader import Batch
 from flashcp.train.loss import causal_lm_loss_sum
@@ -66,33 +75,43 @@ def hf_attention_kwargs(meta: CPAttnMeta, *, group=None, comm: str = "auto", bac
             "flashcp_stats": stats}
 
 
-def flashcp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                              attention_mask: torch.Tensor | None, scaling: float | None = None,
-                              dropout: float = 0.0, *, flashcp_meta: CPAttnMeta | None = None,
-                              flashcp_group=None, flashcp_comm: str = "auto", flashcp_backend: str = "auto",
-                              flashcp_stats: CommStats | None = None, sliding_window: int | None = None,
-                              softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def flashcp_attention_forward(module: nn.Module | None, query: torch.Tensor, key: torch.Tensor,
+                              value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None = None,
+                              *, flashcp_meta: CPAttnMeta | None = None, flashcp_group=None,
+                              flashcp_comm: str = "auto", flashcp_backend: str = "auto",
+                              flashcp_stats: CommStats | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """Attention function for transformers: ``cp_attention`` on this rank's packed tokens.
 
     Args:
-        module: the calling attention layer (unused).
+        module: the calling attention layer; on its first call its config is checked
+            (``hf_support.check_hf_config``: layer kinds, windows, chunks, soft-capping, architecture).
         query: (1, H, T, D), RoPE applied.
         key: (1, K, T, D), RoPE applied; ``H % K == 0``.
         value: (1, K, T, D).
         attention_mask: must be None (the document mask comes from the plan).
         scaling: the softmax scale (passed to the kernels; None means ``1 / sqrt(D)``).
-        dropout: must be 0.
         flashcp_meta: this rank's CPAttnMeta (``batch.attn``); required.
         flashcp_group: the CP process group (None: the default group).
         flashcp_comm: ``allgather``, ``a2a``, ``full`` or ``auto``.
         flashcp_backend: ``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``.
         flashcp_stats: a CommStats recording the collectives, or None.
-        sliding_window: must be None (not supported).
-        softcap: must be None (not supported).
-        **kwargs: the model's other forward arguments (``position_ids``, ``use_cache``, ...), ignored.
+        **kwargs: the layer's other arguments: those that do not change the result (``position_ids``,
+            ``use_cache``, ..., ``hf_support.HARMLESS_ATTENTION_KWARGS``) and options switched off (None,
+            ``dropout=0``, ``is_causal=True``) are accepted; any other (sinks ``s_aux``, ``sliding_window``,
+            ``softcap``, attention dropout, ...) is refused, never dropped.
 
-    Returns ``(out, None)`` with ``out`` (1, T, H, D).
+    Returns ``(out, None)`` with ``out`` (1, T, H, D). Raises ValueError (``UnsupportedModelError`` for the
+    model's own settings) with one sentence.
     """
+    if module is not None and not getattr(module, "_flashcp_checked", False):
+        config = getattr(module, "config", None)
+        if config is not None:
+            check_hf_config(config)
+        module._flashcp_checked = True  # a plain attribute: not in the state dict
+    for name, option in kwargs.items():
+        problem = attention_kwarg_problem(name, option)
+        if problem is not None:
+            raise UnsupportedModelError(problem)
     if flashcp_meta is None:
         raise ValueError("the cp_attention implementation needs this rank's CPAttnMeta: call the model with "
                          "**hf_attention_kwargs(batch.attn, group=...)")
@@ -102,12 +121,6 @@ def flashcp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     if attention_mask is not None:
         raise ValueError("cp_attention takes the document mask from the plan; call the model without "
                          "attention_mask")
-    if dropout:
-        raise ValueError(f"cp_attention has no attention dropout, got dropout {dropout}; set the config's "
-                         "attention_dropout to 0")
-    if sliding_window is not None or softcap is not None:
-        raise ValueError("cp_attention supports neither sliding-window attention nor logit soft-capping, got "
-                         f"sliding_window={sliding_window}, softcap={softcap}")
     out_THD = cp_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                            flashcp_meta, group=flashcp_group, comm=flashcp_comm, backend=flashcp_backend,
                            stats=flashcp_stats, softmax_scale=scaling)
@@ -118,8 +131,13 @@ def hf_loss_sum(model: nn.Module, batch: Batch, attn: CPAttention) -> torch.Tens
     """Summed next-token loss of a transformers causal LM over this rank's labels (``train_step``'s hook).
 
     The labels come from the batch (next token inside the same document, -100 at a document's end), not
-    from the model, whose own loss would shift the rank-local tokens and cross shard boundaries.
+    from the model, whose own loss would shift the rank-local tokens and cross shard boundaries. The model is
+    checked on its first call (``check_hf_model``): one flashcp cannot train exactly under CP is refused
+    before any gradient.
     """
+    if not getattr(model, "_flashcp_checked", False):
+        check_hf_model(model)
+        model._flashcp_checked = True  # a plain attribute: not in the state dict
     out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], use_cache=False,
                 **hf_attention_kwargs(attn.meta, group=attn.group, comm=attn.comm, backend=attn.backend,
                                       stats=attn.stats))

@@ -24,11 +24,13 @@ and replaces the four things CP changes:
   written before the Trainer's own files); ``resume_from_checkpoint`` restores it, and the micro-batches the
   Trainer skips on resume are placeholders that read nothing, so the run continues at the same sequence.
 
-What the Trainer cannot honour under CP is refused with one sentence: a ``per_device_train_batch_size`` other
-than 1, ``auto_find_batch_size``, a ``train_dataset`` that is not a flashcp dataset folder, a plan whose ``cp``
-differs from the ``cp`` argument or does not divide the launched world, a ``data_collator``, evaluation, label
-smoothing, a ``compute_loss_func``, DataParallel (several GPUs in one process), DeepSpeed, accelerate's own
-context / sequence / tensor parallelism, and, in a batch, an ``attention_mask`` with padding.
+What the Trainer cannot honour under CP is refused with one sentence: a model flashcp cannot train exactly under CP
+(``flashcp.integrations.hf_support``: any layer that is not full attention, an unverified architecture), a
+``per_device_train_batch_size`` other than 1, ``auto_find_batch_size``, a ``train_dataset`` that is not a flashcp
+dataset folder, a plan whose ``cp`` differs from the ``cp`` argument or does not divide the launched world, a
+``data_collator``, evaluation, label smoothing, a ``compute_loss_func``, DataParallel (several GPUs in one process),
+DeepSpeed, accelerate's own context / sequence / tensor parallelism, and, in a batch, an ``attention_mask`` with
+padding.
 
 TRL: ``CPSFTTrainer`` (this module's attribute, built on first access; needs ``pip install 'flashcp[trl]'``) is
 the same overrides on ``trl.SFTTrainer``: the SFT configuration, model loading by name, PEFT adapters and
@@ -63,6 +65,7 @@ from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
 from flashcp.fileio import write_json_atomic
 from flashcp.integrations.hf import ATTN_IMPLEMENTATION, hf_attention_kwargs, register_flashcp_attention
+from flashcp.integrations.hf_support import check_hf_model
 from flashcp.planner.store import PlanStore
 from flashcp.runtime.loader import Batch, CPLoader
 from flashcp.train.loss import causal_lm_loss_sum
@@ -204,12 +207,18 @@ class CPTrainerMixin:
                              "cp_size, sp_size and tp_size")
 
     def _use_cp_attention(self, model: Any) -> None:
-        """Switch ``model`` (or a PEFT model's base) to the ``cp_attention`` implementation."""
+        """Check ``model`` (or a PEFT model's base) and switch it to the ``cp_attention`` implementation.
+
+        A model flashcp cannot train exactly under CP (``hf_support.check_hf_model``: recurrent, state-space,
+        convolution, sliding-window, chunked or sink layers, an unverified architecture) is refused here, before
+        the first step.
+        """
         register_flashcp_attention()
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's base
         config = getattr(base, "config", None)
         if config is None or not hasattr(base, "set_attn_implementation"):
             raise ValueError(f"CPTrainer trains transformers models (PreTrainedModel), got a {type(base).__name__}")
+        check_hf_model(base)
         if config._attn_implementation != ATTN_IMPLEMENTATION:
             base.set_attn_implementation(ATTN_IMPLEMENTATION)
         if config._attn_implementation != ATTN_IMPLEMENTATION:

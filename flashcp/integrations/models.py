@@ -49,6 +49,8 @@ def build_model(options: TrainOptions, device: torch.device, context_len: int | 
         return TrainModel(model=build_titan_model(config, device=device, dtype=dtype), loss_sum_fn=titan_loss_sum,
                           fsdp=shard_titan_model)
     from flashcp.integrations.hf import hf_loss_sum, tiny_hf_model
+    from flashcp.integrations.hf_support import check_hf_model
 
     model = tiny_hf_model(options.model, **shape, ffn_dim=2 * options.dim, dtype=dtype).to(device)
+    check_hf_model(model)
     return TrainModel(model=model, loss_sum_fn=hf_loss_sum)

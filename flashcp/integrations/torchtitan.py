@@ -63,7 +63,7 @@ try:
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.common import FlexAttention, ScaledDotProductAttention, VarlenAttention
-    from torchtitan.models.common.attention import FusedQKVLinear
+    from torchtitan.models.common.attention import FusedQKVLinear, GQAttention
     from torchtitan.models.common.decoder import Decoder
     from torchtitan.models.common.feed_forward import compute_ffn_hidden_dim
     from torchtitan.protocols.module import Module
@@ -78,6 +78,10 @@ __all__ = ["REPLACED_KINDS", "TITAN_ARCHITECTURES", "CPInnerAttention", "TitanMe
 
 TITAN_ARCHITECTURES = ("llama3", "qwen3")
 """torchtitan model families ``titan_model_config`` builds (dense decoders)."""
+
+TITAN_MODEL_MODULES = ("torchtitan.models.llama3.", "torchtitan.models.qwen3.")
+"""Modules of the torchtitan decoders ``apply_cp_attention`` accepts (their layers are GQAttention and MLP or
+mixture-of-experts feed-forward only)."""
 
 REPLACED_KINDS = (VarlenAttention, FlexAttention, ScaledDotProductAttention)
 """The torchtitan inner attention modules ``apply_cp_attention`` replaces."""
@@ -127,6 +131,10 @@ class CPInnerAttention(Module):
         if not is_causal or score_mod is not None or out_transform is not None:
             raise ValueError("cp_attention computes causal document attention only; got "
                              f"is_causal={is_causal}, score_mod={score_mod}, out_transform={out_transform}")
+        changing = {name: value for name, value in kwargs.items() if value is not None}
+        if changing:  # never dropped: an argument flashcp does not know may change the result
+            raise ValueError(f"cp_attention cannot honour the inner-attention arguments {sorted(changing)}; it "
+                             "computes plain causal attention inside each document")
         out_THD = attention_masks(q_BLNH[0], k_BLNH[0], v_BLNH[0], softmax_scale=scale)
         return out_THD[None]
 
@@ -137,17 +145,30 @@ def apply_cp_attention(model: nn.Module) -> int:
     The model transform: torchtitan's ``VarlenAttention`` (causal, no sliding window), ``FlexAttention``
     and ``ScaledDotProductAttention`` are replaced wherever a module holds one as ``inner_attention`` (every
     ``GQAttention`` of a Llama3 or Qwen3 decoder). Run it before FSDP2 wrapping; the replaced modules hold
-    no parameters, so weights and checkpoints are unchanged. Idempotent. Raises ValueError for a model
-    without any, or with an inner attention of another kind or a sliding window (flashcp's masks are causal
-    per document; a FlexAttention layer is taken to use the causal document mask torchtitan's decoders
-    build).
+    no parameters, so weights and checkpoints are unchanged. Idempotent. Raises ValueError (one sentence)
+    for a model that is not a Llama3 or Qwen3 decoder (``TITAN_MODEL_MODULES``: gpt-oss's sinks, DeepSeek's
+    latent attention, Qwen3.5's Gated DeltaNet layers are refused before any step), a convolution, an attention
+    module other than ``GQAttention``, a model without inner attention, or one with an inner attention of
+    another kind or a sliding window (flashcp's masks are causal per document; a FlexAttention layer of these
+    decoders uses the causal document mask they build).
     """
+    family = type(model).__module__
+    if not family.startswith(TITAN_MODEL_MODULES):
+        raise ValueError(f"flashcp trains torchtitan's {', '.join(TITAN_ARCHITECTURES)} decoders exactly under CP, "
+                         f"got a {type(model).__name__} ({family}); its layers are not verified to be plain causal "
+                         "attention")
     replaced = 0
     for name, module in model.named_modules():
+        if isinstance(module, nn.modules.conv._ConvNd):
+            raise ValueError(f"module {name} of the {type(model).__name__} is a {type(module).__name__}, a "
+                             "convolution over tokens, which flashcp's CP does not run exactly")
         inner = module._modules.get("inner_attention")
         if inner is None:
             continue
         where = f"{name}.inner_attention" if name else "inner_attention"
+        if type(module) is not GQAttention:
+            raise ValueError(f"{name} is a {type(module).__name__}, not torchtitan's GQAttention; flashcp runs "
+                             "plain grouped-query attention only (no sinks, latent or gated attention)")
         if isinstance(inner, CPInnerAttention):
             replaced += 1
             continue

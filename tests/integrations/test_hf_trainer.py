@@ -35,6 +35,7 @@ from flashcp.runtime import CPLoader  # noqa: E402
 from flashcp.runtime.loader import IGNORE_INDEX  # noqa: E402
 from tests.dist import free_port  # noqa: E402
 from tests.hf_trainer_worker import LR, SEED, make_model, training_arguments  # noqa: E402
+from tests.integrations.hf_zoo import tiny_model  # noqa: E402
 from tests.plans import write_dataset, write_plan  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -323,6 +324,12 @@ def test_refusals_are_one_sentence(planned, tmp_path):
         assert "\n" not in str(refused.value)
     with pytest.raises(FlashcpError, match="plan 'cp9' does not exist"):
         build(plan="cp9")
+    for model_type, class_name, names in [("qwen3_next", "Qwen3NextForCausalLM", "layer 0 is linear_attention"),
+                                          ("llama4_text", "Llama4ForCausalLM", "layer 0 is chunked_attention")]:
+        with pytest.raises(ValueError, match=f"{class_name} cannot train under flashcp .*{names}") as refused:
+            CPTrainer(model=tiny_model(model_type, class_name), train_dataset=str(root), plan="cp1",
+                      args=training_arguments(str(tmp_path / "refused"), ddp_backend=None))
+        assert "\n" not in str(refused.value)
     with pytest.raises(FlashcpError, match="is not a dataset folder"):
         build(train_dataset=str(tmp_path / "missing"))
 

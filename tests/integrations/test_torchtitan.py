@@ -296,7 +296,7 @@ def test_the_transform_refuses_what_it_cannot_serve():
     _, tokens, positions = _whole_sequence()
     with pytest.raises(ValueError, match="takes the batch's CPAttention as attention_masks, got NoneType"):
         model(tokens, positions=positions)
-    with pytest.raises(ValueError, match="found no inner attention module in a Linear"):
+    with pytest.raises(ValueError, match=r"got a Linear \(torch.nn.modules.linear\)"):
         apply_cp_attention(nn.Linear(2, 2))
     torch.manual_seed(SEED)
     config = titan_model_config("llama3", attn_backend="varlen", **SHAPE)
@@ -305,6 +305,19 @@ def test_the_transform_refuses_what_it_cannot_serve():
     windowed.layers["1"].attention.inner_attention.window_size = (128, 0)
     with pytest.raises(ValueError, match=r"layers.1.attention.inner_attention has window_size \(128, 0\)"):
         apply_cp_attention(windowed)
+    from torchtitan.models.deepseek_v3 import deepseekv3_configs
+    from torchtitan.models.gpt_oss import gptoss_configs
+
+    for configs, name in [(gptoss_configs, "GptOssModel"), (deepseekv3_configs, "DeepSeekV3Model")]:
+        with torch.device("meta"):  # sinks and sliding windows; latent attention
+            other = configs["debugmodel"](attn_backend="flex", moe_comm_backend="standard").build()
+        with pytest.raises(ValueError, match=f"got a {name} .*not verified to be plain causal attention"):
+            apply_cp_attention(other)
+    inner = model.layers["0"].attention.inner_attention
+    q = torch.zeros(1, 4, 2, 8)
+    meta = CPAttnMeta.from_plan(plan_sequence("llama3", np.array([4]), 1), np.array([4]), 0)
+    with pytest.raises(ValueError, match=r"cannot honour the inner-attention arguments \['sinks'\]"):
+        inner(q, q, q, attention_masks=CPAttention(meta=meta), sinks=torch.zeros(2))
     with pytest.raises(ValueError, match="unknown torchtitan architecture 'gpt2'"):
         titan_model_config("gpt2")
     with pytest.raises(ValueError, match="torchtitan qwen3 has no flavor '7B'"):
