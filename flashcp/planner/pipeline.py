@@ -16,6 +16,7 @@ sequence at a time and only its metrics kept; every compared plan is also priced
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing
 import sys
@@ -51,6 +52,7 @@ __all__ = [
     "FileJob",
     "FileResult",
     "COMPARE_DEFAULT",
+    "PlanResult",
     "PlannedRows",
     "check_rows",
     "describe_error",
@@ -83,6 +85,17 @@ _ERROR_TEXT = {
     check.BAD_COVERAGE: "does not cover every token of every document exactly once",
     check.BAD_QUOTA: "does not give every rank its equal-token quota",
 }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanResult:
+    """What ``plan_dataset`` did: the plan's plan.json, and whether it was there already."""
+
+    meta: dict
+    """The plan's plan.json (written now, or read from the existing plan)."""
+    up_to_date: bool = False
+    """True when the plan already existed, made from the same data with the same parameters: nothing was
+    written."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -402,11 +415,13 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
                  target_imbalance: float | None = None, workers: int = 1, force: bool = False,
                  name: str | None = None, progress: Callable[[int], None] | None = None,
                  on_note: Callable[[str], None] | None = None, overrides: dict | None = None,
-                 run_jobs: Callable | None = None, compare: int = COMPARE_DEFAULT) -> dict:
+                 run_jobs: Callable | None = None, compare: int = COMPARE_DEFAULT) -> PlanResult:
     """Plan every sequence of the dataset at ``root`` and write ``plans/<name>/``; returns its plan.json.
 
     ``name`` defaults to ``cp{N}-{strategy}`` and must be a plain folder name. An existing plan of that name
-    is refused unless ``force``; it is then replaced only once the new one is complete (built beside it and
+    made from the dataset as it is now with the same strategy, cp, parameters and ``compare``, intact, is
+    kept as it is (``PlanResult.up_to_date``, nothing written); one made otherwise is refused unless
+    ``force``. With ``force`` it is replaced only once the new one is complete (built beside it and
     swapped, :class:`flashcp.planner.store.PlanSlot`), so a failure leaves it byte-identical.
     ``progress(rows)`` is called as rows finish; ``on_note(sentence)`` hears of staging folders of killed runs
     that were cleaned up. ``overrides`` set the strategy's other parameters (``chunk_size``, ``effort``,
@@ -438,8 +453,13 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
             raise FlashcpError(f"data file {data_file.path} has {rows} rows but the manifest says "
                                f"{data_file.rows}; re-create the dataset")
 
-    with PlanSlot(dataset, name, force=force) as slot:
+    wanted = {"strategy": chosen.name, "cp": cp, "params": json.loads(json.dumps(params)), "compare": compare}
+    with PlanSlot(dataset, name, force=force, wanted=lambda meta: _difference(meta, wanted)) as slot:
         notes = list(slot.notes)
+        if slot.up_to_date is not None:
+            for note in notes:
+                (on_note or (lambda message: None))(note)
+            return PlanResult(meta=slot.up_to_date, up_to_date=True)
         if any(batch.needs_compile(strategy_name)
                for strategy_name in (chosen.name, *(BASELINES if compare else ()))
                if get_strategy(strategy_name).kernel is not None):
@@ -462,7 +482,26 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
             slot.commit()
         except OSError as e:
             raise FlashcpError(f"cannot write plan '{name}' in {dataset.root}: {e.strerror or e}") from None
-    return meta
+    return PlanResult(meta=meta)
+
+
+def _difference(meta: dict, wanted: dict) -> str | None:
+    """The first way an existing plan's plan.json differs from the plan ``wanted``, as a phrase (None: alike).
+
+    ``wanted``: strategy, cp, params (as JSON reads them back) and compare (plan.json's
+    ``summary.compare.requested``).
+    """
+    summary = meta.get("summary")
+    made = {"strategy": meta.get("strategy"), "cp": meta.get("cp"), "params": meta.get("params"),
+            "compare": (summary.get("compare") or {}).get("requested") if isinstance(summary, dict) else None}
+    for key in ("strategy", "cp", "compare"):
+        if made[key] != wanted[key]:
+            return f"--{key} {made[key]} there, {wanted[key]} now"
+    old = made["params"] if isinstance(made["params"], dict) else {}
+    for key in sorted(set(old) | set(wanted["params"])):
+        if old.get(key) != wanted["params"].get(key):
+            return f"--{key.replace('_', '-')} {old.get(key)} there, {wanted['params'].get(key)} now"
+    return None
 
 
 def _run_jobs(jobs: list[FileJob], workers: int,

@@ -22,7 +22,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,11 +211,20 @@ class PlanSlot:
     Use as a context manager: ``staging()`` makes the folder to build the plan in (``plan.json`` included,
     written last), ``commit()`` swaps it into place; leaving the block without ``commit`` removes it, so a
     failure leaves the old plan (or nothing) exactly as it was. ``notes`` says what was cleaned up.
+
+    ``wanted(meta)`` (optional) says how an existing plan's ``plan.json`` differs from the plan about to be
+    made (None: made with the same parameters). Without ``force``, an existing plan made alike from the
+    dataset as it is now, every plan file as plan.json records it, is not an error: ``up_to_date`` then
+    holds its plan.json and nothing need be written (as ``pack`` does with a finished dataset).
     """
 
-    def __init__(self, dataset: Dataset, name: str, *, force: bool, what: str = "plan name"):
+    def __init__(self, dataset: Dataset, name: str, *, force: bool, what: str = "plan name",
+                 wanted: Callable[[dict], str | None] | None = None):
         check_plain_name(name, what)
+        self.dataset = dataset
         self.root, self.name = dataset.root, name
+        self.up_to_date: dict | None = None
+        self._wanted = wanted
         self.plans_root = self.root / PLANS_DIR
         self.final = self.plans_root / name
         self.notes: list[str] = []
@@ -300,10 +309,36 @@ class PlanSlot:
                 raise FlashcpError(f"{where} holds a plan.json that is not a flashcp plan; move it away or "
                                    "choose another name")
             if not force:
-                raise FlashcpError(f"plan '{self.name}' already exists in {self.root}; pass --force to "
+                difference = self._wanted(meta) if self._wanted is not None else None
+                if self._wanted is not None and difference is None:
+                    problem = self._intact_problem()
+                    if problem is None:
+                        self.up_to_date = meta
+                        return
+                    raise FlashcpError(f"plan '{self.name}' in {self.root} was made with these parameters but "
+                                       f"not as it is now: {problem}; pass --force to make it again")
+                made = f", made with other parameters ({difference})" if difference else ""
+                raise FlashcpError(f"plan '{self.name}' already exists in {self.root}{made}; pass --force to "
                                    "replace it")
         elif any(self.final.iterdir()) and not force:
             raise FlashcpError(f"{where} holds an unfinished plan (no plan.json); pass --force to replace it")
+
+    def _intact_problem(self) -> str | None:
+        """Why the existing plan is not the one its plan.json describes for the data as it is now (or None).
+
+        Every reader's checks at open (fresh, every plan file's size, footer and rows), then every plan
+        file's sha256, as ``pack`` re-hashes a finished dataset's files before calling it done.
+        """
+        try:
+            store = PlanStore(self.dataset, self.name)
+        except StalePlanError:
+            return "it was made from other data files than the dataset holds"
+        except FlashcpError as e:
+            return str(e).split("; re-run")[0]
+        for index, entry in enumerate(store.plan_files):
+            if sha256_file(store.plan_path(index)) != entry.get("sha256"):
+                return f"plan file {store.plan_path(index)} does not match plan.json"
+        return None
 
     def staging(self) -> Path:
         """A new, empty hidden folder beside the plan to build it in."""
