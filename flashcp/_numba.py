@@ -22,8 +22,12 @@ whatever ran in which process. numba issue 10486 describes the same hazard.
 **A cache that cannot serve old code.** Numba keys a cached kernel by the source file of that kernel only, so
 a kernel whose callee in another file changed (an upgraded checkout) would load stale machine code. Here
 every kernel is cached in one folder named by a hash of the source of every flashcp module that defines
-kernels (the modules that import this one) and of the Python, numba, llvmlite and numpy versions, so any
-change compiles afresh into a new folder. Kernels may read module globals only from such modules (numba
+kernels (the modules that import this one), of the modules that decide which kernel a compilation links
+(``LINKING_MODULES``: the registry, which ``batch`` reads at compile time to link a strategy's kernel) and
+of the Python, numba, llvmlite and numpy versions, so any change compiles afresh into a new folder.
+Reproduction of a missing linking module (before it was hashed): edit ``planner/registry.py`` so that
+``ring`` names ``llama3_kernel``, and ``flashcp plan DATA --cp 4 --strategy ring --force`` still wrote the
+old ring plan, loaded from the cache under the same key. Kernels may read module globals only from such modules (numba
 freezes globals at compile time). The folder is, in order of preference:
 ``$NUMBA_CACHE_DIR/flashcp-<key>`` when the user set ``NUMBA_CACHE_DIR``; ``flashcp/__pycache__/numba-<key>``
 beside the package when it is writable (where older keys of the same checkout are removed; each such folder
@@ -58,6 +62,9 @@ PACKAGE = Path(__file__).resolve().parent
 MARKER = "flashcp-kernel-cache"
 """A file flashcp writes into every cache folder it makes, so that it only ever removes its own."""
 _KERNEL_IMPORT = "from flashcp._numba import njit"
+LINKING_MODULES = ("planner/registry.py",)
+"""Modules (relative to the package) without kernels of their own that decide which kernel is linked into a
+compilation: ``batch._plan_one_impl`` links the kernel ``registry.STRATEGIES`` names for a strategy."""
 
 
 class _RandomIds:
@@ -81,14 +88,18 @@ def _use_random_function_ids() -> None:
 
 
 def kernel_sources() -> list[Path]:
-    """The flashcp source files that define kernels (they import ``njit`` from this module), sorted."""
+    """The flashcp source files the kernel cache key hashes, sorted.
+
+    Those that define kernels (they import ``njit`` from this module) and the ``LINKING_MODULES``.
+    """
+    linking = {PACKAGE / name for name in LINKING_MODULES}
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         try:
             text = path.read_text(encoding="utf-8")
         except OSError:
             continue
-        if _KERNEL_IMPORT in text:
+        if _KERNEL_IMPORT in text or path in linking:
             found.append(path)
     return found
 

@@ -64,10 +64,14 @@ class Strategy:
                              f"from {', '.join(KERNEL_PARAMS)}, got {', '.join(unknown) or 'neither or both'}")
 
     @property
-    def in_package(self) -> bool:
-        """Whether the kernel is one of flashcp's own (its compiled code is then cached on disk)."""
-        func = getattr(self.kernel, "py_func", self.kernel)
-        return func is not None and func.__module__.split(".")[0] == "flashcp"
+    def built_in(self) -> bool:
+        """Whether this is one of flashcp's own registry entries: only their batch kernels are cached on disk.
+
+        The cache names a compiled batch kernel by the strategy's name, and its key hashes this module, so
+        the kernel a built-in name links is always the one cached. A strategy added by ``register`` (even one
+        reusing a flashcp kernel) compiles in memory: another process may give its name another kernel.
+        """
+        return _BUILT_IN.get(self.name) is self
 
     def plan(self, doc_lens, cp: int, *, target_imbalance: float | None = None, **overrides) -> SequencePlan:
         """Plan one packed sequence: ``doc_lens`` (num_docs,) positive integers -> SequencePlan.
@@ -115,12 +119,16 @@ def register(strategy: Strategy) -> Strategy:
     """Add ``strategy`` to the registry; ValueError if its name is taken.
 
     Every function that takes a strategy name (``plan_sequence``, ``pipeline.plan_dataset``, the bench) then
-    finds it. A kernel from outside flashcp is compiled in memory, once per process.
+    finds it. Its batch kernel is compiled in memory, once per process (``Strategy.built_in`` says why).
     """
     if strategy.name in STRATEGIES:
         raise ValueError(f"a strategy named '{strategy.name}' is already registered")
     STRATEGIES[strategy.name] = strategy
     return strategy
+
+
+_BUILT_IN = dict(STRATEGIES)
+"""flashcp's own entries (``Strategy.built_in``)."""
 
 
 def get_strategy(name: str) -> Strategy:
