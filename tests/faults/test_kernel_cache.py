@@ -89,3 +89,51 @@ def test_a_registered_name_runs_the_kernel_it_was_registered_with(tmp_path):
     assert mine == ring
     mine, llama3 = json.loads(python(REGISTER.format(kernel="llama3_kernel", name="llama3"), cache=cache))
     assert mine == llama3 != ring
+
+
+def cache_files(cache: Path) -> list[Path]:
+    return sorted(p for p in cache.rglob("*") if p.suffix in (".nbi", ".nbc"))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty"])
+def test_a_damaged_cache_entry_is_compiled_again(data, tmp_path, damage):
+    """Case 10: truncated cache files (``UnpicklingError``) and empty ones (``EOFError``: click's bare
+    ``Aborted!``) are ignored and compiled again, said once."""
+    cache = tmp_path / "cache"
+    plan = ["plan", data, "--cp", 4, "--strategy", "ring", "--compare", 0, "--force"]
+    flashcp(plan, cache=cache)
+    made = shards(data, "cp4-ring")
+    for path in cache_files(cache):
+        with open(path, "r+b") as f:
+            f.truncate(0 if damage == "empty" else path.stat().st_size // 2)
+    err = flashcp(plan, cache=cache).stderr
+    assert err.count("warning:") == 1 and "is damaged" in err and "compiling again" in err, err
+    assert shards(data, "cp4-ring") == made
+    err = flashcp(plan, cache=cache).stderr  # compiled into the cache again
+    assert "warning:" not in err and "compiling" not in err, err
+
+
+FULL_DISK = """
+import errno, sys
+from numba.core import caching
+def full(self, path):
+    raise OSError(errno.ENOSPC, "No space left on device", path)
+caching.IndexDataCacheFile._open_for_write = full  # every cache file numba writes
+from flashcp.cli import cli
+cli(sys.argv[1:], prog_name="flashcp")
+"""
+
+
+def test_a_full_kernel_cache_disk_plans_without_caching(data, tmp_path):
+    """Case 11: the cache's disk is full: one warning naming the cache folder; the plan is made all the same."""
+    cache = tmp_path / "cache"
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    env.pop("NUMBA_DISABLE_JIT", None)
+    done = subprocess.run([sys.executable, "-c", FULL_DISK, "plan", str(data), "--cp", "4", "--strategy", "ring",
+                           "--compare", "0"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    err = done.stderr
+    assert done.returncode == 0 and "Traceback" not in err, err
+    assert err.count("warning:") == 1 and f"cannot write the kernel cache in {cache}" in err, err
+    assert "No space left on device" in err and str(data) not in err.split("warning:")[1].split("\n")[0]
+    assert (data / "plans" / "cp4-ring" / "plan.json").is_file()
+    assert not [path for path in cache_files(cache) if "planner" in path.parts]  # (synth's from the fixture)
