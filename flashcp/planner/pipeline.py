@@ -19,9 +19,11 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
+import os
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from flashcp.costmodel.comm import batch_node_received, comm_saving, exact_need_
 from flashcp.costmodel.objective import batch_step_seconds
 from flashcp.data.dataset import Dataset, numpy_values
 from flashcp.errors import FlashcpError, PlanError
+from flashcp.fileio import exit_with_parent
 from flashcp.planner import batch, check
 from flashcp.planner.ilp.polish import parse_effort, polish_plan
 from flashcp.planner.plan import SequencePlan
@@ -516,11 +519,16 @@ def _run_jobs(jobs: list[FileJob], workers: int,
     # fork (Linux) hands workers the parent's loaded kernels at no cost; spawn re-imports and reloads the
     # compiled kernels in every worker (seconds). The parent has only read Parquet footers at this point.
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context) as pool:
-        for result in pool.map(plan_data_file, jobs):
-            results.append(result)
-            if progress:
-                progress(int(result.metrics[0].size))
+    try:
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context,
+                                 initializer=exit_with_parent, initargs=(os.getpid(),)) as pool:
+            for result in pool.map(plan_data_file, jobs):
+                results.append(result)
+                if progress:
+                    progress(int(result.metrics[0].size))
+    except BrokenProcessPool:
+        raise FlashcpError("a planning worker process died (killed, or out of memory?), so nothing was "
+                           "written; run the command again, with fewer --workers if memory is short") from None
     return results
 
 

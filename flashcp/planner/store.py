@@ -39,6 +39,8 @@ from flashcp.fileio import (
     FolderLock,
     atomic_path,
     check_plain_name,
+    drop_lock,
+    hold_lock,
     is_plain_tree,
     parquet_fingerprint,
     parquet_footer,
@@ -238,6 +240,7 @@ class PlanSlot:
         except OSError:
             os.close(self._root_fd)
             raise FlashcpError(f"a flashcp pack is writing to {self.root}; wait for it to finish") from None
+        hold_lock(self._root_fd)
         self._lock: FolderLock | None = None
         try:
             self.plans_root.mkdir(exist_ok=True)
@@ -360,6 +363,7 @@ class PlanSlot:
             self._lock.release()
             self._lock = None
         if self._root_fd >= 0:
+            drop_lock(self._root_fd)
             os.close(self._root_fd)
             self._root_fd = -1
 
