@@ -368,6 +368,31 @@ class PlanSlot:
             self._root_fd = -1
 
 
+_FIELD_TYPES: dict[str, tuple[type, str]] = {
+    "format_version": (int, "a whole number"), "strategy": (str, "a string"), "cp": (int, "a whole number"),
+    "context_len": (int, "a whole number"), "params": (dict, "an object"), "summary": (dict, "an object"),
+    "data_files": (list, "a list"), "plan_files": (list, "a list"),
+}
+"""plan.json's fields and the JSON type each must have (readers index into them)."""
+
+
+def _check_fields(meta: dict) -> None:
+    """TypeError naming the first plan.json field of the wrong JSON type (a missing one is left to KeyError)."""
+    for key, (kind, phrase) in _FIELD_TYPES.items():
+        value = meta.get(key)
+        if key in meta and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise TypeError(f"{key} is {json.dumps(value)[:40]}, not {phrase}")
+    if meta.get("format_version", 1) < 1:
+        raise TypeError(f"format_version is {meta['format_version']}, not a plan format version")
+    for key in ("data_files", "plan_files"):
+        if not all(isinstance(entry, dict) for entry in meta.get(key, [])):
+            raise TypeError(f"an entry of {key} is not an object")
+    if "params" in meta and "token_slack" in meta["params"]:
+        slack = meta["params"]["token_slack"]
+        if isinstance(slack, bool) or not isinstance(slack, int | float) or not 0 <= slack < 1:
+            raise TypeError(f"params.token_slack is {slack}, not a number in [0, 1)")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StoredPlan:
     """One sequence's plan as read from disk, with its stored metrics."""
@@ -398,9 +423,15 @@ class PlanStore:
             self.meta = json.loads(meta_path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise FlashcpError(f"{meta_path} is not readable JSON ({e})") from None
+        version = self.meta.get("format_version", 1) if isinstance(self.meta, dict) else 1
+        if isinstance(version, int) and not isinstance(version, bool) and version > PLAN_FORMAT_VERSION:
+            raise FlashcpError(f"{meta_path} is plan format version {version}, written by a newer flashcp; this "
+                               f"flashcp {__version__} reads version {PLAN_FORMAT_VERSION}: upgrade flashcp, or "
+                               "re-run 'flashcp plan --force' with this one")
         try:
             if not isinstance(self.meta, dict):
                 raise TypeError("it is not a JSON object")
+            _check_fields(self.meta)
             self.cp: int = int(self.meta["cp"])
             self.strategy: str = str(self.meta["strategy"])
             self.context_len: int = int(self.meta["context_len"])
@@ -415,9 +446,7 @@ class PlanStore:
             raise FlashcpError(f"{meta_path} {what}; re-run 'flashcp plan --force'") from None
         if self.cp < 1:
             raise FlashcpError(f"{meta_path} is damaged (cp {self.cp}); re-run 'flashcp plan --force'")
-        slack = (self.meta.get("params") or {}).get("token_slack") if isinstance(self.meta.get("params"), dict) \
-            else None
-        self.token_slack = float(slack or 0.0)
+        self.token_slack = float(self.meta.get("params", {}).get("token_slack") or 0.0)
         self.check_fresh()
         if len(self.plan_files) != len(dataset.files):
             raise FlashcpError(f"plan '{name}' lists {len(self.plan_files)} plan files for the "

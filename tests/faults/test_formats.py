@@ -1,0 +1,62 @@
+"""The fault suite, file formats and registrations: plan.json fields, newer plan formats, hardware profiles,
+strategies registered from outside flashcp.
+
+Each case: exit 1 (or ValueError for the library call), one sentence naming the thing, no traceback, and the
+whole tree byte-identical.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.faults.workspace import docs, pack_args, run, unchanged, workspace, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    """A packed dataset (byte tokenizer, 64-token sequences, 3 data files) with one plan."""
+    base = tmp_path_factory.mktemp("formats")
+    src = write_jsonl(base / "in.jsonl", docs(40))
+    assert run(*pack_args(src, base / "data")).exit_code == 0
+    assert run("plan", base / "data", "--cp", 2, "--strategy", "flashcp", "--compare", 0).exit_code == 0
+    return base
+
+
+@pytest.fixture
+def ws(template, tmp_path):
+    return workspace(template, tmp_path, {"victim/precious.txt": "do not touch"})
+
+
+# ---- case 13: plan.json fields of the wrong type, and newer plan formats ----
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("params", [1, 2], "params is [1, 2], not an object"),
+    ("params", None, "params is null, not an object"),
+    ("summary", "x", "summary is \"x\", not an object"),
+    ("strategy", 5, "strategy is 5, not a string"),
+    ("cp", "2", "cp is \"2\", not a whole number"),
+    ("cp", True, "cp is true, not a whole number"),
+    ("format_version", "1", "format_version is \"1\", not a whole number"),
+    ("format_version", 0, "format_version is 0, not a plan format version"),
+    ("data_files", [["a", "b"]], "an entry of data_files is not an object"),
+    ("params", {"token_slack": "a lot"}, "params.token_slack is a lot"),
+])
+def test_a_plan_json_field_of_the_wrong_type(ws, field, value, needle):
+    path = ws / "data" / "plans" / "cp2-flashcp" / "plan.json"
+    meta = json.loads(path.read_text())
+    meta[field] = value
+    path.write_text(json.dumps(meta))
+    for command in (["show", ws / "data", "--plan", "cp2-flashcp"], ["verify", ws / "data"]):
+        unchanged(ws, command, "plan.json is damaged", needle)
+
+
+def test_a_newer_plan_format_is_refused_by_name(ws):
+    path = ws / "data" / "plans" / "cp2-flashcp" / "plan.json"
+    meta = json.loads(path.read_text())
+    meta["format_version"] = 2
+    path.write_text(json.dumps(meta))
+    for command in (["show", ws / "data", "--plan", "cp2-flashcp"], ["verify", ws / "data"]):
+        unchanged(ws, command, "plan format version 2, written by a newer flashcp", "reads version 1",
+                  "upgrade flashcp")
