@@ -60,3 +60,30 @@ def test_a_newer_plan_format_is_refused_by_name(ws):
     for command in (["show", ws / "data", "--plan", "cp2-flashcp"], ["verify", ws / "data"]):
         unchanged(ws, command, "plan format version 2, written by a newer flashcp", "reads version 1",
                   "upgrade flashcp")
+
+
+# ---- cases 14 and 7: hardware profiles whose attention curve no kernel can price ----
+
+@pytest.mark.parametrize("key,values,needle", [
+    ("lengths", [512, 1e30], "lengths must be increasing whole numbers in [1, 16777216]"),
+    ("lengths", [512, 1e300, 1e301], "lengths must be increasing whole numbers"),
+    ("forward", "NaN", "forward must be finite numbers, got [nan, nan"),
+    ("backward", "Infinity", "backward must be finite numbers, got [inf, inf"),
+    ("forward", [-1, 2], "forward values must be positive finite TFLOP/s"),
+    ("lengths", [512.5, 1024], "lengths must be whole numbers"),
+])
+def test_a_profile_curve_no_kernel_can_price(ws, key, values, needle):
+    from flashcp.costmodel.profile import load_profile
+
+    profile = load_profile().to_json()
+    curve = profile["attention_tflops"]
+    if isinstance(values, str):  # every point NaN or Infinity, as JSON writers spell them
+        values = [float(values.lower().replace("infinity", "inf"))] * len(curve[key])
+    else:
+        for name in ("lengths", "forward", "backward"):
+            curve[name] = curve[name][:len(values)]
+    curve[key] = values
+    path = ws / "victim" / "profile.json"
+    path.write_text(json.dumps(profile))
+    unchanged(ws, ["plan", ws / "data", "--cp", 2, "--profile", path, "--name", "p"], f"hardware profile {path}",
+              needle)
