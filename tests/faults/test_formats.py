@@ -87,3 +87,57 @@ def test_a_profile_curve_no_kernel_can_price(ws, key, values, needle):
     path.write_text(json.dumps(profile))
     unchanged(ws, ["plan", ws / "data", "--cp", 2, "--profile", path, "--name", "p"], f"hardware profile {path}",
               needle)
+
+
+# ---- case 17: register() refuses what could never plan ----
+
+def _plain_function(lens, cp):
+    return lens, lens, lens, lens
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("plain function", "needs a Numba kernel (decorated with flashcp._numba.njit), got function '_plain_function'"),
+    ("untypable kernel", "numba cannot compile its kernel as the planner calls it, kernel(lens: array(int64, "
+                         "1d, C), cp: int64) (TypeError: Signature mismatch: 2 argument types given"),
+    ("wrong parameters", "kernel(lens: array(int64, 1d, C), cp: int64, chunk: int64) (TypeError"),
+    ("wrong result", "returns array(int64, 1d, C), not the four (doc, start, len, rank)"),
+    ("failing kernel", "its kernel fails on a sequence of two documents"),
+    ("empty name", "a strategy name must be letters, digits and . _ + -"),
+    ("path name", "got 'a/b'"),
+])
+def test_register_refuses_what_could_never_plan(case, needle):
+    from flashcp._numba import njit
+    from flashcp.planner.registry import STRATEGIES, Strategy, register
+
+    @njit(cache=False)
+    def one_argument(lens):  # the planner calls kernel(lens, cp)
+        return lens
+
+    @njit(cache=False)
+    def two_arguments(lens, cp):
+        return lens, lens, lens, lens
+
+    @njit(cache=False)
+    def one_result(lens, cp):
+        return lens
+
+    @njit(cache=False)
+    def fails(lens, cp):
+        if lens[0] > 0:
+            raise ValueError("no plan")
+        return lens, lens, lens, lens
+
+    kernel, name, params = {"plain function": (_plain_function, "mine", ()),
+                            "untypable kernel": (one_argument, "mine", ()),
+                            "wrong parameters": (two_arguments, "mine", ("chunk",)),
+                            "failing kernel": (fails, "mine", ()),
+                            "wrong result": (one_result, "mine", ()),
+                            "empty name": (two_arguments, "", ()),
+                            "path name": (two_arguments, "a/b", ())}[case]
+    before = dict(STRATEGIES)
+    with pytest.raises(ValueError) as refused:
+        register(Strategy(name=name, defaults={"chunk_size": 8} if params else {}, kernel=kernel,
+                          kernel_params=params, description="mine"))
+    message = str(refused.value)
+    assert needle in message and "\n" not in message, message
+    assert STRATEGIES == before
