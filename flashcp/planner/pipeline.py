@@ -36,7 +36,6 @@ from flashcp.data.dataset import Dataset, numpy_values
 from flashcp.errors import FlashcpError, PlanError
 from flashcp.fileio import exit_with_parent
 from flashcp.planner import batch, check
-from flashcp.planner.ilp.polish import parse_effort, polish_plan
 from flashcp.planner.plan import SequencePlan
 from flashcp.planner.registry import (
     DEFAULT_STRATEGY,
@@ -45,6 +44,7 @@ from flashcp.planner.registry import (
     get_strategy,
     kernel_args,
     objective_model,
+    plan_flat,
     plan_gpus_per_node,
     resolve_params,
 )
@@ -192,15 +192,7 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
     params = resolve_params(chosen) if params is None else params
     row_offsets = np.ascontiguousarray(row_offsets, dtype=np.int64)
     doc_lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
-    args = kernel_args(chosen, params)
-    if chosen.rows is not None:  # planned in Python (dcp)
-        offsets, doc, start, length, rank = chosen.rows(row_offsets, doc_lens, cp, params)
-    else:
-        offsets, doc, start, length, rank = batch.plan_batch(row_offsets, doc_lens, cp, chosen.name, **args)
-    ilp_seconds = parse_effort(params["effort"])[1] if "effort" in params else None
-    if ilp_seconds is not None:
-        offsets, doc, start, length, rank = _polish_rows(row_offsets, doc_lens, cp, args["model"], ilp_seconds,
-                                                         offsets, doc, start, length, rank)
+    offsets, doc, start, length, rank = plan_flat(chosen, row_offsets, doc_lens, cp, params)
     slack = float(params.get("token_slack", 0.0))
     errors, imbalance, ag, a2a = check.check_batch(row_offsets, doc_lens, offsets, doc, start, length, rank, cp,
                                                     slack)
@@ -210,21 +202,6 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
                         f"{_ERROR_TEXT[int(errors[bad])]}")
     return PlannedRows(shard_offsets=offsets, shard_doc=doc, shard_start=start, shard_len=length,
                        shard_rank=rank, imbalance=imbalance, ag_comm_tokens=ag, a2a_comm_tokens=a2a)
-
-
-def _polish_rows(row_offsets, doc_lens, cp, model, seconds, offsets, doc, start, length, rank):
-    """``--effort ilp``: every row's plan polished with CP-SAT (``flashcp.planner.ilp.polish``)."""
-    parts = []
-    for i in range(row_offsets.size - 1):
-        lo, hi = offsets[i], offsets[i + 1]
-        plan = SequencePlan(shard_doc=doc[lo:hi], shard_start=start[lo:hi], shard_len=length[lo:hi],
-                            shard_rank=rank[lo:hi], cp=cp)
-        parts.append(polish_plan(doc_lens[row_offsets[i]:row_offsets[i + 1]], plan, model, seconds))
-    new_offsets = np.zeros(len(parts) + 1, np.int64)
-    new_offsets[1:] = np.cumsum([p.num_shards for p in parts])
-    flat = [np.ascontiguousarray(np.concatenate([getattr(p, name) for p in parts]), dtype=np.int64)
-            for name in ("shard_doc", "shard_start", "shard_len", "shard_rank")]
-    return (new_offsets, *flat)
 
 
 def strategy_metrics(sequences: Sequence[np.ndarray], cp: int, strategy: str,

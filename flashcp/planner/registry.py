@@ -31,7 +31,7 @@ from flashcp.planner.strategies.flashcp_plus import flashcp_plus_kernel
 from flashcp.planner.strategies.peers import magi_kernel, ptrr_kernel
 
 __all__ = ["DEFAULT_STRATEGY", "STRATEGIES", "Strategy", "register",
-           "get_strategy", "plan_sequence"]
+           "get_strategy", "plan_flat", "plan_sequence"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 """A strategy name: it becomes part of a plan folder's name (``cp8-<name>``)."""
@@ -324,15 +324,28 @@ def check_shape(context_len: int, cp: int, params: dict | None = None) -> None:
 
 
 def run_kernel(strategy: Strategy, lens: np.ndarray, cp: int, params: dict):
-    """Plan contiguous int64 ``lens`` as one row of the batch kernel; returns the four shard arrays.
+    """Plan contiguous int64 ``lens`` as one row of ``plan_flat``; returns the four shard arrays."""
+    return plan_flat(strategy, np.array([0, lens.size], np.int64), lens, cp, params)[1:]
 
-    One compiled entry point per strategy, shared with ``pipeline.plan_rows``.
+
+def plan_flat(strategy: Strategy, row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, params: dict):
+    """Plan every row of flat contiguous int64 ``(row_offsets, doc_lens)``: the one planning path.
+
+    The strategy's batch kernel (or its Python ``rows``), then, for ``effort="ilp[:SECONDS]"``, the CP-SAT
+    polish of every row. Returns ``(shard_offsets, doc, start, len, rank)``; not validated
+    (``pipeline.plan_rows`` validates, ``Strategy.plan`` builds a ``SequencePlan``, which checks itself).
     """
-    rows = np.array([0, lens.size], np.int64)
+    from flashcp.planner.ilp.polish import parse_effort, polish_rows
+
     args = kernel_args(strategy, params)
-    if strategy.rows is not None:
-        return strategy.rows(rows, lens, cp, params)[1:]
-    return batch.plan_batch(rows, lens, cp, strategy.name, **args)[1:]
+    if strategy.rows is not None:  # planned in Python (dcp)
+        planned = strategy.rows(row_offsets, doc_lens, cp, params)
+    else:
+        planned = batch.plan_batch(row_offsets, doc_lens, cp, strategy.name, **args)
+    seconds = parse_effort(params["effort"])[1] if "effort" in params else None
+    if seconds is not None:
+        planned = polish_rows(row_offsets, doc_lens, cp, args["model"], seconds, *planned)
+    return planned
 
 
 def plan_sequence(strategy: str, doc_lens, cp: int, *, target_imbalance: float | None = None,
