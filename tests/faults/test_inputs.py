@@ -233,7 +233,7 @@ def test_plan_refuses_a_context_above_the_limit(ws):
 @pytest.mark.parametrize("command", [
     ["plan", "{ws}/missing", "--cp", 2], ["show", "{d}", "--seq", 10**6], ["ls", "{ws}/missing"],
     ["verify", "{ws}/missing"], pack_args("{ws}/missing.jsonl", "{ws}/p"),
-    ["plan", "{d}", "--cp", 2, "--strategy", "llama3"],  # exists already
+    ["plan", "{d}", "--cp", 2, "--strategy", "llama3", "--compare", 0],  # exists already, made otherwise
 ])
 def test_json_on_failure(ws, command):
     command = [str(a).replace("{d}", str(ws / "data")).replace("{ws}", str(ws)) for a in command] + ["--json"]
