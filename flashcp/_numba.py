@@ -22,13 +22,24 @@ whatever ran in which process. numba issue 10486 describes the same hazard.
 **A cache that cannot serve old code.** Numba keys a cached kernel by the source file of that kernel only, so
 a kernel whose callee in another file changed (an upgraded checkout) would load stale machine code. Here
 every kernel is cached in one folder named by a hash of the source of every flashcp module that defines
-kernels (the modules that import this one) and of the Python, numba, llvmlite and numpy versions, so any
-change compiles afresh into a new folder. Kernels may read module globals only from such modules (numba
+kernels (the modules that import this one), of the modules that decide which kernel a compilation links
+(``LINKING_MODULES``: the registry, which ``batch`` reads at compile time to link a strategy's kernel) and
+of the Python, numba, llvmlite and numpy versions, so any change compiles afresh into a new folder.
+Reproduction of a missing linking module (before it was hashed): edit ``planner/registry.py`` so that
+``ring`` names ``llama3_kernel``, and ``flashcp plan DATA --cp 4 --strategy ring --force`` still wrote the
+old ring plan, loaded from the cache under the same key. Kernels may read module globals only from such modules (numba
 freezes globals at compile time). The folder is, in order of preference:
 ``$NUMBA_CACHE_DIR/flashcp-<key>`` when the user set ``NUMBA_CACHE_DIR``; ``flashcp/__pycache__/numba-<key>``
 beside the package when it is writable (where older keys of the same checkout are removed; each such folder
 holds a marker file flashcp wrote, and nothing without it is touched); the user's cache folder
 (``~/.cache/flashcp/numba-<key>``); else a per-user folder under the system's temporary folder.
+
+**A cache that cannot stop a run.** Numba unpickles its cache files unguarded and writes them where it
+compiles: a truncated index file raised ``UnpicklingError`` in every ``plan`` (an empty one ``EOFError``,
+which click reports as a bare ``Aborted!``), and a full disk under the cache failed the command with "No
+space left on device", blamed on the dataset. Here a damaged entry is ignored and compiled again, and a
+cache that cannot be written is skipped; each is said once per process (``KernelCacheWarning``), naming the
+file or the folder.
 """
 
 from __future__ import annotations
@@ -51,6 +62,8 @@ import numpy as np
 from numba.core import bytecode, caching, types
 from numba.core.registry import CPUDispatcher
 
+from flashcp.errors import KernelCacheWarning
+
 __all__ = ["cache_folder", "kernel_sources", "njit"]
 
 PACKAGE = Path(__file__).resolve().parent
@@ -58,6 +71,9 @@ PACKAGE = Path(__file__).resolve().parent
 MARKER = "flashcp-kernel-cache"
 """A file flashcp writes into every cache folder it makes, so that it only ever removes its own."""
 _KERNEL_IMPORT = "from flashcp._numba import njit"
+LINKING_MODULES = ("planner/registry.py",)
+"""Modules (relative to the package) without kernels of their own that decide which kernel is linked into a
+compilation: ``batch._plan_one_impl`` links the kernel ``registry.STRATEGIES`` names for a strategy."""
 
 
 class _RandomIds:
@@ -81,14 +97,18 @@ def _use_random_function_ids() -> None:
 
 
 def kernel_sources() -> list[Path]:
-    """The flashcp source files that define kernels (they import ``njit`` from this module), sorted."""
+    """The flashcp source files the kernel cache key hashes, sorted.
+
+    Those that define kernels (they import ``njit`` from this module) and the ``LINKING_MODULES``.
+    """
+    linking = {PACKAGE / name for name in LINKING_MODULES}
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         try:
             text = path.read_text(encoding="utf-8")
         except OSError:
             continue
-        if _KERNEL_IMPORT in text:
+        if _KERNEL_IMPORT in text or path in linking:
             found.append(path)
     return found
 
@@ -178,6 +198,65 @@ class _KernelCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheL
         return super().from_function(py_func, py_file)
 
 
+_said: set[str] = set()
+
+
+def _say_once(kind: str, message: str) -> None:
+    if kind not in _said:
+        _said.add(kind)
+        warnings.warn(message, KernelCacheWarning, stacklevel=3)
+
+
+class _KernelCacheFile(caching.IndexDataCacheFile):
+    """Numba's index and data files, read so that a damaged one reads as missing (compiled again)."""
+
+    def _load_index(self):
+        try:
+            return super()._load_index()
+        except OSError:
+            raise
+        except Exception as e:  # unpickling a truncated or empty file: any error pickle can raise
+            _say_once("damaged", f"the kernel cache file {self._index_path} is damaged "
+                                 f"({type(e).__name__}); ignoring it and compiling again")
+            return {}
+
+    def _load_data(self, name):
+        try:
+            return super()._load_data(name)
+        except OSError:
+            raise  # numba reads a missing data file as a miss
+        except Exception as e:
+            _say_once("damaged", f"the kernel cache file {self._data_path(name)} is damaged "
+                                 f"({type(e).__name__}); ignoring it and compiling again")
+            return None
+
+
+class _KernelCache(caching.FunctionCache):
+    """Numba's per-function cache over ``_KernelCacheFile``: damage is a miss, a failed write is skipped."""
+
+    def __init__(self, py_func):
+        super().__init__(py_func)
+        self._cache_file = _KernelCacheFile(cache_path=self._cache_path, filename_base=self._impl.filename_base,
+                                            source_stamp=self._impl.locator.get_source_stamp())
+
+    def load_overload(self, sig, target_context):
+        try:
+            return super().load_overload(sig, target_context)
+        except OSError:
+            raise
+        except Exception as e:  # an entry that unpickles but cannot be rebuilt
+            _say_once("damaged", f"a kernel cache entry in {self._cache_path} is damaged ({type(e).__name__}); "
+                                 "ignoring it and compiling again")
+            return None
+
+    def save_overload(self, sig, data):
+        try:
+            super().save_overload(sig, data)
+        except OSError as e:  # a full or read-only disk under the cache: the kernels still run
+            _say_once("unwritable", f"cannot write the kernel cache in {self._cache_path} "
+                                    f"({e.strerror or e}); running without caching the kernels compiled now")
+
+
 def _use_kernel_cache_locator() -> None:
     impl: Any = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl")  # _CacheImpl: older numba
     locators = impl._locator_classes
@@ -198,6 +277,9 @@ class _KernelDispatcher(CPUDispatcher):
     here before the callee is compiled; code that needs a literal asks for it with ``numba.literally`` or an
     ``@overload``, which this does not touch.
     """
+
+    def enable_caching(self):
+        self._cache = _KernelCache(self.py_func)
 
     def get_call_template(self, args, kws):
         return super().get_call_template(tuple(types.unliteral(a) for a in args),

@@ -15,3 +15,10 @@ class PlanError(FlashcpError):
 
 class StalePlanError(FlashcpError):
     """A plan made from data files other than the ones the dataset holds now."""
+
+
+class KernelCacheWarning(UserWarning):
+    """The compiled-kernel cache could not be used as it is (a damaged entry, a full disk); work goes on.
+
+    The CLI prints it as one ``warning:`` line.
+    """

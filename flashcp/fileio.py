@@ -12,8 +12,11 @@ import fcntl
 import hashlib
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,6 +32,7 @@ __all__ = [
     "atomic_path",
     "check_plain_name",
     "exchange_paths",
+    "exit_with_parent",
     "ParquetFooter",
     "is_plain_tree",
     "parquet_fingerprint",
@@ -176,6 +180,55 @@ def replace_dir(staging: Path, final: Path, old: Path) -> None:
     os.replace(staging, final)
 
 
+_held_locks: set[int] = set()
+"""File descriptors of the locks this process holds (``FolderLock``, ``hold_lock``): a forked worker closes
+its copies (``exit_with_parent``), so that a lock lives no longer than the process that took it."""
+
+
+def hold_lock(fd: int) -> None:
+    """Record ``fd`` as holding a lock of this process (see ``_held_locks``)."""
+    _held_locks.add(fd)
+
+
+def drop_lock(fd: int) -> None:
+    """Forget ``fd`` (about to be closed)."""
+    _held_locks.discard(fd)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """Make this worker process die with ``parent_pid`` and hold none of its locks; call first in a worker.
+
+    A parent killed by SIGKILL (the OOM killer) cannot stop its pool, and an idle worker never notices: the
+    workers of a killed ``plan --workers 2`` lived on, holding (through the descriptors fork copies) the plan
+    lock and the dataset's shared lock, so every later ``plan`` of that name and ``pack --force`` were
+    refused. On Linux the kernel sends SIGKILL to the worker when its parent dies (``PR_SET_PDEATHSIG``);
+    elsewhere, and as a second guard, a thread polls ``os.getppid()``. Inherited lock descriptors are closed.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the kernel was told
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    for fd in list(_held_locks):
+        try:
+            os.close(fd)  # this copy only: the parent's descriptor keeps its lock
+        except OSError:
+            pass
+    _held_locks.clear()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
 class FolderLock:
     """An exclusive, non-blocking ``flock`` on a hidden lock file, held until ``release``.
 
@@ -199,6 +252,7 @@ class FolderLock:
                 same = False
             if same:
                 self._fd = fd
+                hold_lock(fd)
                 return
             os.close(fd)  # the holder removed it as we opened it: take the lock on the new file
         raise FlashcpError(busy_message)
@@ -210,6 +264,7 @@ class FolderLock:
                 os.unlink(self.path)
             except OSError:
                 pass
+            drop_lock(self._fd)
             os.close(self._fd)
             self._fd = None
 

@@ -20,7 +20,7 @@ def test_every_kernel_module_is_in_the_cache_key():
     names = {p.relative_to(_numba.PACKAGE).as_posix() for p in _numba.kernel_sources()}
     assert {"planner/strategies/baselines.py", "planner/strategies/flashcp2.py", "costmodel/comm.py",
             "costmodel/objective.py", "planner/batch.py", "planner/check.py",
-            "data/synth.py", "engines/_layout.py"} <= names
+            "data/synth.py", "engines/_layout.py", "planner/registry.py"} <= names  # the registry links
     # a kernel module is one that takes njit from flashcp._numba, never from numba itself
     for path in _numba.PACKAGE.rglob("*.py"):
         assert "from numba import njit" not in path.read_text(), path
@@ -49,7 +49,16 @@ def test_a_changed_kernel_source_changes_the_key(tmp_path, monkeypatch):
         assert _numba.cache_key() == first
         kernel.write_text("from flashcp._numba import njit\n# changed\n")
         _numba.cache_key.cache_clear()
-        assert _numba.cache_key() != first
+        second = _numba.cache_key()
+        assert second != first
+        registry = package / "planner" / "registry.py"  # decides which kernel a strategy name links
+        registry.write_text("ring = 'ring_kernel'\n")
+        _numba.cache_key.cache_clear()
+        third = _numba.cache_key()
+        assert third != second
+        registry.write_text("ring = 'llama3_kernel'\n")
+        _numba.cache_key.cache_clear()
+        assert _numba.cache_key() not in (first, second, third)
     finally:
         _numba.cache_key.cache_clear()
 

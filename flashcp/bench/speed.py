@@ -155,7 +155,7 @@ def end_to_end(spec: str, cp: int, context_len: int, num_seqs: int, strategies: 
         for name in strategies:
             for count in workers:
                 started = time.perf_counter()
-                meta = plan_dataset(root, cp, name, workers=count, force=True, name=f"w{count}-{name}")
+                meta = plan_dataset(root, cp, name, workers=count, force=True, name=f"w{count}-{name}").meta
                 elapsed = time.perf_counter() - started
                 result["plans"].append({"strategy": name, "workers": count, "seconds": elapsed,
                                         "seqs_per_s": num_seqs / elapsed,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import click
 
 from flashcp import __version__
-from flashcp.cli.console import emit_json_error, error, set_json_output, set_verbosity
-from flashcp.errors import FlashcpError
+from flashcp.cli.console import emit_json_error, error, set_json_output, set_verbosity, warn
+from flashcp.errors import FlashcpError, KernelCacheWarning
 
 __all__ = ["cli", "main"]
 
@@ -91,6 +92,23 @@ def cli(verbose: bool, quiet: bool) -> None:
     """flashcp: load-balanced, communication-efficient context parallelism for long-context training."""
     set_verbosity(0 if quiet else 2 if verbose else 1)
     set_json_output(False)
+    _show_kernel_cache_warnings()
+
+
+def _show_kernel_cache_warnings() -> None:
+    """Print a ``KernelCacheWarning`` as one ``warning:`` line; other warnings as Python prints them."""
+    if getattr(warnings.showwarning, "flashcp", False):
+        return
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, KernelCacheWarning):
+            warn(str(message))
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    show.flashcp = True  # type: ignore[attr-defined]
+    warnings.showwarning = show
 
 
 def main() -> None:

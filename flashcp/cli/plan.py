@@ -106,7 +106,8 @@ def _reading(compared: list[tuple[str, dict]], compare: dict, sampled: bool) -> 
                    "summary, every plan priced by projected step time; 0 skips the comparison.")
 @click.option("--workers", type=int, default=1, show_default=True, help="Worker processes.")
 @click.option("--name", default=None, help="Plan folder name [default: cp{N}-{strategy}].")
-@click.option("--force", is_flag=True, help="Replace an existing plan of the same name.")
+@click.option("--force", is_flag=True, help="Replace an existing plan of the same name (one made from this data "
+                                            "with the same parameters is kept without it).")
 @click.option("--json", "as_json", is_flag=True, help="Print plan.json and the time on stdout (text on stderr).")
 @engine_options("Plan here, or one Ray task per data file (the same bytes; needs pip install 'flashcp[ray]').")
 def command(data: str, cp: int, strategy: str, target_imbalance: float | None, objective: str | None,
@@ -133,17 +134,23 @@ def command(data: str, cp: int, strategy: str, target_imbalance: float | None, o
         overrides = {"objective": objective, "profile": str(Path(profile).resolve()) if profile else None,
                      "effort": int(effort) if effort and effort.isdigit() else effort, "chunk_size": chunk_size,
                      "token_slack": token_slack, "topology": topology}
-        meta = plan_dataset(data, cp, strategy, target_imbalance=target_imbalance, workers=workers,
-                            force=force, name=name, progress=advance, on_note=info,
-                            overrides={k: v for k, v in overrides.items() if v is not None}, run_jobs=run_jobs,
-                            compare=compare)
+        result = plan_dataset(data, cp, strategy, target_imbalance=target_imbalance, workers=workers,
+                              force=force, name=name, progress=advance, on_note=info,
+                              overrides={k: v for k, v in overrides.items() if v is not None},
+                              run_jobs=run_jobs, compare=compare)
     elapsed = time.perf_counter() - started
+    meta = result.meta
     if as_json:
-        emit_json({"dataset": str(dataset.root), "plan": meta, "seconds": elapsed})
+        emit_json({"dataset": str(dataset.root), "plan": meta, "seconds": elapsed,
+                   "up_to_date": result.up_to_date})
     summary = meta["summary"]
     params = ", ".join(f"{k}={v}" for k, v in meta["params"].items() if v is not None)
-    info(f"wrote {dataset.root}/plans/{meta['name']}/ ({len(meta['plan_files'])} plan file(s), "
-         f"{summary['sequences']:,} sequences, all validated) in {elapsed:.1f}s")
+    if result.up_to_date:
+        info(f"{dataset.root}/plans/{meta['name']}/ is up to date (made from this data with the same "
+             "parameters); nothing to do, --force makes it again")
+    else:
+        info(f"wrote {dataset.root}/plans/{meta['name']}/ ({len(meta['plan_files'])} plan file(s), "
+             f"{summary['sequences']:,} sequences, all validated) in {elapsed:.1f}s")
     title = (f"cp{cp} over {summary['sequences']:,} sequences of {dataset.context_len:,} tokens "
              f"({meta['strategy']}{': ' + params if params else ''})")
     rows, notes, split = summary_lines(meta)

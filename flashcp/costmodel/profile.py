@@ -19,6 +19,10 @@ A profile file (``flashcp/costmodel/profiles/h100-sxm-nvlink.json`` is the defau
 - ``gpus_per_node``: CP ranks per node, rank r on node ``r // gpus_per_node`` (optional, default 0: every
   rank in one node); ``flashcp plan --topology NODESxGPUS`` overrides it for one plan.
 
+Every number is checked at load (one sentence naming the file and the field): finite, positive where it
+is a rate, curve lengths increasing whole numbers up to the longest context (a curve at 1e30 tokens divided
+by zero inside the objective's kernel; an all-NaN or all-Infinity curve priced every plan as NaN or 0).
+
 Defaults come from public specs and published FlashAttention benchmarks; what no spec gives is marked
 ASSUMPTION in the file. ``flashcp bench --calibrate`` replaces the attention curve and the overheads with
 measurements (``flashcp.bench.calibrate``) and writes a new file.
@@ -34,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flashcp.costmodel.limits import MAX_CONTEXT_LEN
 from flashcp.errors import FlashcpError
 
 __all__ = ["DEFAULT_PROFILE", "HardwareProfile", "load_profile"]
@@ -97,17 +102,22 @@ class HardwareProfile:
                 len(self.lengths) != len(self.backward_tflops):
             raise ValueError("attention_tflops needs equally long, non-empty lengths, forward and backward "
                              "lists")
-        if any(b <= a for a, b in zip(self.lengths, self.lengths[1:])) or self.lengths[0] < 1:
-            raise ValueError(f"attention_tflops lengths must be positive and increasing, got "
-                             f"{list(self.lengths)}")
+        if any(b <= a for a, b in zip(self.lengths, self.lengths[1:])) or self.lengths[0] < 1 or \
+                self.lengths[-1] > MAX_CONTEXT_LEN:
+            raise ValueError(f"attention_tflops lengths must be increasing whole numbers in [1, {MAX_CONTEXT_LEN}] "
+                             f"(the longest context), got {_shown(self.lengths)}")
         for name in ("peak_tflops", "link_gbps", "hbm_gbps", "inter_node_gbps"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if min(self.forward_tflops) <= 0 or min(self.backward_tflops) <= 0:
-            raise ValueError("attention_tflops values must be positive")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a positive finite number, got {getattr(self, name)}")
+        for name, curve in (("forward", self.forward_tflops), ("backward", self.backward_tflops)):
+            # NaN compares false to everything: ask for what is wanted, never test for what is not
+            if not all(0 < value < math.inf for value in curve):
+                raise ValueError(f"attention_tflops {name} values must be positive finite TFLOP/s, got "
+                                 f"{_shown(curve)}")
         if self.query_tile < 1:
             raise ValueError(f"query_tile must be at least 1, got {self.query_tile}")
-        if min(self.kernel_overhead_us, self.collective_latency_us, self.sequence_overhead_us) < 0:
+        if not all(0 <= value < math.inf for value in (self.kernel_overhead_us, self.collective_latency_us,
+                                                        self.sequence_overhead_us)):
             raise ValueError("kernel_overhead_us, sequence_overhead_us and collective_latency_us must not be "
                              "negative")
 
@@ -150,6 +160,21 @@ class HardwareProfile:
                    if name != "peak_tflops"}}
 
 
+def _shown(values) -> str:
+    """A list of numbers as a short phrase (the first six)."""
+    shown = ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in list(values)[:6])
+    return f"[{shown}{', ...' if len(values) > 6 else ''}]"
+
+
+def _curve_numbers(curve: dict, key: str, label: str) -> list[float]:
+    """The ``key`` list of an attention curve as floats; one sentence unless every entry is a finite number."""
+    values = curve[key]
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        raise FlashcpError(f"hardware profile {label} is not valid: attention_tflops {key} must be finite "
+                           f"numbers, got {_shown(values)}")
+    return [float(v) for v in values]
+
+
 def _number(obj: dict, name: str, label: str) -> float:
     entry = obj.get(name)
     value = entry.get("value") if isinstance(entry, dict) else None
@@ -173,6 +198,10 @@ def _profile_from_json(obj, label: str) -> HardwareProfile:
     sources["attention_tflops"] = str(curve.get("source", ""))
     if "extrapolation" in curve:
         sources["attention_tflops.extrapolation"] = str(curve["extrapolation"])
+    lengths, forward, backward = (_curve_numbers(curve, key, label) for key in ("lengths", "forward", "backward"))
+    if any(v != int(v) for v in lengths):
+        raise FlashcpError(f"hardware profile {label} is not valid: attention_tflops lengths must be whole "
+                           f"numbers, got {_shown(lengths)}")
     values = {name: _number(obj, name, label) for name in SCALARS}
     values.update({name: _number(obj, name, label) if name in obj else default
                    for name, default in OPTIONAL.items()})
@@ -181,9 +210,8 @@ def _profile_from_json(obj, label: str) -> HardwareProfile:
     try:
         return HardwareProfile(
             name=str(obj.get("name", label)), calibrated=bool(obj.get("calibrated", False)),
-            peak_tflops=values["peak_tflops"], lengths=tuple(int(v) for v in curve["lengths"]),
-            forward_tflops=tuple(float(v) for v in curve["forward"]),
-            backward_tflops=tuple(float(v) for v in curve["backward"]), query_tile=int(values["query_tile"]),
+            peak_tflops=values["peak_tflops"], lengths=tuple(int(v) for v in lengths),
+            forward_tflops=tuple(forward), backward_tflops=tuple(backward), query_tile=int(values["query_tile"]),
             link_gbps=values["link_gbps"], hbm_gbps=values["hbm_gbps"],
             kernel_overhead_us=values["kernel_overhead_us"],
             collective_latency_us=values["collective_latency_us"],

@@ -17,10 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import signal
-import threading
-import time
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -28,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from flashcp.errors import FlashcpError
+from flashcp.fileio import exit_with_parent
 
 __all__ = ["BUILTINS", "DEFAULT_TOKENIZER", "Encoder", "TokenizerSpec", "encode_in_worker", "init_worker",
            "resolve_tokenizer", "worker_ready"]
@@ -189,19 +187,12 @@ def init_worker(name_or_path: str, append_eos: bool, parent_pid: int) -> None:
     A failure is kept for ``encode_in_worker`` to raise (the parent has reported it already).
     """
     global _worker_encoder, _worker_error
-    # a killed parent (SIGKILL, OOM) cannot stop its workers, and they never see their task pipe close
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    exit_with_parent(parent_pid)  # a killed parent (SIGKILL, OOM) cannot stop its workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the pool
     try:
         _worker_encoder = Encoder(resolve_tokenizer(name_or_path), append_eos=append_eos)
     except FlashcpError as e:
         _worker_error = e
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(0.5)
-    os._exit(1)
 
 
 def encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -46,7 +46,7 @@ def _plan_one(lens, cp, strategy, target, chunk, effort, model, slack):
 @overload(_plan_one)
 def _plan_one_impl(lens, cp, strategy, target, chunk, effort, model, slack):
     # Only a literal name is typed, so that a compilation links the one kernel it names. The registry is
-    # read at compile time; its module is part of the kernel cache key (flashcp._numba).
+    # read at compile time; its module is part of the kernel cache key (flashcp._numba.LINKING_MODULES).
     if not isinstance(strategy, types.StringLiteral):
         return None
     from flashcp.planner.registry import STRATEGIES
@@ -123,14 +123,15 @@ def plan_batch(row_offsets, doc_lens, cp, strategy: str, target: float = 1.0, ch
 
 
 def _dispatcher(strategy: str) -> Any:
-    """The batch loop compiled for ``strategy``: cached on disk for a kernel of flashcp's own, else in memory.
+    """The batch loop compiled for ``strategy``: cached on disk for flashcp's own entries, else in memory.
 
-    The kernel cache key covers flashcp's sources only, so another package's kernel is never cached.
+    The kernel cache key covers flashcp's sources only, and the cache names a compilation by the strategy's
+    name: a name registered at run time may link another kernel in another process (``Strategy.built_in``).
     """
     from flashcp.planner.registry import STRATEGIES
 
     entry = STRATEGIES.get(strategy)
-    return _plan_batch if entry is None or entry.in_package else _plan_batch_in_memory
+    return _plan_batch if entry is None or entry.built_in else _plan_batch_in_memory
 
 
 def _plain_int64(values) -> bool:

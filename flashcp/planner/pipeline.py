@@ -16,11 +16,14 @@ sequence at a time and only its metrics kept; every compared plan is also priced
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing
+import os
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,8 +34,8 @@ from flashcp.costmodel.comm import batch_node_received, comm_saving, exact_need_
 from flashcp.costmodel.objective import batch_step_seconds
 from flashcp.data.dataset import Dataset, numpy_values
 from flashcp.errors import FlashcpError, PlanError
+from flashcp.fileio import exit_with_parent
 from flashcp.planner import batch, check
-from flashcp.planner.ilp.polish import parse_effort, polish_plan
 from flashcp.planner.plan import SequencePlan
 from flashcp.planner.registry import (
     DEFAULT_STRATEGY,
@@ -41,6 +44,7 @@ from flashcp.planner.registry import (
     get_strategy,
     kernel_args,
     objective_model,
+    plan_flat,
     plan_gpus_per_node,
     resolve_params,
 )
@@ -51,6 +55,7 @@ __all__ = [
     "FileJob",
     "FileResult",
     "COMPARE_DEFAULT",
+    "PlanResult",
     "PlannedRows",
     "check_rows",
     "describe_error",
@@ -83,6 +88,17 @@ _ERROR_TEXT = {
     check.BAD_COVERAGE: "does not cover every token of every document exactly once",
     check.BAD_QUOTA: "does not give every rank its equal-token quota",
 }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanResult:
+    """What ``plan_dataset`` did: the plan's plan.json, and whether it was there already."""
+
+    meta: dict
+    """The plan's plan.json (written now, or read from the existing plan)."""
+    up_to_date: bool = False
+    """True when the plan already existed, made from the same data with the same parameters: nothing was
+    written."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -176,15 +192,7 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
     params = resolve_params(chosen) if params is None else params
     row_offsets = np.ascontiguousarray(row_offsets, dtype=np.int64)
     doc_lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
-    args = kernel_args(chosen, params)
-    if chosen.rows is not None:  # planned in Python (dcp)
-        offsets, doc, start, length, rank = chosen.rows(row_offsets, doc_lens, cp, params)
-    else:
-        offsets, doc, start, length, rank = batch.plan_batch(row_offsets, doc_lens, cp, chosen.name, **args)
-    ilp_seconds = parse_effort(params["effort"])[1] if "effort" in params else None
-    if ilp_seconds is not None:
-        offsets, doc, start, length, rank = _polish_rows(row_offsets, doc_lens, cp, args["model"], ilp_seconds,
-                                                         offsets, doc, start, length, rank)
+    offsets, doc, start, length, rank = plan_flat(chosen, row_offsets, doc_lens, cp, params)
     slack = float(params.get("token_slack", 0.0))
     errors, imbalance, ag, a2a = check.check_batch(row_offsets, doc_lens, offsets, doc, start, length, rank, cp,
                                                     slack)
@@ -194,21 +202,6 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
                         f"{_ERROR_TEXT[int(errors[bad])]}")
     return PlannedRows(shard_offsets=offsets, shard_doc=doc, shard_start=start, shard_len=length,
                        shard_rank=rank, imbalance=imbalance, ag_comm_tokens=ag, a2a_comm_tokens=a2a)
-
-
-def _polish_rows(row_offsets, doc_lens, cp, model, seconds, offsets, doc, start, length, rank):
-    """``--effort ilp``: every row's plan polished with CP-SAT (``flashcp.planner.ilp.polish``)."""
-    parts = []
-    for i in range(row_offsets.size - 1):
-        lo, hi = offsets[i], offsets[i + 1]
-        plan = SequencePlan(shard_doc=doc[lo:hi], shard_start=start[lo:hi], shard_len=length[lo:hi],
-                            shard_rank=rank[lo:hi], cp=cp)
-        parts.append(polish_plan(doc_lens[row_offsets[i]:row_offsets[i + 1]], plan, model, seconds))
-    new_offsets = np.zeros(len(parts) + 1, np.int64)
-    new_offsets[1:] = np.cumsum([p.num_shards for p in parts])
-    flat = [np.ascontiguousarray(np.concatenate([getattr(p, name) for p in parts]), dtype=np.int64)
-            for name in ("shard_doc", "shard_start", "shard_len", "shard_rank")]
-    return (new_offsets, *flat)
 
 
 def strategy_metrics(sequences: Sequence[np.ndarray], cp: int, strategy: str,
@@ -402,11 +395,13 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
                  target_imbalance: float | None = None, workers: int = 1, force: bool = False,
                  name: str | None = None, progress: Callable[[int], None] | None = None,
                  on_note: Callable[[str], None] | None = None, overrides: dict | None = None,
-                 run_jobs: Callable | None = None, compare: int = COMPARE_DEFAULT) -> dict:
+                 run_jobs: Callable | None = None, compare: int = COMPARE_DEFAULT) -> PlanResult:
     """Plan every sequence of the dataset at ``root`` and write ``plans/<name>/``; returns its plan.json.
 
     ``name`` defaults to ``cp{N}-{strategy}`` and must be a plain folder name. An existing plan of that name
-    is refused unless ``force``; it is then replaced only once the new one is complete (built beside it and
+    made from the dataset as it is now with the same strategy, cp, parameters and ``compare``, intact, is
+    kept as it is (``PlanResult.up_to_date``, nothing written); one made otherwise is refused unless
+    ``force``. With ``force`` it is replaced only once the new one is complete (built beside it and
     swapped, :class:`flashcp.planner.store.PlanSlot`), so a failure leaves it byte-identical.
     ``progress(rows)`` is called as rows finish; ``on_note(sentence)`` hears of staging folders of killed runs
     that were cleaned up. ``overrides`` set the strategy's other parameters (``chunk_size``, ``effort``,
@@ -438,8 +433,13 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
             raise FlashcpError(f"data file {data_file.path} has {rows} rows but the manifest says "
                                f"{data_file.rows}; re-create the dataset")
 
-    with PlanSlot(dataset, name, force=force) as slot:
+    wanted = {"strategy": chosen.name, "cp": cp, "params": json.loads(json.dumps(params)), "compare": compare}
+    with PlanSlot(dataset, name, force=force, wanted=lambda meta: _difference(meta, wanted)) as slot:
         notes = list(slot.notes)
+        if slot.up_to_date is not None:
+            for note in notes:
+                (on_note or (lambda message: None))(note)
+            return PlanResult(meta=slot.up_to_date, up_to_date=True)
         if any(batch.needs_compile(strategy_name)
                for strategy_name in (chosen.name, *(BASELINES if compare else ()))
                if get_strategy(strategy_name).kernel is not None):
@@ -462,7 +462,26 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
             slot.commit()
         except OSError as e:
             raise FlashcpError(f"cannot write plan '{name}' in {dataset.root}: {e.strerror or e}") from None
-    return meta
+    return PlanResult(meta=meta)
+
+
+def _difference(meta: dict, wanted: dict) -> str | None:
+    """The first way an existing plan's plan.json differs from the plan ``wanted``, as a phrase (None: alike).
+
+    ``wanted``: strategy, cp, params (as JSON reads them back) and compare (plan.json's
+    ``summary.compare.requested``).
+    """
+    summary = meta.get("summary")
+    made = {"strategy": meta.get("strategy"), "cp": meta.get("cp"), "params": meta.get("params"),
+            "compare": (summary.get("compare") or {}).get("requested") if isinstance(summary, dict) else None}
+    for key in ("strategy", "cp", "compare"):
+        if made[key] != wanted[key]:
+            return f"--{key} {made[key]} there, {wanted[key]} now"
+    old = made["params"] if isinstance(made["params"], dict) else {}
+    for key in sorted(set(old) | set(wanted["params"])):
+        if old.get(key) != wanted["params"].get(key):
+            return f"--{key.replace('_', '-')} {old.get(key)} there, {wanted['params'].get(key)} now"
+    return None
 
 
 def _run_jobs(jobs: list[FileJob], workers: int,
@@ -477,11 +496,16 @@ def _run_jobs(jobs: list[FileJob], workers: int,
     # fork (Linux) hands workers the parent's loaded kernels at no cost; spawn re-imports and reloads the
     # compiled kernels in every worker (seconds). The parent has only read Parquet footers at this point.
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context) as pool:
-        for result in pool.map(plan_data_file, jobs):
-            results.append(result)
-            if progress:
-                progress(int(result.metrics[0].size))
+    try:
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context,
+                                 initializer=exit_with_parent, initargs=(os.getpid(),)) as pool:
+            for result in pool.map(plan_data_file, jobs):
+                results.append(result)
+                if progress:
+                    progress(int(result.metrics[0].size))
+    except BrokenProcessPool:
+        raise FlashcpError("a planning worker process died (killed, or out of memory?), so nothing was "
+                           "written; run the command again, with fewer --workers if memory is short") from None
     return results
 
 

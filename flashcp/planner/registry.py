@@ -9,10 +9,15 @@ it by name. The rules of each strategy are in ``flashcp.planner.strategies``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numba
 import numpy as np
+from numba import types
+from numba.core.dispatcher import Dispatcher
+from numba.core.errors import NumbaError
 
 from flashcp.costmodel.limits import MAX_CONTEXT_LEN, MAX_CP, check_context_len
 from flashcp.planner import batch
@@ -26,7 +31,14 @@ from flashcp.planner.strategies.flashcp_plus import flashcp_plus_kernel
 from flashcp.planner.strategies.peers import magi_kernel, ptrr_kernel
 
 __all__ = ["DEFAULT_STRATEGY", "STRATEGIES", "Strategy", "register",
-           "get_strategy", "plan_sequence"]
+           "get_strategy", "plan_flat", "plan_sequence"]
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
+"""A strategy name: it becomes part of a plan folder's name (``cp8-<name>``)."""
+_KERNEL_TYPES = {"lens": types.Array(types.int64, 1, "C"), "cp": types.int64, "target": types.float64,
+                 "chunk": types.int64, "effort": types.int64, "model": types.Array(types.float64, 1, "C"),
+                 "slack": types.float64}
+"""The numba type of each argument a kernel receives from the batch planner (``batch.KERNEL_PARAMS``)."""
 
 DEFAULT_STRATEGY = "flashcp2"
 """What ``flashcp plan`` uses unless told otherwise."""
@@ -58,16 +70,26 @@ class Strategy:
     """A check run before planning: the sentence refusing the strategy (a missing package), or None."""
 
     def __post_init__(self):
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise ValueError(f"a strategy name must be letters, digits and . _ + - (it names plan folders, "
+                             f"cp8-<name>), starting with a letter or digit, got {self.name!r}")
         unknown = [name for name in self.kernel_params if name not in KERNEL_PARAMS]
         if unknown or (self.kernel is None) == (self.rows is None):
             raise ValueError(f"strategy '{self.name}' needs a kernel or rows (not both) and kernel parameters "
                              f"from {', '.join(KERNEL_PARAMS)}, got {', '.join(unknown) or 'neither or both'}")
+        if self.kernel is not None and not numba.config.DISABLE_JIT and not isinstance(self.kernel, Dispatcher):
+            raise ValueError(f"strategy '{self.name}' needs a Numba kernel (decorated with flashcp._numba.njit), "
+                             f"got {type(self.kernel).__name__} {getattr(self.kernel, '__name__', '')!r}")
 
     @property
-    def in_package(self) -> bool:
-        """Whether the kernel is one of flashcp's own (its compiled code is then cached on disk)."""
-        func = getattr(self.kernel, "py_func", self.kernel)
-        return func is not None and func.__module__.split(".")[0] == "flashcp"
+    def built_in(self) -> bool:
+        """Whether this is one of flashcp's own registry entries: only their batch kernels are cached on disk.
+
+        The cache names a compiled batch kernel by the strategy's name, and its key hashes this module, so
+        the kernel a built-in name links is always the one cached. A strategy added by ``register`` (even one
+        reusing a flashcp kernel) compiles in memory: another process may give its name another kernel.
+        """
+        return _BUILT_IN.get(self.name) is self
 
     def plan(self, doc_lens, cp: int, *, target_imbalance: float | None = None, **overrides) -> SequencePlan:
         """Plan one packed sequence: ``doc_lens`` (num_docs,) positive integers -> SequencePlan.
@@ -115,12 +137,58 @@ def register(strategy: Strategy) -> Strategy:
     """Add ``strategy`` to the registry; ValueError if its name is taken.
 
     Every function that takes a strategy name (``plan_sequence``, ``pipeline.plan_dataset``, the bench) then
-    finds it. A kernel from outside flashcp is compiled in memory, once per process.
+    finds it. Its batch kernel is compiled in memory, once per process (``Strategy.built_in`` says why).
     """
     if strategy.name in STRATEGIES:
         raise ValueError(f"a strategy named '{strategy.name}' is already registered")
     STRATEGIES[strategy.name] = strategy
+    try:
+        _try_kernel(strategy)
+    except BaseException:
+        del STRATEGIES[strategy.name]
+        raise
     return strategy
+
+
+def _try_kernel(strategy: Strategy) -> None:
+    """Type ``strategy``'s kernel as the batch planner calls it, then plan a two-document sequence with it.
+
+    ValueError in one sentence if either fails: a kernel numba cannot type with the planner's arguments would
+    otherwise fail at plan time with a page of typing errors.
+    """
+    if strategy.kernel is None or numba.config.DISABLE_JIT:
+        return
+    names = ("lens", "cp", *strategy.kernel_params)
+    arg_types = tuple(_KERNEL_TYPES[name] for name in names)
+    call = f"kernel({', '.join(f'{name}: {_KERNEL_TYPES[name]}' for name in names)})"
+    try:
+        strategy.kernel.compile(arg_types)
+        returned = strategy.kernel.overloads[arg_types].signature.return_type
+    except (NumbaError, TypeError) as e:
+        raise ValueError(f"strategy '{strategy.name}': numba cannot compile its kernel as the planner calls it, "
+                         f"{call} ({type(e).__name__}: {_first_cause(e)})") from None
+    vector = types.Array(types.int64, 1, "C")
+    if not (isinstance(returned, types.BaseTuple) and len(returned) == 4
+            and all(isinstance(t, types.Array) and t.dtype == types.int64 and t.ndim == 1 for t in returned)):
+        raise ValueError(f"strategy '{strategy.name}': its {call} returns {returned}, not the four "
+                         f"(doc, start, len, rank) {vector} arrays the planner needs")
+    try:
+        batch.plan_batch(np.array([0, 2], np.int64), np.array([3, 5], np.int64), 2, strategy.name,
+                         **kernel_args(strategy, resolve_params(strategy)))
+    except Exception as e:  # it compiles but fails on the simplest input
+        raise ValueError(f"strategy '{strategy.name}': its kernel fails on a sequence of two documents (3 and 5 "
+                         f"tokens) on 2 ranks ({type(e).__name__}: {_first_cause(e)})") from None
+
+
+def _first_cause(error: Exception) -> str:
+    """The first line of numba's message that says what went wrong (its pipeline headers and colours off)."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines()]
+    useful = [line for line in lines if line and not line.startswith("Failed in ")]
+    return (useful or lines or [""])[0][:200]
+
+
+_BUILT_IN = dict(STRATEGIES)
+"""flashcp's own entries (``Strategy.built_in``)."""
 
 
 def get_strategy(name: str) -> Strategy:
@@ -256,15 +324,28 @@ def check_shape(context_len: int, cp: int, params: dict | None = None) -> None:
 
 
 def run_kernel(strategy: Strategy, lens: np.ndarray, cp: int, params: dict):
-    """Plan contiguous int64 ``lens`` as one row of the batch kernel; returns the four shard arrays.
+    """Plan contiguous int64 ``lens`` as one row of ``plan_flat``; returns the four shard arrays."""
+    return plan_flat(strategy, np.array([0, lens.size], np.int64), lens, cp, params)[1:]
 
-    One compiled entry point per strategy, shared with ``pipeline.plan_rows``.
+
+def plan_flat(strategy: Strategy, row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, params: dict):
+    """Plan every row of flat contiguous int64 ``(row_offsets, doc_lens)``: the one planning path.
+
+    The strategy's batch kernel (or its Python ``rows``), then, for ``effort="ilp[:SECONDS]"``, the CP-SAT
+    polish of every row. Returns ``(shard_offsets, doc, start, len, rank)``; not validated
+    (``pipeline.plan_rows`` validates, ``Strategy.plan`` builds a ``SequencePlan``, which checks itself).
     """
-    rows = np.array([0, lens.size], np.int64)
+    from flashcp.planner.ilp.polish import parse_effort, polish_rows
+
     args = kernel_args(strategy, params)
-    if strategy.rows is not None:
-        return strategy.rows(rows, lens, cp, params)[1:]
-    return batch.plan_batch(rows, lens, cp, strategy.name, **args)[1:]
+    if strategy.rows is not None:  # planned in Python (dcp)
+        planned = strategy.rows(row_offsets, doc_lens, cp, params)
+    else:
+        planned = batch.plan_batch(row_offsets, doc_lens, cp, strategy.name, **args)
+    seconds = parse_effort(params["effort"])[1] if "effort" in params else None
+    if seconds is not None:
+        planned = polish_rows(row_offsets, doc_lens, cp, args["model"], seconds, *planned)
+    return planned
 
 
 def plan_sequence(strategy: str, doc_lens, cp: int, *, target_imbalance: float | None = None,

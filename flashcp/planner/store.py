@@ -22,7 +22,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +39,8 @@ from flashcp.fileio import (
     FolderLock,
     atomic_path,
     check_plain_name,
+    drop_lock,
+    hold_lock,
     is_plain_tree,
     parquet_fingerprint,
     parquet_footer,
@@ -211,11 +213,20 @@ class PlanSlot:
     Use as a context manager: ``staging()`` makes the folder to build the plan in (``plan.json`` included,
     written last), ``commit()`` swaps it into place; leaving the block without ``commit`` removes it, so a
     failure leaves the old plan (or nothing) exactly as it was. ``notes`` says what was cleaned up.
+
+    ``wanted(meta)`` (optional) says how an existing plan's ``plan.json`` differs from the plan about to be
+    made (None: made with the same parameters). Without ``force``, an existing plan made alike from the
+    dataset as it is now, every plan file as plan.json records it, is not an error: ``up_to_date`` then
+    holds its plan.json and nothing need be written (as ``pack`` does with a finished dataset).
     """
 
-    def __init__(self, dataset: Dataset, name: str, *, force: bool, what: str = "plan name"):
+    def __init__(self, dataset: Dataset, name: str, *, force: bool, what: str = "plan name",
+                 wanted: Callable[[dict], str | None] | None = None):
         check_plain_name(name, what)
+        self.dataset = dataset
         self.root, self.name = dataset.root, name
+        self.up_to_date: dict | None = None
+        self._wanted = wanted
         self.plans_root = self.root / PLANS_DIR
         self.final = self.plans_root / name
         self.notes: list[str] = []
@@ -229,6 +240,7 @@ class PlanSlot:
         except OSError:
             os.close(self._root_fd)
             raise FlashcpError(f"a flashcp pack is writing to {self.root}; wait for it to finish") from None
+        hold_lock(self._root_fd)
         self._lock: FolderLock | None = None
         try:
             self.plans_root.mkdir(exist_ok=True)
@@ -300,10 +312,36 @@ class PlanSlot:
                 raise FlashcpError(f"{where} holds a plan.json that is not a flashcp plan; move it away or "
                                    "choose another name")
             if not force:
-                raise FlashcpError(f"plan '{self.name}' already exists in {self.root}; pass --force to "
+                difference = self._wanted(meta) if self._wanted is not None else None
+                if self._wanted is not None and difference is None:
+                    problem = self._intact_problem()
+                    if problem is None:
+                        self.up_to_date = meta
+                        return
+                    raise FlashcpError(f"plan '{self.name}' in {self.root} was made with these parameters but "
+                                       f"not as it is now: {problem}; pass --force to make it again")
+                made = f", made with other parameters ({difference})" if difference else ""
+                raise FlashcpError(f"plan '{self.name}' already exists in {self.root}{made}; pass --force to "
                                    "replace it")
         elif any(self.final.iterdir()) and not force:
             raise FlashcpError(f"{where} holds an unfinished plan (no plan.json); pass --force to replace it")
+
+    def _intact_problem(self) -> str | None:
+        """Why the existing plan is not the one its plan.json describes for the data as it is now (or None).
+
+        Every reader's checks at open (fresh, every plan file's size, footer and rows), then every plan
+        file's sha256, as ``pack`` re-hashes a finished dataset's files before calling it done.
+        """
+        try:
+            store = PlanStore(self.dataset, self.name)
+        except StalePlanError:
+            return "it was made from other data files than the dataset holds"
+        except FlashcpError as e:
+            return str(e).split("; re-run")[0]
+        for index, entry in enumerate(store.plan_files):
+            if sha256_file(store.plan_path(index)) != entry.get("sha256"):
+                return f"plan file {store.plan_path(index)} does not match plan.json"
+        return None
 
     def staging(self) -> Path:
         """A new, empty hidden folder beside the plan to build it in."""
@@ -325,8 +363,34 @@ class PlanSlot:
             self._lock.release()
             self._lock = None
         if self._root_fd >= 0:
+            drop_lock(self._root_fd)
             os.close(self._root_fd)
             self._root_fd = -1
+
+
+_FIELD_TYPES: dict[str, tuple[type, str]] = {
+    "format_version": (int, "a whole number"), "strategy": (str, "a string"), "cp": (int, "a whole number"),
+    "context_len": (int, "a whole number"), "params": (dict, "an object"), "summary": (dict, "an object"),
+    "data_files": (list, "a list"), "plan_files": (list, "a list"),
+}
+"""plan.json's fields and the JSON type each must have (readers index into them)."""
+
+
+def _check_fields(meta: dict) -> None:
+    """TypeError naming the first plan.json field of the wrong JSON type (a missing one is left to KeyError)."""
+    for key, (kind, phrase) in _FIELD_TYPES.items():
+        value = meta.get(key)
+        if key in meta and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise TypeError(f"{key} is {json.dumps(value)[:40]}, not {phrase}")
+    if meta.get("format_version", 1) < 1:
+        raise TypeError(f"format_version is {meta['format_version']}, not a plan format version")
+    for key in ("data_files", "plan_files"):
+        if not all(isinstance(entry, dict) for entry in meta.get(key, [])):
+            raise TypeError(f"an entry of {key} is not an object")
+    if "params" in meta and "token_slack" in meta["params"]:
+        slack = meta["params"]["token_slack"]
+        if isinstance(slack, bool) or not isinstance(slack, int | float) or not 0 <= slack < 1:
+            raise TypeError(f"params.token_slack is {slack}, not a number in [0, 1)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -359,9 +423,15 @@ class PlanStore:
             self.meta = json.loads(meta_path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise FlashcpError(f"{meta_path} is not readable JSON ({e})") from None
+        version = self.meta.get("format_version", 1) if isinstance(self.meta, dict) else 1
+        if isinstance(version, int) and not isinstance(version, bool) and version > PLAN_FORMAT_VERSION:
+            raise FlashcpError(f"{meta_path} is plan format version {version}, written by a newer flashcp; this "
+                               f"flashcp {__version__} reads version {PLAN_FORMAT_VERSION}: upgrade flashcp, or "
+                               "re-run 'flashcp plan --force' with this one")
         try:
             if not isinstance(self.meta, dict):
                 raise TypeError("it is not a JSON object")
+            _check_fields(self.meta)
             self.cp: int = int(self.meta["cp"])
             self.strategy: str = str(self.meta["strategy"])
             self.context_len: int = int(self.meta["context_len"])
@@ -376,9 +446,7 @@ class PlanStore:
             raise FlashcpError(f"{meta_path} {what}; re-run 'flashcp plan --force'") from None
         if self.cp < 1:
             raise FlashcpError(f"{meta_path} is damaged (cp {self.cp}); re-run 'flashcp plan --force'")
-        slack = (self.meta.get("params") or {}).get("token_slack") if isinstance(self.meta.get("params"), dict) \
-            else None
-        self.token_slack = float(slack or 0.0)
+        self.token_slack = float(self.meta.get("params", {}).get("token_slack") or 0.0)
         self.check_fresh()
         if len(self.plan_files) != len(dataset.files):
             raise FlashcpError(f"plan '{name}' lists {len(self.plan_files)} plan files for the "

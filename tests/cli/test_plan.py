@@ -31,8 +31,9 @@ def test_replan_needs_force(dataset, tmp_path):
     root = fresh_copy(dataset, tmp_path)
     assert run("plan", root, "--cp", 2).exit_code == 0
     first = sha256_file(root / "plans" / "cp2-flashcp2" / "part-00000.parquet")
-    result = run("plan", root, "--cp", 2)
+    result = run("plan", root, "--cp", 2, "--target-imbalance", 1.2)
     assert result.exit_code == 1 and "already exists" in result.output and "--force" in result.output
+    assert "--target-imbalance 1.05 there, 1.2 now" in result.output
     result = run("plan", root, "--cp", 2, "--force", "--target-imbalance", 1.2)
     assert result.exit_code == 0, result.output
     meta = json.loads((root / "plans" / "cp2-flashcp2" / "plan.json").read_text())

@@ -37,7 +37,7 @@ def test_bad_profile_values_are_refused(tmp_path, profile):
     good = profile.to_json()
     changes = ((lambda o: o["link_gbps"].update(value="fast"), "needs 'link_gbps'"),
                (lambda o: o["attention_tflops"].update(lengths=[4, 2, 8, 16, 32, 64]), "increasing"),
-               (lambda o: o["hbm_gbps"].update(value=-1), "must be positive"))
+               (lambda o: o["hbm_gbps"].update(value=-1), "must be a positive finite number"))
     for change, words in changes:
         obj = json.loads(json.dumps(good))
         change(obj)

@@ -424,7 +424,8 @@ def test_an_old_plan_moved_aside_by_a_crash_is_put_back(ws, monkeypatch):
     plans = ws / "data" / "plans"
     before = tree(ws)
     os.rename(plans / "cp2-flashcp", plans / ".cp2-flashcp.old-99-0123abcd.tmp")
-    one_sentence(run("plan", ws / "data", "--cp", 2, "--strategy", "flashcp"), "already exists")
+    result = run("plan", ws / "data", "--cp", 2, "--strategy", "flashcp")  # put back, and it is up to date
+    assert result.exit_code == 0 and "restored plan 'cp2-flashcp'" in result.stderr and "up to date" in result.stderr
     assert tree(ws) == before
     import flashcp.fileio as fileio
 

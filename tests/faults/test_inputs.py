@@ -233,7 +233,7 @@ def test_plan_refuses_a_context_above_the_limit(ws):
 @pytest.mark.parametrize("command", [
     ["plan", "{ws}/missing", "--cp", 2], ["show", "{d}", "--seq", 10**6], ["ls", "{ws}/missing"],
     ["verify", "{ws}/missing"], pack_args("{ws}/missing.jsonl", "{ws}/p"),
-    ["plan", "{d}", "--cp", 2, "--strategy", "llama3"],  # exists already
+    ["plan", "{d}", "--cp", 2, "--strategy", "llama3", "--compare", 0],  # exists already, made otherwise
 ])
 def test_json_on_failure(ws, command):
     command = [str(a).replace("{d}", str(ws / "data")).replace("{ws}", str(ws)) for a in command] + ["--json"]
@@ -325,17 +325,17 @@ def test_plan_files_without_cp_in_their_footer_are_checked_as_read(ws):
 # ---- 3. an advertised option that always crashed: --effort ilp[:S] ----
 
 def test_effort_ilp_plans_through_the_cli_and_the_bench_spec(tmp_path, monkeypatch):
-    import flashcp.planner.pipeline as pipeline
+    import flashcp.planner.ilp.polish as polish_module
 
     assert run("synth", tmp_path / "s", "--dist", "wlb", "--num-seqs", 2, "--context-len", 2048,
                "--no-tokens").exit_code == 0
-    calls, real = [], pipeline.polish_plan
+    calls, real = [], polish_module.polish_plan
 
     def polish(doc_lens, plan, model, seconds, *args):
         calls.append((model.dtype.kind, seconds))  # the objective model, not the token slack
         return real(doc_lens, plan, model, seconds, *args)
 
-    monkeypatch.setattr(pipeline, "polish_plan", polish)
+    monkeypatch.setattr(polish_module, "polish_plan", polish)
     result = run("plan", tmp_path / "s", "--cp", 2, "--effort", "ilp:1")
     assert result.exit_code == 0, result.output
     assert calls == [("f", 1.0)] * 2
@@ -347,3 +347,27 @@ def test_effort_ilp_plans_through_the_cli_and_the_bench_spec(tmp_path, monkeypat
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())["quality"]["rows"]
     assert [r["strategy"] for r in rows] == ["flashcp2:effort=ilp:1"] and len(calls) == 3
+
+
+def test_plan_sequence_polishes_with_effort_ilp(monkeypatch):
+    """``plan_sequence(..., effort="ilp:S")`` takes the same path as ``plan``: the kernel, then the polish."""
+    import numpy as np
+
+    import flashcp.planner.ilp.polish as polish_module
+    from flashcp.planner.registry import plan_sequence
+
+    lens = np.array([5000, 300, 1200, 700, 985, 1800], np.int64)
+    calls, real = [], polish_module.polish_plan
+
+    def polish(doc_lens, plan, model, seconds, *args):
+        calls.append((list(doc_lens), seconds))
+        calls.append(real(doc_lens, plan, model, seconds, *args))
+        return calls[-1]
+
+    monkeypatch.setattr(polish_module, "polish_plan", polish)
+    polished = plan_sequence("flashcp2", lens, 4, effort="ilp:1")
+    assert calls[0] == (lens.tolist(), 1.0) and len(calls) == 2
+    assert all((getattr(polished, name) == getattr(calls[1], name)).all()
+               for name in ("shard_doc", "shard_start", "shard_len", "shard_rank"))
+    plan_sequence("flashcp2", lens, 4, effort=1)
+    assert len(calls) == 2  # a plain effort does not polish

@@ -41,7 +41,7 @@ def test_one_registry_entry_plans_with_a_new_kernel(toy):
         ring = ring_plan(lens, cp)  # the same chunks, rank i's on rank cp - 1 - i
         expected = sorted(zip(cp - 1 - ring.shard_rank, ring.shard_doc, ring.shard_start, ring.shard_len))
         assert list(zip(plan.shard_rank, plan.shard_doc, plan.shard_start, plan.shard_len)) == expected
-    assert not toy.in_package and batch._dispatcher(toy.name) is batch._plan_batch_in_memory
+    assert not toy.built_in and batch._dispatcher(toy.name) is batch._plan_batch_in_memory
     assert batch._dispatcher("flashcp") is batch._plan_batch  # flashcp's own kernels cache on disk
 
 

@@ -16,7 +16,7 @@ from flashcp.costmodel.objective import step_seconds
 from flashcp.costmodel.workload import rank_workloads
 from flashcp.planner.plan import SequencePlan
 
-__all__ = ["DEFAULT_ILP_SECONDS", "parse_effort", "polish_plan"]
+__all__ = ["DEFAULT_ILP_SECONDS", "parse_effort", "polish_plan", "polish_rows"]
 
 DEFAULT_ILP_SECONDS = 10.0
 """CP-SAT seconds per sequence for ``--effort ilp``."""
@@ -61,3 +61,18 @@ def polish_plan(doc_lens, plan: SequencePlan, model: np.ndarray, seconds: float,
         return float(step_seconds(p.shard_doc, p.shard_start, p.shard_len, p.shard_rank, p.cp, model))
 
     return new if seconds_of(new) < seconds_of(plan) else plan
+
+
+def polish_rows(row_offsets, doc_lens, cp, model, seconds, offsets, doc, start, length, rank):
+    """``--effort ilp``: every row's plan of flat arrays polished (``polish_plan``); the same flat arrays back."""
+    parts = []
+    for i in range(row_offsets.size - 1):
+        lo, hi = offsets[i], offsets[i + 1]
+        plan = SequencePlan(shard_doc=doc[lo:hi], shard_start=start[lo:hi], shard_len=length[lo:hi],
+                            shard_rank=rank[lo:hi], cp=cp)
+        parts.append(polish_plan(doc_lens[row_offsets[i]:row_offsets[i + 1]], plan, model, seconds))
+    new_offsets = np.zeros(len(parts) + 1, np.int64)
+    new_offsets[1:] = np.cumsum([p.num_shards for p in parts])
+    flat = [np.ascontiguousarray(np.concatenate([getattr(p, name) for p in parts]), dtype=np.int64)
+            for name in ("shard_doc", "shard_start", "shard_len", "shard_rank")]
+    return (new_offsets, *flat)
