@@ -162,6 +162,7 @@ def command(data: str, plan_name: str | None, seq: int, as_json: bool) -> None:
     offsets, lens = dataset.read_doc_lens(index)
     doc_lens = lens[offsets[row]:offsets[row + 1]]
     stored = store.read_plans(index, row, row + 1)[0]
+    store.check_row(stored, doc_lens, index, row)  # a plan that does not fit its row is refused, not drawn
     title = (f"sequence {seq} ({dataset.files[index].path} row {row}): {doc_lens.size} documents, "
              f"{int(doc_lens.sum()):,} tokens; plan {store.name} ({store.strategy}, cp {store.cp})")
     per_node = plan_gpus_per_node(store.meta.get("params") or {})

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flashcp import __version__
-from flashcp.costmodel.workload import rank_tokens, token_quotas
+from flashcp.costmodel.workload import rank_tokens, slack_tokens, token_quotas
 from flashcp.data.dataset import Dataset, _arrow, numpy_values
 from flashcp.errors import FlashcpError, PlanError, StalePlanError
 from flashcp.fileio import (
@@ -48,7 +48,7 @@ from flashcp.fileio import (
     write_json_atomic,
     write_parquet_atomic,
 )
-from flashcp.planner.plan import SequencePlan
+from flashcp.planner.plan import SequencePlan, check_metrics
 
 __all__ = [
     "PLAN_SCHEMA",
@@ -489,6 +489,22 @@ class PlanStore:
             return []
         table = pf.read_row_groups(groups)
         return list(self._checked(index, table.slice(offset, stop - start)))
+
+    def check_row(self, stored: StoredPlan, doc_lens: np.ndarray, index: int, row: int) -> None:
+        """PlanError (one sentence) unless ``stored`` fits row ``row`` of the ``index``-th data file.
+
+        It must cover the documents ``doc_lens`` exactly once, give every rank its quota (within the plan's
+        token slack), and its stored metrics must equal the recomputed ones. The row check of every reader
+        that takes one row at a time (``show``, ``audit``); ``SequencePlan.validate`` is what ``CPLoader``
+        runs too.
+        """
+        try:
+            stored.plan.validate(doc_lens, token_slack=int(slack_tokens(self.token_slack, int(doc_lens.sum()),
+                                                                        self.cp)))
+            check_metrics(stored.plan, stored.imbalance, stored.ag_comm_tokens, stored.a2a_comm_tokens)
+        except PlanError as e:
+            raise PlanError(f"plan '{self.name}' does not fit row {row} of data file "
+                            f"{self.dataset.files[index].path}: {e}; re-run 'flashcp plan --force'") from None
 
     def _checked(self, index: int, table: pa.Table) -> Iterator[StoredPlan]:
         """The table's plans, each checked against the plan's ``cp``; PlanError when one is not for it.
