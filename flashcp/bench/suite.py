@@ -115,8 +115,19 @@ class BenchConfig:
             raise ValueError("no sources: give DATA or --dist")
         if min(self.cps) < 1 or min(self.heads) < 1 or self.num_seqs < 1 or self.runtime_cp < 1:
             raise ValueError("cp sizes, head counts and sequence counts must be positive")
+        if "runtime" in self.scenarios and self.runtime_cp < 2:
+            raise ValueError(f"--runtime-cp {self.runtime_cp}: the CPU runtime scenario times the K/V exchange "
+                             "between gloo ranks, so it needs at least 2; give --runtime-cp 2 or more, or leave "
+                             "the runtime scenario out with --scenario")
         from flashcp.costmodel.limits import check_context_len
-        from flashcp.planner.registry import get_strategy
+        from flashcp.planner.registry import check_shape, get_strategy
+
+        if "runtime" in self.scenarios:
+            try:
+                check_shape(self.runtime_context_len, self.runtime_cp)
+            except ValueError as e:
+                raise ValueError(f"--runtime-cp {self.runtime_cp} with --runtime-context-len "
+                                 f"{self.runtime_context_len}: {e}") from None
         from flashcp.runtime.meta import COMM_MODES
 
         check_context_len(self.context_len, "--context-len")
