@@ -361,6 +361,30 @@ def test_show_refuses_a_row_its_plan_does_not_cover(ws, column, change, needle):
             pass
 
 
+def test_a_plan_keeps_the_profile_it_was_made_with(ws):
+    """plan.json records the profile's content: show reads that, not the file, which may change or move."""
+    profile = json.loads((ROOT / "flashcp" / "costmodel" / "profiles" / "h100-sxm-nvlink.json").read_text())
+    profile["gpus_per_node"] = {"value": 2, "source": "two ranks per node"}
+    mine = ws / "victim" / "profile.json"
+    mine.write_text(json.dumps(profile))
+    assert run("plan", ws / "data", "--cp", 4, "--profile", mine, "--name", "priced").exit_code == 0
+    meta = json.loads((ws / "data" / "plans" / "priced" / "plan.json").read_text())
+    assert meta["profile"]["content"] == profile and meta["profile"]["path"] == str(mine.resolve())
+
+    def show():
+        result = run("show", ws / "data", "--plan", "priced", "--seq", 2, "--json")
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["gpus_per_node"], result.stderr
+
+    assert show()[0] == 2 and "2 ranks per node" in show()[1]
+    profile["gpus_per_node"]["value"] = 4  # edited after the plan was made: the plan is still for 2 per node
+    mine.write_text(json.dumps(profile))
+    assert show()[0] == 2
+    mine.rename(ws / "moved.json")  # moved away: show still draws the plan, as verify, ls and the loader do
+    assert show()[0] == 2
+    assert run("verify", ws / "data").exit_code == 0
+
+
 # ---- 3. an advertised option that always crashed: --effort ilp[:S] ----
 
 def test_effort_ilp_plans_through_the_cli_and_the_bench_spec(tmp_path, monkeypatch):
