@@ -86,13 +86,15 @@ def command(inputs: tuple[str, ...], output: Path, context_len: int, tokenizer: 
         raise SystemExit(130) from None
     for message in result.warnings:
         warn(message)
+    for message in result.notes:
+        info(message)
     manifest, counts = result.manifest, result.manifest["counts"]
     new_tokens = counts["tokens_packed"] - result.resumed_tokens
     if as_json:
         emit_json({"dataset": str(output), "already_done": result.already_done,
                    "resumed_parts": result.resumed_parts, "seconds": result.seconds,
                    "tokens_per_s": None if result.already_done else new_tokens / max(result.seconds, 1e-9),
-                   "warnings": list(result.warnings), "manifest": manifest})
+                   "warnings": list(result.warnings), "notes": list(result.notes), "manifest": manifest})
     if result.already_done:
         console.print(f"{output} already holds this dataset ({manifest['num_sequences']:,} sequences of "
                       f"{manifest['context_len']:,} tokens); nothing to do")

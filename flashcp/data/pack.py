@@ -19,7 +19,7 @@ import json
 import multiprocessing
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -41,6 +41,7 @@ from flashcp.data.readers import (
     discover_inputs,
     hash_input,
     iter_records,
+    skipped_note,
 )
 from flashcp.data.tokenizer import (
     DEFAULT_TOKENIZER,
@@ -143,6 +144,8 @@ class PackResult:
     """Things the user should know (duplicate or empty inputs, skipped records)."""
     resumed_tokens: int = 0
     """Tokens in the data files kept from an interrupted run (not packed in ``seconds``)."""
+    notes: tuple[str, ...] = ()
+    """What was left out on purpose: files of the input folders that are not inputs, by ending."""
 
 
 # ---- tokenization, in order, in worker processes ----
@@ -414,8 +417,10 @@ def _run_pack(config: PackConfig, pool: ProcessPoolExecutor | None, on_rows: Cal
               started: float, engine: PackEngine | None = None) -> PackResult:
     spec = resolve_tokenizer(config.tokenizer)
     encoder = Encoder(spec, append_eos=config.append_eos)
+    skipped: Counter = Counter()
     inputs, warnings = discover_inputs(config.inputs, include=config.include, exclude=config.exclude,
-                                       skip=(config.output,))
+                                       skip=(config.output,), skipped=skipped)
+    notes = tuple(note for note in (skipped_note(skipped),) if note)
     inputs = engine.hash_inputs(inputs) if engine else [hash_input(i) for i in inputs]
     input_entries = [_input_entry(i) for i in inputs]
     empty = [str(i.path) for i in inputs if i.bytes == 0]
@@ -439,7 +444,7 @@ def _run_pack(config: PackConfig, pool: ProcessPoolExecutor | None, on_rows: Cal
     if out.finished is not None:
         out.release()
         return PackResult(manifest=out.finished, resumed_parts=0, already_done=True,
-                          seconds=time.perf_counter() - started, warnings=tuple(warnings))
+                          seconds=time.perf_counter() - started, warnings=tuple(warnings), notes=notes)
     resumed_parts = len(out.parts)
     resumed_tokens = sum(p.file.tokens for p in out.parts)
     try:
@@ -484,4 +489,4 @@ def _run_pack(config: PackConfig, pool: ProcessPoolExecutor | None, on_rows: Cal
                         "them fatal")
     return PackResult(manifest=manifest, resumed_parts=resumed_parts, already_done=False,
                       seconds=time.perf_counter() - started, warnings=tuple(warnings),
-                      resumed_tokens=resumed_tokens)
+                      resumed_tokens=resumed_tokens, notes=notes)
