@@ -78,7 +78,7 @@ def command(inputs: tuple[str, ...], output: Path, context_len: int, tokenizer: 
             result = _run_on_ray(config, ray_address, workers)
         else:
             with progress("packing sequences", None) as advance:
-                result = run_pack(config, on_rows=advance)
+                result = run_pack(config, on_rows=advance, on_phase=_phase(advance))
     except KeyboardInterrupt:
         message = f"interrupted; run the same command again to resume the pack in {output}"
         error(message)
@@ -126,4 +126,13 @@ def _run_on_ray(config: PackConfig, address: str | None, workers: int | None) ->
         info(f"Ray: {engine.cpus} CPUs of {len(ray.nodes())} node(s) in use, ready in "
              f"{time.perf_counter() - started:.1f} s", level=2)
         with progress("packing sequences", None) as advance:
-            return run_pack(config, on_rows=advance, engine=engine)
+            return run_pack(config, on_rows=advance, engine=engine, on_phase=_phase(advance))
+
+
+def _phase(advance):
+    """Say each long phase of a pack: as the bar's description, and as a line with -v."""
+    def on_phase(text: str) -> None:
+        advance.describe(text)
+        info(text, level=2)
+
+    return on_phase

@@ -394,33 +394,37 @@ def _input_entry(input_file: InputFile) -> dict:
 
 
 def run_pack(config: PackConfig, *, on_rows: Callable[[int], None] = lambda n: None,
-             engine: PackEngine | None = None) -> PackResult:
+             engine: PackEngine | None = None, on_phase: Callable[[str], None] = lambda text: None) -> PackResult:
     """Pack ``config.inputs`` into the dataset folder ``config.output`` and return what was done.
 
     Resumes an interrupted pack with the same identity; returns at once when the folder already holds this
     dataset. Raises FlashcpError (one sentence) for anything wrong with the inputs, the tokenizer or the
     output folder; a failed run leaves no partial dataset behind. ``on_rows(n)`` is told of every n
-    sequences written. With ``workers`` > 1 the workers are started with "spawn", so a script calling this
+    sequences written, ``on_phase(text)`` of each long phase as it starts (hashing the inputs, then tokenizing
+    and packing them). With ``workers`` > 1 the workers are started with "spawn", so a script calling this
     needs the usual ``if __name__ == "__main__":`` guard. ``engine`` replaces the local hashing and
     tokenize-and-pack pass (``flashcp.engines.ray_pack``); set-up, resume and the manifest stay these.
     """
     started = time.perf_counter()
     pool = _start_pool(config) if config.workers > 1 and engine is None else None
     try:
-        return _run_pack(config, pool, on_rows, started, engine)
+        return _run_pack(config, pool, on_rows, started, engine, on_phase)
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _run_pack(config: PackConfig, pool: ProcessPoolExecutor | None, on_rows: Callable[[int], None],
-              started: float, engine: PackEngine | None = None) -> PackResult:
+              started: float, engine: PackEngine | None = None,
+              on_phase: Callable[[str], None] = lambda text: None) -> PackResult:
     spec = resolve_tokenizer(config.tokenizer)
     encoder = Encoder(spec, append_eos=config.append_eos)
     skipped: Counter = Counter()
     inputs, warnings = discover_inputs(config.inputs, include=config.include, exclude=config.exclude,
                                        skip=(config.output,), skipped=skipped)
     notes = tuple(note for note in (skipped_note(skipped),) if note)
+    megabytes = sum(i.bytes for i in inputs) / 1e6
+    on_phase(f"hashing {len(inputs):,} input file(s), {megabytes:,.1f} MB")
     inputs = engine.hash_inputs(inputs) if engine else [hash_input(i) for i in inputs]
     input_entries = [_input_entry(i) for i in inputs]
     empty = [str(i.path) for i in inputs if i.bytes == 0]
@@ -447,6 +451,8 @@ def _run_pack(config: PackConfig, pool: ProcessPoolExecutor | None, on_rows: Cal
                           seconds=time.perf_counter() - started, warnings=tuple(warnings), notes=notes)
     resumed_parts = len(out.parts)
     resumed_tokens = sum(p.file.tokens for p in out.parts)
+    on_phase(f"tokenizing and packing {megabytes:,.1f} MB into sequences of {config.context_len:,} tokens "
+             f"(counted as written, {row_group_rows:,} at a time)")
     try:
         out.write_state(identity_sha256, identity)  # from now on the folder is recognisably this pack's
         run = (engine.pack_run if engine else PackRun)(config, encoder, pool, inputs, out, identity,
