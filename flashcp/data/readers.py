@@ -231,6 +231,11 @@ def _ending(name: str) -> str:
     return suffixes[-1] if suffixes else "no extension"
 
 
+_TEXT_LIKE = frozenset((".md", ".rst", ".py", ".html", ".htm", ".tex", ".json", ".xml", ".toml", ".yaml", ".yml",
+                        ".csv", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go", ".java", ".js", ".ts", ".sh"))
+"""Endings of text files: the note's example of an --include takes the most common of these."""
+
+
 def skipped_note(skipped: Counter) -> str | None:
     """One sentence on the files of input folders that were not read, by ending, and how to read them."""
     if not skipped:
@@ -238,7 +243,7 @@ def skipped_note(skipped: Counter) -> str | None:
     kinds = sorted(skipped.items(), key=lambda item: (-item[1], item[0]))  # the same order on every machine
     shown = ", ".join(f"{count:,} {ending}" for ending, count in kinds[:6])
     more = f" and {len(kinds) - 6} more kinds" if len(kinds) > 6 else ""
-    example = next((e for e, _ in kinds if e.startswith(".")), ".md")
+    example = next((e for e, _ in kinds if e in _TEXT_LIKE), ".md")  # never suggest reading .pyc or .so
     return (f"not read: {sum(skipped.values()):,} file(s) of the input folders that are not .jsonl, .jsonl.gz, "
             f".parquet or .txt ({shown}{more}); --include GLOB reads such files as plain text, one document per "
             f"file (e.g. --include '*{example}')")
