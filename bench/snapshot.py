@@ -33,7 +33,15 @@ from click.testing import CliRunner
 import flashcp
 from flashcp.cli import cli as flashcp_cli
 from flashcp.errors import FlashcpError
-from flashcp.outputs import check_output, is_marked, json_report, make_marked_dir, mark_dir, write_json_output
+from flashcp.outputs import (
+    check_output,
+    enclosing_dataset,
+    is_marked,
+    json_report,
+    make_marked_dir,
+    mark_dir,
+    write_json_output,
+)
 
 REPORT = json_report("flashcp-snapshot", "a bench/snapshot.py snapshot", option="OUT")
 """OUT is written only where nothing is or a snapshot was (flashcp.outputs)."""
@@ -71,6 +79,10 @@ def prepare_workdir(work: Path, version: str) -> bool:
     older script filled) is refused with one sentence (SystemExit). One filled by other code is emptied of what
     this script wrote (``MADE``) before the run rebuilds it.
     """
+    dataset = enclosing_dataset(work)
+    if dataset is not None:
+        raise SystemExit(f"error: WORKDIR {work} lies inside the dataset {dataset}; only pack, synth and plan "
+                         "write a dataset: choose a folder outside it")
     if not work.exists():
         work.parent.mkdir(parents=True, exist_ok=True)
         make_marked_dir(work, "bench/snapshot.py work folder")

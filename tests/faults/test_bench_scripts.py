@@ -72,6 +72,13 @@ def test_script_never_replaces_a_users_file(template, name, args):
     assert tree(template) == before
 
 
+def test_snapshot_workdir_never_lies_inside_a_dataset(template):
+    before = tree(template)
+    _refused(_script("snapshot.py", [str(template / "new.json"), str(template / "data" / "work")], "", template),
+             "WORKDIR", "lies inside the dataset")
+    assert tree(template) == before
+
+
 def test_gpu_check_out_never_writes_into_a_dataset(template):
     before = tree(template)
     _refused(_script("gpu_check.py", ["--device", "cpu", "--small", "--out", "{target}"], template / "data",
