@@ -9,6 +9,26 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/flashcp-table2}
+# Before any work, every report goes through the output check of the commands (flashcp.outputs): never into a
+# dataset, and over a file only when it is an earlier run's (a .txt beside the audit report it was written with).
+DISTS=${DISTS:-pile wlb} CPS=${CPS:-4 8} python - "$OUT" <<'CHECK'
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+from flashcp.cli.audit import AUDIT_REPORT
+from flashcp.outputs import OutputKind, check_script_output
+
+out, report = Path(sys.argv[1]), dataclasses.replace(AUDIT_REPORT, option="OUT_DIR")
+text = OutputKind(what="a bench/audit_table2.sh report", option="OUT_DIR",
+                  recognise=lambda path: report.recognise(path.with_suffix(".json")))
+for dist in os.environ["DISTS"].split():
+    for cp in os.environ["CPS"].split():
+        for tail in ("", "-cuts", "-cuts-match") if cp == "4" else ("",):
+            check_script_output(out / f"{dist}-cp{cp}{tail}.json", report)
+            check_script_output(out / f"{dist}-cp{cp}{tail}.txt", text)
+CHECK
 mkdir -p "$OUT"
 common=(--ilp --samples "${SAMPLES:-20}" --seed 0 --time-limit "${TIME_LIMIT:-10}"
         --granularity "${GRANULARITY:-1024}" --workers "${WORKERS:-2}")

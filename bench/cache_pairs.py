@@ -13,7 +13,6 @@ every order, which takes about an hour of CPU).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -26,7 +25,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from flashcp.outputs import check_script_output, json_report, write_json_output  # noqa: E402
 from flashcp.planner.registry import STRATEGIES  # noqa: E402
+
+REPORT = json_report("flashcp-cache-pairs", "a bench/cache_pairs.py report")
+"""``--json`` replaces only such a report (flashcp.outputs: never a dataset's file or a user's)."""
 
 
 def _run(args: list[str], cache: Path) -> tuple[int, str]:
@@ -61,11 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--jobs", type=int, default=1, help="first strategies run at once (default 1)")
-    parser.add_argument("--json", type=Path, help="write the rows as JSON to this new file")
+    parser.add_argument("--json", type=Path, help="write the rows as JSON to this file")
     args = parser.parse_args(argv)
     names = [s for s in args.strategies.split(",") if s]
-    if args.json is not None and args.json.exists():
-        parser.error(f"{args.json} exists; choose a new file")
+    if args.json is not None:
+        check_script_output(args.json, REPORT)  # before the runs, not after them
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="flashcp-pairs-") as tmp:
         root = Path(tmp)
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = sum(not row["ok"] for row in rows)
     print(f"{len(rows)} ordered pairs, {failed} failed, {time.perf_counter() - started:.0f} s wall")
     if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=1))
+        write_json_output(args.json, REPORT, {"format": "flashcp-cache-pairs", "rows": rows})
     return 1 if failed else 0
 
 

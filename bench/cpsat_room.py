@@ -15,7 +15,6 @@ default profile). ``--json`` keeps every sequence.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,8 +28,13 @@ import numpy as np  # noqa: E402
 from flashcp.bench.quality import parse_strategy  # noqa: E402
 from flashcp.bench.sequences import open_source  # noqa: E402
 from flashcp.costmodel.objective import cached_model, plan_step_seconds  # noqa: E402
+from flashcp.outputs import check_script_output, json_report, write_json_output  # noqa: E402
 from flashcp.planner.ilp.receive import minimise_receive  # noqa: E402
 from flashcp.planner.registry import get_strategy  # noqa: E402
+
+REPORT = json_report("flashcp-cpsat-room", "a bench/cpsat_room.py report",
+                     legacy=lambda value: set(value) == {"args", "rows", "time"})
+"""``--json`` replaces only such a report (flashcp.outputs: never a dataset's file or a user's)."""
 
 
 def main(argv=None) -> None:
@@ -47,6 +51,8 @@ def main(argv=None) -> None:
     parser.add_argument("--quota-slack", type=int, default=512, help="tokens a rank may be off its quota")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.json:
+        check_script_output(args.json, REPORT)  # before the solves, not after them
     spec, name, params = parse_strategy(args.strategy)
     strategy = get_strategy(name)
     model = cached_model(None, 32, 32, 128, 1)
@@ -85,7 +91,8 @@ def main(argv=None) -> None:
                   f"(gap {row['gap_pp']:.1f} pp; bound {row['cpsat_bound_pct']:.1f}%), step {row['step_ms']:.3f} ms "
                   f"vs CP-SAT's {row['cpsat_step_ms']:.3f} ms, max imbalance {row['imbalance_max']:.4f}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "time": time.time()}, indent=1))
+        write_json_output(args.json, REPORT, {"format": "flashcp-cpsat-room", "args": vars(args), "rows": rows,
+                                              "time": time.time()})
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from flashcp.costmodel.workload import rank_workloads  # noqa: E402
+from flashcp.outputs import OutputKind, check_script_output, json_report, write_json_output  # noqa: E402
 from flashcp.planner.plan import SequencePlan  # noqa: E402
 from flashcp.planner.strategies.baselines import ring_plan  # noqa: E402
 from flashcp.runtime import kernels  # noqa: E402
@@ -54,6 +55,20 @@ from flashcp.runtime.meta import COMM_MODES, build_rank_metas  # noqa: E402
 from flashcp.runtime.ring import ring_attention_from_blocks  # noqa: E402
 
 STRATEGIES = ("llama3", "perdoc", "flashcp")
+
+
+def _starts_like_a_report(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(6) == b"torch "  # the versions line that every report opens with
+    except OSError:
+        return False
+
+
+REPORT_JSON = json_report("flashcp-gpu-check", "a bench/gpu_check.py report", option="--out",
+                          legacy=lambda value: {"works", "pass"} <= set(value))
+REPORT_TEXT = OutputKind(what="a bench/gpu_check.py report", option="--out", recognise=_starts_like_a_report)
+"""``--out DIR`` replaces only these two files of an earlier check (flashcp.outputs: never a user's file)."""
 
 
 # ---------------------------------------------------------------- sequences and plans
@@ -435,6 +450,9 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=150.0, help="seconds allowed for the timing part")
     parser.add_argument("--out", type=Path, help="also write the report to OUT/gpu_check.txt (and a json)")
     args = parser.parse_args(argv)
+    if args.out:  # before the work, not after it
+        check_script_output(args.out / "gpu_check.txt", REPORT_TEXT)
+        check_script_output(args.out / "gpu_check.json", REPORT_JSON)
     device = torch.device(args.device)
     if device.type == "cpu" and not args.small:
         print("no CUDA device: the GPU backends cannot run; use --small for a CPU smoke test")
@@ -451,8 +469,9 @@ def main(argv=None) -> int:
     finally:
         report.close()
     if args.out:
-        (args.out / "gpu_check.json").write_text(json.dumps({**results, "pass": ok,
-                                                             "seconds": time.monotonic() - started}) + "\n")
+        write_json_output(args.out / "gpu_check.json", REPORT_JSON,
+                          {"format": "flashcp-gpu-check", **results, "pass": ok,
+                           "seconds": time.monotonic() - started})
     return 0 if ok else 1
 
 

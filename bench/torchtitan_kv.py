@@ -23,17 +23,20 @@ forward plus backward) and the bytes all ranks send, per step, and the ratio to 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import numpy as np
 
 from flashcp.bench.sequences import open_source
 from flashcp.costmodel import comm
+from flashcp.outputs import check_script_output, json_report, write_json_output
 from flashcp.planner.registry import DEFAULT_STRATEGY, plan_sequence
 from flashcp.runtime.meta import build_rank_metas
 
 MIB = 1 << 20
+REPORT = json_report("flashcp-torchtitan-kv", "a bench/torchtitan_kv.py report",
+                     legacy=lambda value: set(value) == {"args", "results"})
+"""``--json`` replaces only such a report (flashcp.outputs: never a dataset's file or a user's)."""
 
 
 def step_bytes(metas, comm: str, num_layers: int, kv_row: int, grad_row: int) -> tuple[int, int]:
@@ -81,6 +84,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype-bytes", type=int, default=2)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
+    if args.json:
+        check_script_output(args.json, REPORT)  # before the work, not after it
     sequences = open_source(args.dist).sequences(args.num_seqs, args.context_len, args.seed)
     docs = sum(len(s) for s in sequences)
     print(f"{args.num_seqs} '{args.dist}' sequences of {args.context_len:,} tokens ({docs} documents); "
@@ -100,8 +105,8 @@ def main(argv=None) -> int:
                   f"({r['busiest_mib'] / base['busiest_mib']:.3f}x)  all ranks sent {r['sent_mib']:>9,.1f}  "
                   f"({r['sent_mib'] / base['sent_mib']:.3f}x)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=2)
+        write_json_output(args.json, REPORT, {"format": "flashcp-torchtitan-kv", "args": vars(args),
+                                              "results": results})
     return 0
 
 

@@ -64,6 +64,15 @@ def main():
     args = parse_args()
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
+    try:
+        demo(args, use_cuda)
+        dist.barrier()  # leave together: a rank tearing down while a peer still talks to it can abort the peer
+    finally:  # also when something escapes: never exit with the process group alive
+        dist.destroy_process_group()
+
+
+def demo(args, use_cuda):
+    """Run ``args.steps`` batches through every comm mode and report them from rank 0."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
     if use_cuda:
@@ -93,7 +102,6 @@ def main():
         with torch.no_grad():  # one plain SGD step so the next batch starts from new weights
             for p, g in zip(params, results["full"][1].split([p.numel() for p in params])):
                 p -= 0.1 * g.view_as(p)
-    dist.destroy_process_group()
 
 
 def report(step, batch, loader, results, world, cfg, token_bytes):

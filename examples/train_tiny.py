@@ -79,15 +79,18 @@ def main(argv=None) -> int:
         dist.init_process_group("nccl" if use_cuda else "gloo")
     rank = dist.get_rank() if distributed else 0
     try:
-        run_training(options, group=None, device=device, log=info, progress=progress, build_model=build_model)
-        status = 0
-    except FlashcpError as e:  # raised alike on every rank: say it once
-        if rank == 0:
-            error(str(e))
-        status = 1
-    if distributed:  # leave together: a rank tearing down while a peer still talks to it can abort the peer
-        dist.barrier()
-        dist.destroy_process_group()
+        try:
+            run_training(options, group=None, device=device, log=info, progress=progress, build_model=build_model)
+            status = 0
+        except FlashcpError as e:  # raised alike on every rank: say it once
+            if rank == 0:
+                error(str(e))
+            status = 1
+        if distributed:  # leave together: a rank tearing down while a peer still talks to it can abort the peer
+            dist.barrier()
+    finally:  # also when something unexpected escapes: never exit with the process group alive
+        if distributed:
+            dist.destroy_process_group()
     return status
 
 

@@ -30,9 +30,9 @@ from pathlib import Path
 from flashcp.errors import FlashcpError
 from flashcp.fileio import atomic_path
 
-__all__ = ["MARKER_NAME", "OutputKind", "check_output", "check_removable", "enclosing_dataset", "is_marked",
-           "json_report", "make_marked_dir", "mark_dir", "png_plot", "remove_marked", "write_json_output",
-           "write_output"]
+__all__ = ["MARKER_NAME", "OutputKind", "check_output", "check_removable", "check_script_output",
+           "enclosing_dataset", "is_marked", "json_report", "make_marked_dir", "mark_dir", "png_plot", "remove_marked",
+           "write_json_output", "write_output"]
 
 MARKER_NAME = ".flashcp-made"
 """The file that proves flashcp made a staging or backup folder."""
@@ -120,6 +120,18 @@ def check_output(path: str | os.PathLike, kind: OutputKind) -> Path:
         raise FlashcpError(f"{label} exists and is not {kind.what}; flashcp replaces only its own files: move "
                            "it away or choose another path")
     return path
+
+
+def check_script_output(path: str | os.PathLike, kind: OutputKind) -> Path:
+    """``check_output`` for a script under ``bench/``: a refusal ends the process (exit 1, one sentence on stderr).
+
+    The scripts write their reports through the same rules as the commands' ``--json FILE``; call it before
+    the script does any work.
+    """
+    try:
+        return check_output(path, kind)
+    except FlashcpError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def _check_parent(path: Path, label: str) -> None:

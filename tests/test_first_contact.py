@@ -32,7 +32,7 @@ CONTEXT_LEN = 8192
 
 def readme_main_job() -> list[list[str]]:
     """The ``flashcp`` commands of the README's main-job line, in their order, as argument lists."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+    text = re.sub(r"[ \t]*\\\n[ \t]*", " ", (REPO / "README.md").read_text(encoding="utf-8"))  # one step a line
     match = re.search(r"^pip install -c constraints-cpu\.txt -e \. && (.+)$", text, re.M)
     assert match, "the README's main-job line is gone"
     steps = [shlex.split(part) for part in match.group(1).split(" && ")]

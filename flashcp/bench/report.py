@@ -18,6 +18,16 @@ REPORT_WIDTH = 160
 RANKINGS = (("strategy_ranking", "strategies (mean over their collective comm modes)"),
             ("system_ranking", "systems"), ("collective_ranking", "collective systems"))
 """The CPU runtime orders compared with the projection's."""
+CPU_RUNTIME_SCOPE = (
+    "What this CPU measurement shows: every strategy and comm mode runs forward and backward on real gloo ranks, "
+    "with the bytes each rank sends (the same on GPUs), and whether the CPU-calibrated model orders the cases as "
+    "measured.",
+    "What it cannot show: which strategy is fastest on GPUs. The CPU reference kernel computes each shard's whole "
+    "query x key rectangle (GPU kernels skip masked tiles), which favours plans that cut documents into many small "
+    "shards over plans that keep them whole, as flashcp2 does; the ranks share this machine's cores and gloo "
+    "copies through memory. Where flashcp2 measures slower here, that is expected, not a failure: GPU speed is "
+    "the PROJECTED latency (or --measured on a GPU).")
+"""What the runtime scenario's numbers can and cannot show, printed under its table."""
 
 
 def _table(title: str, *columns: str) -> Table:
@@ -171,6 +181,8 @@ def _runtime(console: Console, runtime: dict) -> None:
                       f"{100 * spread['step_ms']:.0f}% measured, {100 * spread['projected_ms']:.1f}% "
                       "projected "
                       "(median over strategies): smaller measured differences are noise on this machine")
+    for line in CPU_RUNTIME_SCOPE:
+        console.print(f"  {line}")
 
 
 def _latency(console: Console, latency: dict) -> None:
@@ -250,13 +262,18 @@ def print_report(results: dict, console: Console) -> None:
     for line in paper_comparison(results):
         console.print(line)
     latency = results.get("latency")
+    quality = results.get("quality")
+    if (latency and latency["targets"]) or (quality and quality.get("targets")):
+        seqs = results.get("config", {}).get("num_seqs")
+        console.print("targets, checked on this run's PROJECTED numbers"
+                      + (f" ({seqs} sequence(s) per source: the fewer, the less a miss says)" if seqs else "")
+                      + ":")
     if latency:
         for t in latency["targets"]:
             status = "[green]met[/]" if t["met"] else "[red]not met[/]"
             detail = f"; misses: {', '.join(t['misses'])}" if t["misses"] else ""
             console.print(f"target: {t['target']}: {status} (min {t['min_speedup']:.3f}x, mean "
                           f"{t['mean_speedup']:.3f}x){detail}", markup=True)
-    quality = results.get("quality")
     for t in quality.get("targets", []) if quality else []:
         console.print(f"target: {escape(t['target'])}: {'[green]met[/]' if t['met'] else '[red]not met[/]'}",
                       markup=True)
@@ -265,9 +282,10 @@ def print_report(results: dict, console: Console) -> None:
         for key, what in RANKINGS:
             ranking = runtime[key]
             if len(ranking["systems"]) >= 2:
-                console.print(f"target: CPU-measured step time ranks the {what} as the projection does: "
-                              f"{'[green]met[/]' if ranking['same_order'] else '[red]not met[/]'} (rank "
-                              f"correlation {ranking['spearman']:.2f})", markup=True)
+                console.print(f"CPU check (not a GPU speed target): CPU-measured step time ranks the {what} "
+                              "as the CPU-calibrated projection does: "
+                              f"{'same order' if ranking['same_order'] else 'orders differ'} (rank "
+                              f"correlation {ranking['spearman']:.2f})")
     for note in results["notes"]:
         console.print(f"note: {note}")
     seconds = results["seconds"]

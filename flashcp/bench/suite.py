@@ -25,6 +25,8 @@ from flashcp.bench.systems import PlanBook, System, available_strategies, defaul
 from flashcp.costmodel.profile import HardwareProfile
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.outputs import json_report
+from flashcp.planner.batch import needs_compile
+from flashcp.planner.registry import get_strategy
 
 __all__ = ["BENCH_REPORT", "EXTRA_SCENARIOS", "SCENARIOS", "BenchConfig", "bench_config", "run_bench"]
 
@@ -115,8 +117,19 @@ class BenchConfig:
             raise ValueError("no sources: give DATA or --dist")
         if min(self.cps) < 1 or min(self.heads) < 1 or self.num_seqs < 1 or self.runtime_cp < 1:
             raise ValueError("cp sizes, head counts and sequence counts must be positive")
+        if "runtime" in self.scenarios and self.runtime_cp < 2:
+            raise ValueError(f"--runtime-cp {self.runtime_cp}: the CPU runtime scenario times the K/V exchange "
+                             "between gloo ranks, so it needs at least 2; give --runtime-cp 2 or more, or leave "
+                             "the runtime scenario out with --scenario")
         from flashcp.costmodel.limits import check_context_len
-        from flashcp.planner.registry import get_strategy
+        from flashcp.planner.registry import check_shape, get_strategy
+
+        if "runtime" in self.scenarios:
+            try:
+                check_shape(self.runtime_context_len, self.runtime_cp)
+            except ValueError as e:
+                raise ValueError(f"--runtime-cp {self.runtime_cp} with --runtime-context-len "
+                                 f"{self.runtime_context_len}: {e}") from None
         from flashcp.runtime.meta import COMM_MODES
 
         check_context_len(self.context_len, "--context-len")
@@ -174,23 +187,32 @@ def run_bench(config: BenchConfig, profile: HardwareProfile, log=print) -> dict:
         results["notes"].append("no planner strategies are available: nothing to bench")
         return results
 
-    def timed(name, fn):
-        log(f"bench: {name}...")
+    def timed(name, fn, doing=""):
+        log(f"bench: {name}{': ' + doing if doing else ''}...")
         t0 = time.perf_counter()
         results[name] = fn()
         results["seconds"][name] = time.perf_counter() - t0
 
+    compiling = [name for name in strategies if get_strategy(name).kernel is not None and needs_compile(name)]
+    if compiling and {"quality", "speed", "latency", "ring-cost"} & set(config.scenarios):
+        log(f"bench: compiling the planner kernels of {', '.join(compiling)} first (once: later runs load them "
+            "from the cache; tens of seconds)")
+    labels = ", ".join(source.label for source in sources)
+    cps = ", ".join(map(str, config.cps))
     if "quality" in config.scenarios:
         specs = list(config.strategies or strategies)
         timed("quality", lambda: plan_quality(book, sources, specs, list(config.cps), config.context_len,
                                               config.num_seqs, config.price_tokens, config.gpus_per_node,
-                                              config.time_sequences))
+                                              config.time_sequences),
+              f"planning {config.num_seqs} sequence(s) of {config.context_len:,} tokens from each of {labels} "
+              f"with {len(specs)} strategies at cp {cps}")
     if "ring-cost" in config.scenarios:
         timed("ring-cost", lambda: ring_cost(book, sources, strategies, list(config.cps), config.context_len,
                                              config.num_seqs, config.seed))
     if "speed" in config.scenarios:
         timed("speed", lambda: planner_speed(book, sources[0], list(config.strategies or strategies),
-                                             max(config.cps), config.context_len, config.speed_seqs))
+                                             max(config.cps), config.context_len, config.speed_seqs),
+              f"timing each planner on {config.speed_seqs} sequence(s) at cp {max(config.cps)}")
         if config.e2e_seqs:
             timed("end_to_end", lambda: end_to_end(sources[0].spec, max(config.cps), config.context_len,
                                                    config.e2e_seqs, list(config.e2e_strategies),
@@ -210,7 +232,10 @@ def run_bench(config: BenchConfig, profile: HardwareProfile, log=print) -> dict:
                            head_dim=config.runtime_head_dim, dtype_bytes=4)
         timed("runtime", lambda: runtime_cpu(book, _runtime_source(sources), cases, config.runtime_cp,
                                              config.runtime_context_len, shape, config.runtime_seqs,
-                                             config.runtime_reps, profile, systems))
+                                             config.runtime_reps, profile, systems),
+              f"cp_attention forward and backward of {len(cases)} case(s) on {config.runtime_cp} gloo ranks "
+              f"(C={config.runtime_context_len:,}, {config.runtime_seqs} sequence(s), one warm-up and "
+              f"{config.runtime_reps} timed step(s) each; starting the ranks takes seconds)")
     if "latency" in config.scenarios:
         measure = None
         if config.measured:
@@ -218,7 +243,9 @@ def run_bench(config: BenchConfig, profile: HardwareProfile, log=print) -> dict:
         timed("latency", lambda: latency_scenario(
             book, sources, systems, list(config.cps), list(config.heads), config.context_len, config.num_seqs,
             profile, sweep_seqs=config.sweep_seqs, measure=measure, measure_seqs=config.measure_seqs,
-            measure_budget_s=config.measure_budget_s))
+            measure_budget_s=config.measure_budget_s),
+              f"{'measuring' if config.measured else 'projecting'} the step latency of {len(systems)} systems "
+              f"at cp {cps}")
     results["seconds"]["total"] = time.perf_counter() - started
     return results
 

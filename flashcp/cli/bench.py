@@ -61,7 +61,7 @@ def _names(value: str | None) -> tuple[str, ...] | None:
 @click.option("--runtime-context-len", type=click.IntRange(min=16),
               help="Context length of the CPU runtime scenario (default 8192, quick 4096).")
 @click.option("--runtime-cp", type=click.IntRange(min=1),
-              help="Gloo ranks of the CPU runtime scenario (default: one per core, 2 to 4).")
+              help="Gloo ranks of the CPU runtime scenario, at least 2 (default: one per core, 2 to 4).")
 @click.option("--runtime-cases", metavar="LIST",
               help="STRATEGY/COMM cases of the CPU runtime scenario, e.g. 'llama3/full,ring/ring,perdoc/ring' "
                    "(default: the bench's systems with --quick, else every strategy with every comm mode).")

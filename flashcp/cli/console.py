@@ -77,20 +77,43 @@ def error(message: str) -> None:
     err_console.print(Text.assemble(("error:", "red"), " ", one_line(message)))
 
 
-@contextmanager
-def progress(description: str, total: int | None) -> Iterator:
-    """A progress bar on an interactive terminal; otherwise a no-op advancing callable.
+class Advance:
+    """What ``progress`` yields: ``advance(n=1)`` moves the bar, ``advance.describe(text)`` says what is done now.
 
-    Yields ``advance(n=1)``.
+    A long phase before the first step (compiling, hashing) is described until ``describe(None)`` or, with
+    ``until_advance``, until the next step puts the bar's own description back.
     """
+
+    def __init__(self, bar: Progress | None = None, task=None, description: str = ""):
+        self._bar, self._task, self._description, self._restore = bar, task, description, False
+
+    def __call__(self, n: int = 1) -> None:
+        if self._bar is None:
+            return
+        if self._restore:
+            self._restore = False
+            self._bar.update(self._task, description=self._description)
+        self._bar.advance(self._task, n)
+
+    def describe(self, text: str | None, *, until_advance: bool = False) -> None:
+        """Show ``text`` as the bar's description (None: its own again)."""
+        if self._bar is None:
+            return
+        self._restore = until_advance
+        self._bar.update(self._task, description=self._description if text is None else text)
+
+
+@contextmanager
+def progress(description: str, total: int | None) -> Iterator[Advance]:
+    """A progress bar on an interactive terminal; otherwise a no-op ``Advance``."""
     if not err_console.is_terminal or _verbosity == 0:
-        yield lambda n=1: None
+        yield Advance()
         return
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    console=err_console, transient=True)
     with bar:
         task = bar.add_task(description, total=total)
-        yield lambda n=1: bar.advance(task, n)
+        yield Advance(bar, task, description)
 
 
 def track(items: Iterable, description: str, total: int | None = None) -> Iterator:

@@ -78,7 +78,7 @@ def command(inputs: tuple[str, ...], output: Path, context_len: int, tokenizer: 
             result = _run_on_ray(config, ray_address, workers)
         else:
             with progress("packing sequences", None) as advance:
-                result = run_pack(config, on_rows=advance)
+                result = run_pack(config, on_rows=advance, on_phase=_phase(advance))
     except KeyboardInterrupt:
         message = f"interrupted; run the same command again to resume the pack in {output}"
         error(message)
@@ -86,13 +86,15 @@ def command(inputs: tuple[str, ...], output: Path, context_len: int, tokenizer: 
         raise SystemExit(130) from None
     for message in result.warnings:
         warn(message)
+    for message in result.notes:
+        info(message)
     manifest, counts = result.manifest, result.manifest["counts"]
     new_tokens = counts["tokens_packed"] - result.resumed_tokens
     if as_json:
         emit_json({"dataset": str(output), "already_done": result.already_done,
                    "resumed_parts": result.resumed_parts, "seconds": result.seconds,
                    "tokens_per_s": None if result.already_done else new_tokens / max(result.seconds, 1e-9),
-                   "warnings": list(result.warnings), "manifest": manifest})
+                   "warnings": list(result.warnings), "notes": list(result.notes), "manifest": manifest})
     if result.already_done:
         console.print(f"{output} already holds this dataset ({manifest['num_sequences']:,} sequences of "
                       f"{manifest['context_len']:,} tokens); nothing to do")
@@ -124,4 +126,13 @@ def _run_on_ray(config: PackConfig, address: str | None, workers: int | None) ->
         info(f"Ray: {engine.cpus} CPUs of {len(ray.nodes())} node(s) in use, ready in "
              f"{time.perf_counter() - started:.1f} s", level=2)
         with progress("packing sequences", None) as advance:
-            return run_pack(config, on_rows=advance, engine=engine)
+            return run_pack(config, on_rows=advance, engine=engine, on_phase=_phase(advance))
+
+
+def _phase(advance):
+    """Say each long phase of a pack: as the bar's description, and as a line with -v."""
+    def on_phase(text: str) -> None:
+        advance.describe(text)
+        info(text, level=2)
+
+    return on_phase

@@ -134,8 +134,15 @@ def command(data: str, cp: int, strategy: str, target_imbalance: float | None, o
         overrides = {"objective": objective, "profile": str(Path(profile).resolve()) if profile else None,
                      "effort": int(effort) if effort and effort.isdigit() else effort, "chunk_size": chunk_size,
                      "token_slack": token_slack, "topology": topology}
+
+        def on_note(note: str) -> None:
+            info(note)
+            if note.startswith("compiling planner kernels"):  # the bar would sit at 0 through the compile
+                advance.describe(f"planning cp{cp} {strategy}: compiling the planner kernels (once; later runs "
+                                 "load them from the cache)", until_advance=True)
+
         result = plan_dataset(data, cp, strategy, target_imbalance=target_imbalance, workers=workers,
-                              force=force, name=name, progress=advance, on_note=info,
+                              force=force, name=name, progress=advance, on_note=on_note,
                               overrides={k: v for k, v in overrides.items() if v is not None},
                               run_jobs=run_jobs, compare=compare)
     elapsed = time.perf_counter() - started

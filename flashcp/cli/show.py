@@ -18,8 +18,8 @@ from flashcp.costmodel.workload import rank_workloads
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
 from flashcp.planner.plan import SequencePlan
-from flashcp.planner.registry import plan_gpus_per_node
-from flashcp.planner.store import PLAN_JSON, PLANS_DIR, PlanStore
+from flashcp.planner.registry import gpus_per_node, plan_gpus_per_node
+from flashcp.planner.store import PLAN_JSON, PLANS_DIR, PlanStore, recorded_profile
 
 PALETTE = ("red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "bright_green", "bright_yellow",
            "bright_blue", "bright_magenta", "bright_cyan", "orange3", "purple", "turquoise2", "gold3")
@@ -50,6 +50,16 @@ def _pick_plan(dataset: Dataset, name: str | None) -> str:
     if not plans:
         raise FlashcpError(f"{dataset.root} has no plans; run 'flashcp plan' first")
     raise FlashcpError(f"{dataset.root} has several plans ({', '.join(plans)}); choose one with --plan")
+
+
+def _gpus_per_node(store: PlanStore) -> int:
+    """The plan's ranks per node: its topology, else the profile recorded in its plan.json (never re-read)."""
+    params = store.meta.get("params") or {}
+    if gpus_per_node(params) is None:
+        profile = recorded_profile(store.meta, f"plan '{store.name}'s {PLAN_JSON}")
+        if profile is not None:
+            return profile.gpus_per_node
+    return plan_gpus_per_node(params)  # a plan.json from before profiles were recorded: the file at its path
 
 
 def received_ranges(plan: SequencePlan, rank: int) -> list[tuple[int, int, int]]:
@@ -162,9 +172,10 @@ def command(data: str, plan_name: str | None, seq: int, as_json: bool) -> None:
     offsets, lens = dataset.read_doc_lens(index)
     doc_lens = lens[offsets[row]:offsets[row + 1]]
     stored = store.read_plans(index, row, row + 1)[0]
+    store.check_row(stored, doc_lens, index, row)  # a plan that does not fit its row is refused, not drawn
     title = (f"sequence {seq} ({dataset.files[index].path} row {row}): {doc_lens.size} documents, "
              f"{int(doc_lens.sum()):,} tokens; plan {store.name} ({store.strategy}, cp {store.cp})")
-    per_node = plan_gpus_per_node(store.meta.get("params") or {})
+    per_node = _gpus_per_node(store)
     if as_json:
         emit_json(_to_json(stored.plan, doc_lens, per_node, sequence=seq, data_file=dataset.files[index].path,
                            row=row, plan_name=store.name, strategy=store.strategy))

@@ -184,7 +184,8 @@ def _number(obj: dict, name: str, label: str) -> float:
     return float(value)
 
 
-def _profile_from_json(obj, label: str) -> HardwareProfile:
+def profile_from_json(obj, label: str) -> HardwareProfile:
+    """The profile a parsed profile file ``obj`` describes (``label`` names it in errors: one sentence)."""
     if not isinstance(obj, dict) or obj.get("format") != PROFILE_FORMAT:
         raise FlashcpError(f"{label} is not a flashcp hardware profile (its 'format' is not "
                            f"'{PROFILE_FORMAT}')")
@@ -236,4 +237,4 @@ def load_profile(path: str | Path | None = None) -> HardwareProfile:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise FlashcpError(f"hardware profile {label} is not valid JSON ({e})") from None
-    return _profile_from_json(obj, label)
+    return profile_from_json(obj, label)

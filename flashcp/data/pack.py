@@ -19,7 +19,7 @@ import json
 import multiprocessing
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -41,6 +41,7 @@ from flashcp.data.readers import (
     discover_inputs,
     hash_input,
     iter_records,
+    skipped_note,
 )
 from flashcp.data.tokenizer import (
     DEFAULT_TOKENIZER,
@@ -143,6 +144,8 @@ class PackResult:
     """Things the user should know (duplicate or empty inputs, skipped records)."""
     resumed_tokens: int = 0
     """Tokens in the data files kept from an interrupted run (not packed in ``seconds``)."""
+    notes: tuple[str, ...] = ()
+    """What was left out on purpose: files of the input folders that are not inputs, by ending."""
 
 
 # ---- tokenization, in order, in worker processes ----
@@ -391,31 +394,37 @@ def _input_entry(input_file: InputFile) -> dict:
 
 
 def run_pack(config: PackConfig, *, on_rows: Callable[[int], None] = lambda n: None,
-             engine: PackEngine | None = None) -> PackResult:
+             engine: PackEngine | None = None, on_phase: Callable[[str], None] = lambda text: None) -> PackResult:
     """Pack ``config.inputs`` into the dataset folder ``config.output`` and return what was done.
 
     Resumes an interrupted pack with the same identity; returns at once when the folder already holds this
     dataset. Raises FlashcpError (one sentence) for anything wrong with the inputs, the tokenizer or the
     output folder; a failed run leaves no partial dataset behind. ``on_rows(n)`` is told of every n
-    sequences written. With ``workers`` > 1 the workers are started with "spawn", so a script calling this
+    sequences written, ``on_phase(text)`` of each long phase as it starts (hashing the inputs, then tokenizing
+    and packing them). With ``workers`` > 1 the workers are started with "spawn", so a script calling this
     needs the usual ``if __name__ == "__main__":`` guard. ``engine`` replaces the local hashing and
     tokenize-and-pack pass (``flashcp.engines.ray_pack``); set-up, resume and the manifest stay these.
     """
     started = time.perf_counter()
     pool = _start_pool(config) if config.workers > 1 and engine is None else None
     try:
-        return _run_pack(config, pool, on_rows, started, engine)
+        return _run_pack(config, pool, on_rows, started, engine, on_phase)
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _run_pack(config: PackConfig, pool: ProcessPoolExecutor | None, on_rows: Callable[[int], None],
-              started: float, engine: PackEngine | None = None) -> PackResult:
+              started: float, engine: PackEngine | None = None,
+              on_phase: Callable[[str], None] = lambda text: None) -> PackResult:
     spec = resolve_tokenizer(config.tokenizer)
     encoder = Encoder(spec, append_eos=config.append_eos)
+    skipped: Counter = Counter()
     inputs, warnings = discover_inputs(config.inputs, include=config.include, exclude=config.exclude,
-                                       skip=(config.output,))
+                                       skip=(config.output,), skipped=skipped)
+    notes = tuple(note for note in (skipped_note(skipped),) if note)
+    megabytes = sum(i.bytes for i in inputs) / 1e6
+    on_phase(f"hashing {len(inputs):,} input file(s), {megabytes:,.1f} MB")
     inputs = engine.hash_inputs(inputs) if engine else [hash_input(i) for i in inputs]
     input_entries = [_input_entry(i) for i in inputs]
     empty = [str(i.path) for i in inputs if i.bytes == 0]
@@ -439,9 +448,11 @@ def _run_pack(config: PackConfig, pool: ProcessPoolExecutor | None, on_rows: Cal
     if out.finished is not None:
         out.release()
         return PackResult(manifest=out.finished, resumed_parts=0, already_done=True,
-                          seconds=time.perf_counter() - started, warnings=tuple(warnings))
+                          seconds=time.perf_counter() - started, warnings=tuple(warnings), notes=notes)
     resumed_parts = len(out.parts)
     resumed_tokens = sum(p.file.tokens for p in out.parts)
+    on_phase(f"tokenizing and packing {megabytes:,.1f} MB into sequences of {config.context_len:,} tokens "
+             f"(counted as written, {row_group_rows:,} at a time)")
     try:
         out.write_state(identity_sha256, identity)  # from now on the folder is recognisably this pack's
         run = (engine.pack_run if engine else PackRun)(config, encoder, pool, inputs, out, identity,
@@ -484,4 +495,4 @@ def _run_pack(config: PackConfig, pool: ProcessPoolExecutor | None, on_rows: Cal
                         "them fatal")
     return PackResult(manifest=manifest, resumed_parts=resumed_parts, already_done=False,
                       seconds=time.perf_counter() - started, warnings=tuple(warnings),
-                      resumed_tokens=resumed_tokens)
+                      resumed_tokens=resumed_tokens, notes=notes)

@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import zlib
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -50,6 +51,7 @@ __all__ = [
     "parse_jsonl_line",
     "read_records",
     "recheck_input",
+    "skipped_note",
 ]
 
 FORMATS = {".jsonl.gz": "jsonl.gz", ".jsonl": "jsonl", ".parquet": "parquet", ".txt": "text"}
@@ -221,9 +223,38 @@ def _excluded(name: str, rel: str, exclude: tuple[str, ...]) -> bool:
     return name.startswith(".") or any(fnmatch.fnmatch(name, g) or fnmatch.fnmatch(rel, g) for g in exclude)
 
 
+def _ending(name: str) -> str:
+    """How a file name ends, as the skipped-files note groups it: ``.md``, ``.tar.gz``, or ``no extension``."""
+    suffixes = Path(name.lower()).suffixes[-2:]
+    if len(suffixes) == 2 and suffixes[1] in (".gz", ".bz2", ".xz", ".zst"):
+        return "".join(suffixes)
+    return suffixes[-1] if suffixes else "no extension"
+
+
+_TEXT_LIKE = frozenset((".md", ".rst", ".py", ".html", ".htm", ".tex", ".json", ".xml", ".toml", ".yaml", ".yml",
+                        ".csv", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go", ".java", ".js", ".ts", ".sh"))
+"""Endings of text files: the note's example of an --include takes the most common of these."""
+
+
+def skipped_note(skipped: Counter) -> str | None:
+    """One sentence on the files of input folders that were not read, by ending, and how to read them."""
+    if not skipped:
+        return None
+    kinds = sorted(skipped.items(), key=lambda item: (-item[1], item[0]))  # the same order on every machine
+    shown = ", ".join(f"{count:,} {ending}" for ending, count in kinds[:6])
+    more = f" and {len(kinds) - 6} more kinds" if len(kinds) > 6 else ""
+    example = next((e for e, _ in kinds if e in _TEXT_LIKE), ".md")  # never suggest reading .pyc or .so
+    return (f"not read: {sum(skipped.values()):,} file(s) of the input folders that are not .jsonl, .jsonl.gz, "
+            f".parquet or .txt ({shown}{more}); --include GLOB reads such files as plain text, one document per "
+            f"file (e.g. --include '*{example}')")
+
+
 def _walk(folder: Path, include: tuple[str, ...], exclude: tuple[str, ...],
-          skip: frozenset[Path]) -> list[tuple[Path, str]]:
-    """Files under ``folder`` with a known format, sorted by relative path; hidden, excluded ones pruned."""
+          skip: frozenset[Path], skipped: Counter | None = None) -> list[tuple[Path, str]]:
+    """Files under ``folder`` with a known format, sorted by relative path; hidden, excluded ones pruned.
+
+    ``skipped`` counts the other regular files (not hidden, not excluded) by how their names end.
+    """
     found: list[tuple[tuple[str, ...], Path, str]] = []
     for dirpath, dirnames, filenames in os.walk(folder, onerror=_raise_walk_error):
         rel_dir = Path(dirpath).relative_to(folder)
@@ -237,6 +268,8 @@ def _walk(folder: Path, include: tuple[str, ...], exclude: tuple[str, ...],
             fmt = _format_of(path, include, rel)
             if fmt is not None and path.is_file():
                 found.append((Path(rel).parts, path, fmt))
+            elif fmt is None and skipped is not None and path.is_file():
+                skipped[_ending(name)] += 1
     found.sort(key=lambda item: item[0])
     return [(path, fmt) for _, path, fmt in found]
 
@@ -247,7 +280,8 @@ def _raise_walk_error(error: OSError) -> None:
 
 def discover_inputs(args: list[str] | tuple[str, ...], *, include: tuple[str, ...] = (),
                     exclude: tuple[str, ...] = (),
-                    skip: tuple[Path, ...] = ()) -> tuple[list[InputFile], list[str]]:
+                    skip: tuple[Path, ...] = (),
+                    skipped: Counter | None = None) -> tuple[list[InputFile], list[str]]:
     """Expand input arguments (files, folders, globs) into the ordered list of input files.
 
     Folders are searched recursively for ``.jsonl``, ``.jsonl.gz``, ``.parquet`` and ``.txt`` files and for
@@ -256,8 +290,9 @@ def discover_inputs(args: list[str] | tuple[str, ...], *, include: tuple[str, ..
     to the folder; only regular files are read (no FIFOs or devices). Nothing inside the folders in ``skip``
     (the output) is read: a folder search or pattern passes over them, and a file or folder named as an
     argument inside one is refused. Returns ``(inputs, warnings)``; a file reached twice is read once, with a
-    warning. Raises FlashcpError for a missing input, a file of unknown format, an input inside the output,
-    or a folder or pattern with no inputs.
+    warning. ``skipped``, when given, counts the files of folders searched that were not taken, by how their
+    names end (``skipped_note`` says it in a sentence). Raises FlashcpError for a missing input, a file of
+    unknown format, an input inside the output, or a folder or pattern with no inputs.
     """
     inputs: list[InputFile] = []
     warnings: list[str] = []
@@ -291,7 +326,7 @@ def discover_inputs(args: list[str] | tuple[str, ...], *, include: tuple[str, ..
         path = Path(arg)
         if path.is_dir():
             refuse_inside(arg, path)
-            files = _walk(path, include, exclude, skip_dirs)
+            files = _walk(path, include, exclude, skip_dirs, skipped)
             if not files:
                 raise FlashcpError(f"input folder {arg} holds no .jsonl, .jsonl.gz, .parquet or .txt files; "
                                    "add --include GLOB to read other files as plain text")
@@ -312,7 +347,7 @@ def discover_inputs(args: list[str] | tuple[str, ...], *, include: tuple[str, ..
                 if inside_output(match_path.resolve()) is not None:
                     continue  # a pattern reaching into the output (e.g. '*' beside it): not an input
                 if match_path.is_dir():
-                    for file, fmt in _walk(match_path, include, exclude, skip_dirs):
+                    for file, fmt in _walk(match_path, include, exclude, skip_dirs, skipped):
                         add(file, fmt)
                         taken += 1
                 elif (fmt := _format_of(match_path, include, match_path.name)) is not None \

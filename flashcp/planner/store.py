@@ -17,6 +17,7 @@ never followed when they are symlinks.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -31,7 +32,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flashcp import __version__
-from flashcp.costmodel.workload import rank_tokens, token_quotas
+from flashcp.costmodel.profile import HardwareProfile, profile_from_json
+from flashcp.costmodel.workload import rank_tokens, slack_tokens, token_quotas
 from flashcp.data.dataset import Dataset, _arrow, numpy_values
 from flashcp.errors import FlashcpError, PlanError, StalePlanError
 from flashcp.fileio import (
@@ -50,7 +52,7 @@ from flashcp.fileio import (
     write_json_atomic,
     write_parquet_atomic,
 )
-from flashcp.planner.plan import SequencePlan
+from flashcp.planner.plan import SequencePlan, check_metrics
 
 __all__ = [
     "PLAN_SCHEMA",
@@ -184,9 +186,41 @@ class PlanFileWriter:
             self._atomic.__exit__(RuntimeError, aborted, None)
 
 
+def profile_record(path: str | Path) -> dict:
+    """plan.json's ``profile``: the hardware profile file a plan was priced with, its content included.
+
+    A reader takes the profile from here, never from the file again: the file may be edited or moved after the
+    plan was made, and the plan stays what it was.
+    """
+    try:
+        raw = Path(path).read_bytes()
+        content = json.loads(raw)
+    except (OSError, ValueError) as e:
+        raise FlashcpError(f"hardware profile {path} cannot be read ({e})") from None
+    profile_from_json(content, str(path))  # a valid profile, or one sentence
+    return {"path": str(path), "sha256": hashlib.sha256(raw).hexdigest(), "content": content}
+
+
+def recorded_profile(meta: dict, where: str) -> HardwareProfile | None:
+    """The hardware profile recorded in a plan.json ``meta``, or None.
+
+    None: the plan was made without ``--profile``, or before plan.json recorded it. ``where`` names the
+    plan.json in errors.
+    """
+    record = meta.get("profile")
+    if record is None:
+        return None
+    content = record.get("content") if isinstance(record, dict) else None
+    return profile_from_json(content, f"recorded in {where}")
+
+
 def write_plan_json(plan_dir: Path, *, dataset: Dataset, strategy: str, params: dict, cp: int,
                     plan_files: list[dict], summary: dict, name: str | None = None) -> dict:
-    """Write ``plan.json`` last, atomically, and return it; ``name`` defaults to the folder's name."""
+    """Write ``plan.json`` last, atomically, and return it; ``name`` defaults to the folder's name.
+
+    A ``profile`` path among ``params`` is recorded with its content (``profile_record``).
+    """
+    profile = params.get("profile") if isinstance(params, dict) else None
     meta = {
         "format": "flashcp-plan",
         "format_version": PLAN_FORMAT_VERSION,
@@ -200,6 +234,8 @@ def write_plan_json(plan_dir: Path, *, dataset: Dataset, strategy: str, params: 
         "plan_files": plan_files,
         "summary": summary,
     }
+    if profile is not None:
+        meta["profile"] = profile_record(profile)
     write_json_atomic(plan_dir / PLAN_JSON, meta, strict=True)
     return meta
 
@@ -557,6 +593,22 @@ class PlanStore:
             return []
         table = pf.read_row_groups(groups)
         return list(self._checked(index, table.slice(offset, stop - start)))
+
+    def check_row(self, stored: StoredPlan, doc_lens: np.ndarray, index: int, row: int) -> None:
+        """PlanError (one sentence) unless ``stored`` fits row ``row`` of the ``index``-th data file.
+
+        It must cover the documents ``doc_lens`` exactly once, give every rank its quota (within the plan's
+        token slack), and its stored metrics must equal the recomputed ones. The row check of every reader
+        that takes one row at a time (``show``, ``audit``); ``SequencePlan.validate`` is what ``CPLoader``
+        runs too.
+        """
+        try:
+            stored.plan.validate(doc_lens, token_slack=int(slack_tokens(self.token_slack, int(doc_lens.sum()),
+                                                                        self.cp)))
+            check_metrics(stored.plan, stored.imbalance, stored.ag_comm_tokens, stored.a2a_comm_tokens)
+        except PlanError as e:
+            raise PlanError(f"plan '{self.name}' does not fit row {row} of data file "
+                            f"{self.dataset.files[index].path}: {e}; re-run 'flashcp plan --force'") from None
 
     def _checked(self, index: int, table: pa.Table) -> Iterator[StoredPlan]:
         """The table's plans, each checked against the plan's ``cp``; PlanError when one is not for it.

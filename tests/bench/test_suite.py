@@ -54,3 +54,56 @@ def test_snapshot_refuses_a_users_file_before_any_work(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 1 and result.stderr.count("\n") == 1 and "notes.json" in result.stderr
     assert tree(tmp_path) == before and not (tmp_path / "work").exists()
+
+
+def test_snapshot_reuses_its_workdir_only_for_the_same_code(tmp_path, monkeypatch):
+    snapshot = _script("snapshot")
+    work = tmp_path / "work"
+    assert snapshot.prepare_workdir(work, "code-a") is False  # new: made, marked, nothing to reuse
+    for name in ("d-wlb/plans/p4-0", "tok"):
+        (work / name).mkdir(parents=True)
+    (work / "bench.json").write_text("{}")
+    (work / "mine.txt").write_text("a user's file")
+    assert snapshot.prepare_workdir(work, "code-a") is True  # the same code: everything kept
+    assert (work / "d-wlb" / "plans" / "p4-0").is_dir() and (work / "bench.json").exists()
+    assert snapshot.prepare_workdir(work, "code-b") is False  # other code: what the script made is rebuilt
+    assert sorted(p.name for p in work.iterdir()) == [".flashcp-made", "mine.txt", snapshot.STAMP]
+    assert snapshot.prepare_workdir(work, "code-b") is True
+
+    package = tmp_path / "pkg"  # the code version follows every source file of the package imported
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "planner.py").write_text("RULE = 1\n")
+    monkeypatch.setattr(snapshot.flashcp, "__file__", str(package / "__init__.py"))
+    before = snapshot.code_version()
+    assert snapshot.code_version() == before
+    (package / "planner.py").write_text("RULE = 2\n")
+    assert snapshot.code_version() != before
+
+
+def test_snapshot_refuses_a_workdir_it_did_not_make(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.faults.workspace import tree
+
+    work = tmp_path / "work"  # plans of unknown origin: reusing them would compare a run with itself
+    (work / "d-wlb" / "plans").mkdir(parents=True)
+    (work / "bench.json").write_text('{"format": "flashcp-bench"}\n')
+    before = tree(tmp_path)
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "snapshot.py"), str(tmp_path / "out.json"),
+                             str(work)], capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert "was not made by bench/snapshot.py" in result.stderr and "Traceback" not in result.stderr
+    assert tree(tmp_path) == before
+
+
+def test_snapshot_skips_dcp_up_front_without_mtkahypar(monkeypatch):
+    import importlib.util
+
+    snapshot = _script("snapshot")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mtkahypar" else real(name, *a))
+    strategies, notes = snapshot.strategies_here()
+    assert "dcp" not in strategies and "flashcp2" in strategies
+    assert notes == ["dcp: skipped, mtkahypar is not installed (pip install -e '.[hypergraph]' to include it)"]

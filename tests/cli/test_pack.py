@@ -150,6 +150,25 @@ def test_folders_globs_include_and_text_inputs(tmp_path):
     assert [i["first_document"] for i in manifest["inputs"]] == [0, 1, 2]
 
 
+def test_files_a_folder_search_leaves_out_are_reported_by_ending(tmp_path):
+    """.md, .rst and other files of an input folder are not read silently: one line counts them by ending."""
+    (tmp_path / "src" / "docs").mkdir(parents=True)
+    (tmp_path / "src" / "a.txt").write_text("plain text document " * 4)
+    for name in ("docs/guide.md", "docs/api.md", "docs/index.rst", "Makefile", ".hidden.md"):
+        (tmp_path / "src" / name).write_text("# heading\n" * 3)
+    result = pack(tmp_path / "src", tmp_path / "out", context_len=16)
+    assert result.exit_code == 0, result.output
+    assert ("not read: 4 file(s) of the input folders that are not .jsonl, .jsonl.gz, .parquet or .txt (2 .md, "
+            "1 .rst, 1 no extension); --include GLOB reads such files as plain text, one document per file (e.g. "
+            "--include '*.md')") in result.stderr
+    result = pack(tmp_path / "src", tmp_path / "out2", "--include", "*.md", "--json", context_len=16)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["notes"] == [
+        "not read: 2 file(s) of the input folders that are not .jsonl, .jsonl.gz, .parquet or .txt (1 .rst, 1 no "
+        "extension); --include GLOB reads such files as plain text, one document per file (e.g. --include '*.rst')"]
+    assert "not read" not in pack(tmp_path / "src" / "a.txt", tmp_path / "out3", context_len=16).stderr
+
+
 # ---- bad input: one test each ----
 
 def test_missing_input_file(tmp_path):

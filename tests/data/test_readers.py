@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -35,10 +36,11 @@ def test_folder_order_formats_include_exclude_and_hidden(tmp_path):
     (tmp_path / "b" / "skip" / "x.txt").write_text("x")
     (tmp_path / ".hidden.txt").write_text("h")
     (tmp_path / "notes.md").write_text("m")
-    inputs, warnings = discover_inputs([str(tmp_path)], include=("*.py",), exclude=("skip",))
+    skipped = Counter()
+    inputs, warnings = discover_inputs([str(tmp_path)], include=("*.py",), exclude=("skip",), skipped=skipped)
     assert [p.path.relative_to(tmp_path).as_posix() for p in inputs] == ["a.jsonl", "b/c.py", "b/z.txt"]
     assert [p.format for p in inputs] == ["jsonl", "text", "text"]
-    assert warnings == []
+    assert warnings == [] and skipped == {".md": 1}  # neither hidden nor excluded files are counted
     again, warnings = discover_inputs([str(tmp_path / "a.jsonl"), str(tmp_path / "*.jsonl")])
     assert len(again) == 1 and "more than once" in warnings[0]
 

@@ -380,6 +380,19 @@ def test_wrong_kinds_of_paths_and_numbers(ws):
               "larger than the context length 64")
 
 
+@pytest.mark.parametrize("options, needle", [
+    (["--runtime-cp", 1], "needs at least 2"),
+    (["--runtime-cp", 5000], "some rank would get none"),
+    (["--runtime-cp", 40, "--runtime-context-len", 32], "cp 40 is above the 32 tokens per sequence"),
+])
+def test_bench_refuses_a_runtime_cp_it_cannot_run(ws, options, needle):
+    """Refused with one sentence before any scenario runs (cp 1 was a ValueError traceback after the others)."""
+    report = ws / "report.json"
+    unchanged(ws, ["bench", ws / "data", "--quick", "--seqs", 1, "--cp", 2, "--json", report, *options],
+              "--runtime-cp", needle)
+    assert not report.exists()
+
+
 # ---- the scriptable CLI: --json on stdout, text on stderr; -q / -v after the command ----
 
 def test_json_results_and_verbosity_after_the_command(ws):

@@ -322,6 +322,69 @@ def test_plan_files_without_cp_in_their_footer_are_checked_as_read(ws):
         next(iter(loader))
 
 
+def _rewrite_plan_row(ws, row: int, column: str, change) -> None:
+    """Change ``column`` of ``row`` of the first plan file; its fingerprints in plan.json updated to match."""
+    import pyarrow as pa
+
+    from flashcp.fileio import parquet_fingerprint, sha256_file
+
+    folder = ws / "data" / "plans" / "cp2-llama3"
+    meta = json.loads((folder / "plan.json").read_text())
+    entry = meta["plan_files"][0]
+    table = pq.read_table(folder / entry["path"])
+    values = table.column(column).to_pylist()
+    change(values[row])
+    field = table.schema.get_field_index(column)
+    table = table.set_column(field, table.schema.field(field), pa.array(values, table.schema.field(field).type))
+    pq.write_table(table, folder / entry["path"], compression="zstd")
+    entry["bytes"], entry["footer_sha256"] = parquet_fingerprint(folder / entry["path"])
+    entry["sha256"] = sha256_file(folder / entry["path"])
+    (folder / "plan.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("column, change, needle", [
+    ("shard_start", lambda starts: starts.__setitem__(-1, starts[-1] + 1), "is not covered exactly once"),
+    ("shard_doc", lambda docs: docs.__setitem__(0, 1_000_000), "names a document outside"),
+])
+def test_show_refuses_a_row_its_plan_does_not_cover(ws, column, change, needle):
+    """show runs the row check of verify and CPLoader: a plan row that does not cover its documents is refused."""
+    from flashcp.runtime import CPLoader
+
+    _rewrite_plan_row(ws, 1, column, change)
+    unchanged(ws, ["show", ws / "data", "--plan", "cp2-llama3", "--seq", 1], "does not fit row 1 of data file",
+              needle, "re-run 'flashcp plan --force'")
+    assert run("show", ws / "data", "--plan", "cp2-llama3", "--seq", 0).exit_code == 0  # other rows still drawn
+    result = run("verify", ws / "data")
+    assert result.exit_code == 1 and "row 1: the plan" in result.stderr
+    with pytest.raises(PlanError, match=needle):
+        for batch in CPLoader(ws / "data", plan="cp2-llama3", rank=0, world_size=2, shuffle=False):
+            pass
+
+
+def test_a_plan_keeps_the_profile_it_was_made_with(ws):
+    """plan.json records the profile's content: show reads that, not the file, which may change or move."""
+    profile = json.loads((ROOT / "flashcp" / "costmodel" / "profiles" / "h100-sxm-nvlink.json").read_text())
+    profile["gpus_per_node"] = {"value": 2, "source": "two ranks per node"}
+    mine = ws / "victim" / "profile.json"
+    mine.write_text(json.dumps(profile))
+    assert run("plan", ws / "data", "--cp", 4, "--profile", mine, "--name", "priced").exit_code == 0
+    meta = json.loads((ws / "data" / "plans" / "priced" / "plan.json").read_text())
+    assert meta["profile"]["content"] == profile and meta["profile"]["path"] == str(mine.resolve())
+
+    def show():
+        result = run("show", ws / "data", "--plan", "priced", "--seq", 2, "--json")
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["gpus_per_node"], result.stderr
+
+    assert show()[0] == 2 and "2 ranks per node" in show()[1]
+    profile["gpus_per_node"]["value"] = 4  # edited after the plan was made: the plan is still for 2 per node
+    mine.write_text(json.dumps(profile))
+    assert show()[0] == 2
+    mine.rename(ws / "moved.json")  # moved away: show still draws the plan, as verify, ls and the loader do
+    assert show()[0] == 2
+    assert run("verify", ws / "data").exit_code == 0
+
+
 # ---- 3. an advertised option that always crashed: --effort ilp[:S] ----
 
 def test_effort_ilp_plans_through_the_cli_and_the_bench_spec(tmp_path, monkeypatch):

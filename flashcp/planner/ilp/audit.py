@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 
 from flashcp.costmodel.comm import PlanMetrics, comm_saving, exact_need_saving
-from flashcp.costmodel.workload import rank_workloads, slack_tokens
+from flashcp.costmodel.workload import rank_workloads
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
 from flashcp.planner.ilp.model import IlpOptions, IlpResult, solve_sequence
 from flashcp.planner.pipeline import summarize as summarize_plans
-from flashcp.planner.plan import SequencePlan, check_metrics
+from flashcp.planner.plan import SequencePlan
 from flashcp.planner.store import (
     PlanSlot,
     PlanStore,
@@ -108,7 +108,6 @@ def _iter_sampled(dataset: Dataset, store: PlanStore, rows: np.ndarray
                   ) -> Iterator[tuple[int, np.ndarray, SequencePlan, PlanMetrics]]:
     """Yield ``(row, doc_lens, heuristic plan, its metrics)`` for the sampled rows, verifying each plan."""
     wanted = set(rows.tolist())
-    slack = float(store.meta.get("params", {}).get("token_slack", 0.0) or 0.0)  # plans made with token slack
     base = 0
     for i, data_file in enumerate(dataset.files):
         if not any(base <= r < base + data_file.rows for r in wanted):
@@ -119,8 +118,7 @@ def _iter_sampled(dataset: Dataset, store: PlanStore, rows: np.ndarray
             row = base + j
             if row in wanted:
                 doc_lens = lens[offsets[j]:offsets[j + 1]]
-                stored.plan.validate(doc_lens, token_slack=slack_tokens(slack, int(doc_lens.sum()), store.cp))
-                check_metrics(stored.plan, stored.imbalance, stored.ag_comm_tokens, stored.a2a_comm_tokens)
+                store.check_row(stored, doc_lens, i, j)
                 yield row, doc_lens, stored.plan, stored.plan.metrics()
         base += data_file.rows
 
