@@ -66,6 +66,7 @@ from flashcp.errors import FlashcpError
 from flashcp.fileio import write_json_atomic
 from flashcp.integrations.hf import ATTN_IMPLEMENTATION, hf_attention_kwargs, register_flashcp_attention
 from flashcp.integrations.hf_support import check_hf_model
+from flashcp.outputs import enclosing_dataset
 from flashcp.planner.store import PlanStore
 from flashcp.runtime.loader import Batch, CPLoader
 from flashcp.train.loss import causal_lm_loss_sum
@@ -88,8 +89,8 @@ class _CPStream(IterableDataset):
     the next iteration start with that many placeholders, for the Trainer to discard on resume.
     """
 
-    def __init__(self, loader: CPLoader, length: int):
-        self.loader, self.length, self.skip_next = loader, length, 0
+    def __init__(self, loader: CPLoader, length: int, vocab_size: int | None = None):
+        self.loader, self.length, self.skip_next, self.vocab_size = loader, length, 0, vocab_size
         self._source: Iterator[Batch] | None = None
 
     def __len__(self) -> int:
@@ -98,7 +99,7 @@ class _CPStream(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         skip, self.skip_next = self.skip_next, 0
         for index in range(self.length):
-            yield _SKIPPED if index < skip else self._micro_batch(self._next())
+            yield _SKIPPED if index < skip else self._micro_batch(self._checked(self._next()))
 
     def _next(self) -> Batch:
         if self._source is None:
@@ -108,6 +109,14 @@ class _CPStream(IterableDataset):
     def _endless(self) -> Iterator[Batch]:
         while True:  # the loader counts its data epochs itself
             yield from self.loader
+
+    def _checked(self, batch: Batch) -> Batch:
+        # an id past the embeddings is an IndexError on CPU and a device-side assert on CUDA: say it first
+        if self.vocab_size is not None and batch.input_ids.numel() and int(batch.input_ids.max()) >= self.vocab_size:
+            raise ValueError(f"sequence {batch.row} of data file {batch.file_index} holds token id "
+                             f"{int(batch.input_ids.max()):,} but the model embeds only {self.vocab_size:,} ids; "
+                             "train a model with the data's tokenizer vocabulary")
+        return batch
 
     @staticmethod
     def _micro_batch(batch: Batch) -> dict[str, Any]:
@@ -164,7 +173,14 @@ class CPTrainerMixin:
         if training_args is None:
             raise ValueError("CPTrainer needs TrainingArguments (args=...); set per_device_train_batch_size=1")
         _check_arguments(training_args)
+        if not isinstance(plan, str) or not plan:
+            raise ValueError(f"CPTrainer needs the name of a plan of {train_dataset} (a folder under its plans/, "
+                             f"made by 'flashcp plan {train_dataset} --cp N'), got {plan!r}")
         dataset = Dataset(Path(train_dataset))
+        inside = enclosing_dataset(training_args.output_dir) if training_args.output_dir else None
+        if inside is not None:
+            raise ValueError(f"output_dir {training_args.output_dir} lies inside the dataset {inside}; flashcp "
+                             "writes nothing into a dataset but its plans: choose a folder outside it")
         plan_cp = PlanStore(dataset, plan).cp
         if cp is not None and cp != plan_cp:
             raise ValueError(f"plan '{plan}' was made for cp {plan_cp} but cp is {cp}; run 'flashcp plan --cp {cp}' "
@@ -172,6 +188,7 @@ class CPTrainerMixin:
         self.cp_data, self.cp_plan, self.cp_size = Path(train_dataset), plan, plan_cp
         self.cp_comm, self.cp_backend = comm, backend
         super().__init__(*args, train_dataset=self._base_train_dataset(dataset), **kwargs)  # type: ignore[call-arg]
+        self.cp_vocab_size = self._check_vocabulary(dataset)
         world = self.args.world_size
         if world % self.cp_size:
             raise ValueError(f"plan '{plan}' was made for cp {self.cp_size} but {world} ranks were launched; "
@@ -206,6 +223,18 @@ class CPTrainerMixin:
             raise ValueError("CPTrainer does its own context parallelism; remove accelerate's parallelism_config "
                              "cp_size, sp_size and tp_size")
 
+    def _check_vocabulary(self, dataset: Dataset) -> int | None:
+        """The model's vocabulary (its input embeddings' rows), refused if the data's tokenizer has more ids."""
+        embeddings = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        vocab = getattr(embeddings, "num_embeddings", None)
+        tokenizer = dataset.manifest.get("tokenizer") or {}
+        ids = tokenizer.get("vocab_size")
+        if isinstance(vocab, int) and isinstance(ids, int) and ids > vocab:
+            raise ValueError(f"dataset {dataset.root} was tokenized with {tokenizer.get('name')} ({ids:,} token ids) "
+                             f"but the model embeds only {vocab:,}; train a model with that tokenizer's vocabulary "
+                             "or pack the data with the model's tokenizer")
+        return vocab
+
     def _use_cp_attention(self, model: Any) -> None:
         """Check ``model`` (or a PEFT model's base) and switch it to the ``cp_attention`` implementation.
 
@@ -238,7 +267,7 @@ class CPTrainerMixin:
             loader = CPLoader(self.cp_data, self.cp_plan, 0, 1, seed=seed, shuffle=shuffle)
         if len(loader) == 0:
             raise FlashcpError(f"dataset {self.cp_data} holds no sequences")
-        self._cp_stream = _CPStream(loader, math.ceil(len(loader) / self.dp_size))
+        self._cp_stream = _CPStream(loader, math.ceil(len(loader) / self.dp_size), self.cp_vocab_size)
         return DataLoader(self._cp_stream, batch_size=None, collate_fn=_keep, num_workers=0)
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,

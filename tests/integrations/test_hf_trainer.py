@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -345,3 +346,36 @@ def test_refusals_are_one_sentence(planned, tmp_path):
     (checkpoint / "flashcp_loader.json").unlink()  # a checkpoint another trainer wrote
     with pytest.raises(ValueError, match="has no flashcp_loader.json: it was not saved by CPTrainer"):
         build(args=dict(max_steps=2)).train(resume_from_checkpoint=str(checkpoint))
+
+
+def test_what_would_fail_later_is_refused_at_construction(planned, tmp_path):
+    from flashcp.integrations.hf import tiny_hf_model
+    from flashcp.integrations.hf_trainer import CPTrainer
+    from tests.faults.workspace import tree
+
+    root, _ = planned
+    small = tiny_hf_model("llama", vocab_size=32, dim=32, num_layers=1, num_heads=4, num_kv_heads=2, ffn_dim=64)
+    # the data's tokenizer has more ids than the model embeds (the manifest says how many)
+    recorded = tmp_path / "recorded"
+    shutil.copytree(root, recorded)
+    manifest = json.loads((recorded / "manifest.json").read_text())
+    manifest["tokenizer"] = {"name": "tiny-words", "sha256": None, "vocab_size": 64}
+    (recorded / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"tokenized with tiny-words \(64 token ids\) but the model embeds only 32"):
+        CPTrainer(model=small, train_dataset=str(recorded), plan="cp1",
+                  args=training_arguments(str(tmp_path / "out"), ddp_backend=None))
+    # no vocabulary recorded: the first micro-batch says it, before the embedding would fail
+    trainer = CPTrainer(model=small, train_dataset=str(root), plan="cp1",
+                        args=training_arguments(str(tmp_path / "out"), ddp_backend=None, max_steps=1))
+    with pytest.raises(ValueError, match=r"holds token id \d+ but the model embeds only 32 ids"):
+        trainer.train()
+    # no plan named; an output_dir inside the dataset (nothing written there)
+    before = tree(root)
+    for kwargs, message in [(dict(plan=None), "needs the name of a plan of .*, got None"),
+                            (dict(output_dir=root / "runs"), "output_dir .*/runs lies inside the dataset")]:
+        output_dir = kwargs.pop("output_dir", tmp_path / "out")
+        with pytest.raises(ValueError, match=message) as refused:
+            CPTrainer(model=make_model("llama"), train_dataset=str(root), **{"plan": "cp1", **kwargs},
+                      args=training_arguments(str(output_dir), ddp_backend=None))
+        assert "\n" not in str(refused.value)
+    assert tree(root) == before
