@@ -23,7 +23,7 @@ whatever ran in which process. numba issue 10486 describes the same hazard.
 a kernel whose callee in another file changed (an upgraded checkout) would load stale machine code. Here
 every kernel is cached in one folder named by a hash of the source of every flashcp module that defines
 kernels (the modules that import this one), of the modules that decide which kernel a compilation links
-(``LINKING_MODULES``: the registry, which ``batch`` reads at compile time to link a strategy's kernel) and
+(``LINKING_MODULES``: the registry, which ``batch`` reads to compile a strategy's kernel into its batch loop) and
 of the Python, numba, llvmlite and numpy versions, so any change compiles afresh into a new folder.
 Reproduction of a missing linking module (before it was hashed): edit ``planner/registry.py`` so that
 ``ring`` names ``llama3_kernel``, and ``flashcp plan DATA --cp 4 --strategy ring --force`` still wrote the
@@ -73,7 +73,7 @@ MARKER = "flashcp-kernel-cache"
 _KERNEL_IMPORT = "from flashcp._numba import njit"
 LINKING_MODULES = ("planner/registry.py",)
 """Modules (relative to the package) without kernels of their own that decide which kernel is linked into a
-compilation: ``batch._plan_one_impl`` links the kernel ``registry.STRATEGIES`` names for a strategy."""
+compilation: ``batch._dispatcher`` compiles into a strategy's batch loop the kernel ``registry.STRATEGIES`` names."""
 
 
 class _RandomIds:

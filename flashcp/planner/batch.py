@@ -3,19 +3,27 @@
 Sequences come as flat arrays: ``row_offsets`` (rows + 1,) indexes ``doc_lens`` by row. Plans come back the
 same way: ``shard_offsets`` (rows + 1,) indexes the flat shard arrays.
 
-``plan_batch`` is compiled once per strategy name (a compile-time literal), and each compilation links only
-that strategy's kernel, found in the registry (``flashcp.planner.registry.STRATEGIES``: its ``kernel`` and
-``kernel_params``): a first ``flashcp plan --strategy flashcp`` does not compile ``flashcp2``.
+``plan_batch`` compiles the batch loop once per strategy, into one function holding that strategy's kernel,
+found in the registry (``flashcp.planner.registry.STRATEGIES``: its ``kernel`` and ``kernel_params``): a first
+``flashcp plan --strategy flashcp`` does not compile ``flashcp2``. Each strategy's loop is a copy of
+``_batch_loop`` whose ``_plan_one`` calls that kernel, cached on disk under the strategy's name (flashcp's own
+entries) or compiled in memory (strategies added by ``registry.register``).
+
+Why one function per strategy, with the kernel's code inlined into it: numba compiles every function it calls
+into a library of its own, optimises it together with everything that library links, and makes machine code of
+the whole; a caller's library then links and optimises all of it again. A loop that called the kernel through
+one more function (a dispatch on the strategy's name) optimised and emitted ``flashcp2``'s whole portfolio three
+times (loop, dispatch, kernel), about 8 s of a first ``flashcp plan``'s CPU time; inlined, once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import FunctionType
 from typing import Any
 
 import numpy as np
-from numba import literally, typeof, types
-from numba.extending import overload
+from numba import typeof, types
 
 from flashcp._numba import njit
 from flashcp.planner.check import check_batch
@@ -27,39 +35,27 @@ registry entry names (``Strategy.kernel_params``)."""
 
 
 def _call(kernel: Any, params: tuple[str, ...]) -> Callable:
-    """``(lens, cp, strategy, *KERNEL_PARAMS) -> kernel(lens, cp, *params)``.
+    """``(lens, cp, *KERNEL_PARAMS) -> kernel(lens, cp, *params)``.
 
     How a kernel taking ``params`` (any of ``KERNEL_PARAMS``, in the entry's order) is called from the batch loop.
     """
-    source = (f"def call(lens, cp, strategy, {', '.join(KERNEL_PARAMS)}):\n"
+    source = (f"def call(lens, cp, {', '.join(KERNEL_PARAMS)}):\n"
               f"    return kernel(lens, cp{''.join(', ' + name for name in params)})\n")
     namespace = {"kernel": kernel}
     exec(source, namespace)  # noqa: S102 -- a fixed template over registry names checked by Strategy
     return namespace["call"]
 
 
-def _plan_one(lens, cp, strategy, target, chunk, effort, model, slack):
-    """Plan one sequence with the named strategy (compiled code only; see ``_plan_one_impl``)."""
-    raise NotImplementedError("compiled code only")
-
-
-@overload(_plan_one)
-def _plan_one_impl(lens, cp, strategy, target, chunk, effort, model, slack):
-    # Only a literal name is typed, so that a compilation links the one kernel it names. The registry is
-    # read at compile time; its module is part of the kernel cache key (flashcp._numba.LINKING_MODULES).
-    if not isinstance(strategy, types.StringLiteral):
-        return None
-    from flashcp.planner.registry import STRATEGIES
-
-    entry = STRATEGIES.get(strategy.literal_value)
-    if entry is None:
-        return None
-    return _call(entry.kernel, entry.kernel_params)
+def _plan_one(lens, cp, target, chunk, effort, model, slack):
+    """Plan one sequence: each strategy's copy of ``_batch_loop`` calls its kernel here instead."""
+    raise NotImplementedError("replaced in each strategy's batch loop")
 
 
 _VECTOR = typeof(np.zeros(1, np.int64))
 
-_SIGNATURE_TAIL = (types.float64, types.int64, types.int64, typeof(np.zeros(1, np.float64)), types.float64)
+_SIGNATURE = (_VECTOR, _VECTOR, types.int64, types.float64, types.int64, types.int64, typeof(np.zeros(1, np.float64)),
+              types.float64)
+"""The batch loop's argument types, as ``plan_batch`` calls it."""
 
 
 def needs_compile(strategy: str) -> bool:
@@ -67,16 +63,15 @@ def needs_compile(strategy: str) -> bool:
 
     Reads numba's cache index; answers False when it cannot tell.
     """
-    wanted: list[tuple[Any, tuple]] = [
-        (_plan_batch, (_VECTOR, _VECTOR, types.int64, types.literal(strategy), *_SIGNATURE_TAIL)),
-        (check_batch, (_VECTOR,) * 7 + (types.int64, types.float64))]
     try:
+        wanted: list[tuple[Any, tuple]] = [(_dispatcher(strategy), _SIGNATURE),
+                                           (check_batch, (_VECTOR,) * 7 + (types.int64, types.float64))]
         for dispatcher, signature in wanted:
             cache = dispatcher._cache
             key = cache._index_key(signature, dispatcher.targetctx.codegen())
             if signature not in dispatcher.overloads and key not in cache._cache_file._load_index():
                 return True
-    except Exception:  # numba internals moved: say nothing rather than something wrong
+    except Exception:  # numba internals moved, or no kernel to compile: say nothing rather than something wrong
         return False
     return False
 
@@ -95,7 +90,8 @@ def _append(out, size, values):
         out[size + i] = values[i]
 
 
-_entry_points: dict[str, Callable] = {}
+_compiled: dict[str, tuple[Any, Any, Any]] = {}
+"""Per strategy name: its registry entry, its batch loop and, once compiled, the loop's entry point."""
 
 _NO_MODEL = np.zeros(1, np.float64)
 
@@ -105,33 +101,55 @@ def plan_batch(row_offsets, doc_lens, cp, strategy: str, target: float = 1.0, ch
     """Plan every row with the named strategy; returns (shard_offsets, doc, start, len, rank).
 
     ``row_offsets`` and ``doc_lens`` are contiguous int64 arrays; ``target`` .. ``slack`` are the strategy's
-    kernel parameters (``KERNEL_PARAMS``; those it does not take are ignored). The compiled code of a
-    strategy is called directly once it is loaded: numba's own dispatch of a literal argument re-types the
-    call (~20 ms).
+    kernel parameters (``KERNEL_PARAMS``; those it does not take are ignored). The compiled loop is called
+    through its entry point once it is loaded, which skips numba's dispatch on the argument types.
     """
-    args = (int(cp), strategy, float(target), int(chunk), int(effort), _NO_MODEL if model is None else model,
-            float(slack))
-    entry = _entry_points.get(strategy)
-    if entry is None or not _plain_int64(row_offsets) or not _plain_int64(doc_lens):
-        dispatcher = _dispatcher(strategy)
+    args = (int(cp), float(target), int(chunk), int(effort), _NO_MODEL if model is None else model, float(slack))
+    dispatcher = _dispatcher(strategy)
+    entry, _, entry_point = _compiled[strategy]
+    if entry_point is None or not _plain_int64(row_offsets) or not _plain_int64(doc_lens):
         result = dispatcher(row_offsets, doc_lens, *args)
-        signature = next((s for s in dispatcher.overloads if s[3] == types.literal(strategy)), None)
-        if signature is not None and signature[0] == signature[1] == _VECTOR:
-            _entry_points[strategy] = dispatcher.overloads[signature].entry_point
+        compiled = getattr(dispatcher, "overloads", {}).get(_SIGNATURE)  # none under NUMBA_DISABLE_JIT
+        if compiled is not None:
+            _compiled[strategy] = (entry, dispatcher, compiled.entry_point)
         return result
-    return entry(row_offsets, doc_lens, *args)
+    return entry_point(row_offsets, doc_lens, *args)
 
 
 def _dispatcher(strategy: str) -> Any:
-    """The batch loop compiled for ``strategy``: cached on disk for flashcp's own entries, else in memory.
+    """The batch loop of ``strategy`` (made on first use, again when the registry entry of the name changed).
 
-    The kernel cache key covers flashcp's sources only, and the cache names a compilation by the strategy's
-    name: a name registered at run time may link another kernel in another process (``Strategy.built_in``).
+    flashcp's own entries inline their kernel and are cached on disk under the strategy's name; the kernel
+    cache key covers flashcp's sources only, so a strategy registered at run time, whose name may link another
+    kernel in another process (``Strategy.built_in``), calls its kernel from a loop compiled in memory.
     """
-    from flashcp.planner.registry import STRATEGIES
+    from flashcp.planner.registry import get_strategy
 
-    entry = STRATEGIES.get(strategy)
-    return _plan_batch if entry is None or entry.built_in else _plan_batch_in_memory
+    entry = get_strategy(strategy)
+    known = _compiled.get(strategy)
+    if known is not None and known[0] is entry:
+        return known[1]
+    if entry.kernel is None:
+        raise ValueError(f"strategy '{strategy}' has no kernel: it plans in Python")
+    built_in = entry.built_in
+    namespace = dict(globals())
+    namespace["_plan_one"] = njit(cache=False, inline="always")(
+        _call(_inlined(entry.kernel) if built_in else entry.kernel, entry.kernel_params))
+    loop = FunctionType(_batch_loop.__code__, namespace, "_batch_loop")
+    loop.__qualname__ = f"_batch_loop.{strategy}"  # names the loop's cache files
+    dispatcher = njit(cache=built_in)(loop)
+    _compiled[strategy] = (entry, dispatcher, None)
+    return dispatcher
+
+
+_inlined_kernels: dict[Any, Any] = {}
+
+
+def _inlined(kernel: Any) -> Any:
+    """``kernel`` as a function numba inlines into its caller (compiled there, never alone)."""
+    if kernel not in _inlined_kernels:
+        _inlined_kernels[kernel] = njit(cache=False, inline="always")(kernel.py_func)
+    return _inlined_kernels[kernel]
 
 
 def _plain_int64(values) -> bool:
@@ -139,8 +157,7 @@ def _plain_int64(values) -> bool:
         and values.flags.c_contiguous and values.flags.aligned
 
 
-@njit(cache=True)
-def _plan_batch(row_offsets, doc_lens, cp, strategy, target, chunk, effort, model, slack):
+def _batch_loop(row_offsets, doc_lens, cp, target, chunk, effort, model, slack):
     rows = row_offsets.shape[0] - 1
     shard_offsets = np.zeros(rows + 1, np.int64)
     capacity = 2 * doc_lens.shape[0] + 4 * cp * rows + 16
@@ -148,7 +165,7 @@ def _plan_batch(row_offsets, doc_lens, cp, strategy, target, chunk, effort, mode
     size = 0
     for row in range(rows):
         lens = np.ascontiguousarray(doc_lens[row_offsets[row]:row_offsets[row + 1]])
-        doc, start, length, rank = _plan_one(lens, cp, literally(strategy), target, chunk, effort, model, slack)
+        doc, start, length, rank = _plan_one(lens, cp, target, chunk, effort, model, slack)
         m = doc.shape[0]
         if size + m > capacity:
             # grow by the shards per row seen so far, projected over the remaining rows
@@ -164,7 +181,3 @@ def _plan_batch(row_offsets, doc_lens, cp, strategy, target, chunk, effort, mode
         size += m
         shard_offsets[row + 1] = size
     return shard_offsets, out_doc[:size], out_start[:size], out_len[:size], out_rank[:size]
-
-
-_plan_batch_in_memory = njit(cache=False)(_plan_batch.py_func)
-"""``_plan_batch`` for strategies registered from outside flashcp (``registry.register``)."""

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from flashcp import _numba
 from flashcp.cli import cli
 from flashcp.planner import batch, plan_sequence, register
 from flashcp.planner.registry import STRATEGIES, Strategy
@@ -41,8 +42,8 @@ def test_one_registry_entry_plans_with_a_new_kernel(toy):
         ring = ring_plan(lens, cp)  # the same chunks, rank i's on rank cp - 1 - i
         expected = sorted(zip(cp - 1 - ring.shard_rank, ring.shard_doc, ring.shard_start, ring.shard_len))
         assert list(zip(plan.shard_rank, plan.shard_doc, plan.shard_start, plan.shard_len)) == expected
-    assert not toy.built_in and batch._dispatcher(toy.name) is batch._plan_batch_in_memory
-    assert batch._dispatcher("flashcp") is batch._plan_batch  # flashcp's own kernels cache on disk
+    assert not toy.built_in and not isinstance(batch._dispatcher(toy.name)._cache, _numba._KernelCache)
+    assert isinstance(batch._dispatcher("flashcp")._cache, _numba._KernelCache)  # flashcp's own cache on disk
 
 
 def test_the_command_line_plans_and_verifies_with_it(toy, tmp_path):

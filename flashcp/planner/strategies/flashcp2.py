@@ -341,7 +341,9 @@ def _chunk_of(lens, cp, split):
     return max(np.int64(1), lens.sum() // cp // split)
 
 
-@njit(cache=True)
+# inlined into its one caller: compiled on its own, numba would optimise and emit every candidate's kernel once
+# more (flashcp.planner.batch says why)
+@njit(cache=True, inline="always")
 def _candidate(lens, cp, c, num, cut, limit, target):
     """Portfolio candidate ``c``: Algorithm 1 (R = 1.05, at most ``MAX_ZIGZAG`` Per-Doc documents),
     ``flashcp+`` at the ceiling ``target`` (empty when that is its own ``PLUS_TARGET`` or lower, as the

@@ -80,6 +80,13 @@ def _swap_rows(traffic, node, a, b, far_sent, far_received, cp):
 
 
 @njit(cache=True)
+def _copy(source, target):
+    # a loop: numba's ``target[:] = source`` compiles a shape check that formats its error message
+    for i in range(source.shape[0]):
+        target[i] = source[i]
+
+
+@njit(cache=True)
 def relabel_kernel(rank, tokens, traffic, cp, gpus_per_node):
     """New rank of every shard (``rank`` (num_shards,)) after swapping ranks between nodes.
 
@@ -102,14 +109,14 @@ def relabel_kernel(rank, tokens, traffic, cp, gpus_per_node):
             for b in range(a + 1, cp):
                 if node[a] == node[b] or tokens[a] != tokens[b]:
                     continue
-                trial_sent[:] = far_sent
-                trial_received[:] = far_received
+                _copy(far_sent, trial_sent)
+                _copy(far_received, trial_received)
                 total = best_total + _swap_rows(traffic, node, a, b, trial_sent, trial_received, cp)
                 peak = max(trial_sent.max(), trial_received.max())
                 if peak < best_peak or peak == best_peak and total < best_total:
                     best_peak, best_total = peak, total
-                    far_sent[:] = trial_sent
-                    far_received[:] = trial_received
+                    _copy(trial_sent, far_sent)
+                    _copy(trial_received, far_received)
                     node[a], node[b] = node[b], node[a]
                     slot[a], slot[b] = slot[b], slot[a]
                     improved = True
