@@ -26,6 +26,13 @@ tensors (float32, say) and it must use the reference kernel, which loops over se
 host sync per call. Requested by name, an unavailable backend raises ``BackendUnavailableError`` with the
 reason in one sentence. ``_device_capability`` is the one place that looks at the device.
 
+Layer kinds (``flashcp.runtime.layer_kinds``) run through the log-sum-exp entry points below, which take a
+sliding ``window``, a ``chunk`` and a logit ``softcap``: the reference kernel runs all three; FA2 (2.6+), FA3,
+FA4 and ``torch_varlen`` a window, which their forward and backward entry points declare (``window_size`` or
+``window_size_left/right``). No backward entry point flashcp calls takes a chunk (FA3's ``attention_chunk``
+is a forward argument), and soft-capping, which FA2/FA3/FA4 declare, is not passed to them yet (their fakes do not emulate it), so those
+two run on the reference kernel: ``auto`` falls back with its one warning, a backend asked for by name says why.
+
 Block-wise attention (the ``ring`` comm mode) needs two more entry points, not differentiable themselves:
 ``varlen_attention_forward`` returns the output *and* its log-sum-exp, and may drop the causal mask (a query
 attends to every key of its sequence); ``varlen_attention_backward`` computes dq, dk, dv of one block from
@@ -256,7 +263,7 @@ def _declares(fn, *names: str) -> bool:
 def _kind_problem(backend: str, api: _Api, window: int | None, chunk: int | None,
                   softcap: float | None) -> str | None:
     """Why ``backend`` cannot run a window, chunk or soft-cap, from the parameters its entry points declare."""
-    if chunk is not None:  # FA3's attention_chunk has no backward; no other library has one
+    if chunk is not None:  # FA3's forward takes attention_chunk, no backward entry point flashcp calls does
         return f"{backend} has no chunked attention (chunk={chunk}) in both its forward and backward"
     if backend == "torch_varlen":
         forward, backward = torch.ops.torch_attn._varlen_attn, torch.ops.torch_attn._varlen_attn_backward
