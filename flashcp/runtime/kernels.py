@@ -30,8 +30,9 @@ Layer kinds (``flashcp.runtime.layer_kinds``) run through the log-sum-exp entry 
 sliding ``window``, a ``chunk`` and a logit ``softcap``: the reference kernel runs all three; FA2 (2.6+), FA3,
 FA4 and ``torch_varlen`` a window, which their forward and backward entry points declare (``window_size`` or
 ``window_size_left/right``). No backward entry point flashcp calls takes a chunk (FA3's ``attention_chunk``
-is a forward argument), and soft-capping, which FA2/FA3/FA4 declare, is not passed to them yet (their fakes do not emulate it), so those
-two run on the reference kernel: ``auto`` falls back with its one warning, a backend asked for by name says why.
+is a forward argument), and soft-capping, which FA2/FA3/FA4 declare, is not passed to them yet (their fakes
+do not emulate it), so those two run on the reference kernel: ``auto`` falls back with its one warning, a
+backend asked for by name says why.
 
 Block-wise attention (the ``ring`` comm mode) needs two more entry points, not differentiable themselves:
 ``varlen_attention_forward`` returns the output *and* its log-sum-exp, and may drop the causal mask (a query
