@@ -266,6 +266,8 @@ def _kind_problem(backend: str, api: _Api, window: int | None, chunk: int | None
     """Why ``backend`` cannot run a window, chunk or soft-cap, from the parameters its entry points declare."""
     if chunk is not None:  # FA3's forward takes attention_chunk, no backward entry point flashcp calls does
         return f"{backend} has no chunked attention (chunk={chunk}) in both its forward and backward"
+    forward: Any
+    backward: Any
     if backend == "torch_varlen":
         forward, backward = torch.ops.torch_attn._varlen_attn, torch.ops.torch_attn._varlen_attn_backward
     else:
@@ -507,7 +509,7 @@ def varlen_attention_forward(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: to
     if backend == "reference":
         return _reference_forward(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, causal, **kind)
     left = -1 if window is None else window - 1
-    options = {} if softcap is None else {"softcap": float(softcap)}
+    options: dict[str, Any] = {} if softcap is None else {"softcap": float(softcap)}
     padded = _padded_head_dim(head_dim)
     q_TPH, k_SKP, v_SKP = (_pad(x, padded) for x in (q_THD, k_SKD, v_SKD))
     lengths = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,

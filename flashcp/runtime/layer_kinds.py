@@ -110,8 +110,9 @@ def kind_attention(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Tensor
 class _KindAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_THD, k_SKD, v_SKD, sinks_H, lengths, kind: LayerKind, backend: str):
-        out_THD, lse_TH = varlen_attention_forward(q_THD, k_SKD, v_SKD, *lengths, causal=True, backend=backend,
-                                                   **kind.kernel_args())
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = lengths
+        out_THD, lse_TH = varlen_attention_forward(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                   max_seqlen_k, causal=True, backend=backend, **kind.kernel_args())
         if sinks_H is not None:
             lse_sinked = torch.logaddexp(lse_TH, sinks_H.to(lse_TH.dtype)[None, :])
             out_THD = (out_THD.to(lse_TH.dtype) * torch.exp(lse_TH - lse_sinked)[..., None]).to(q_THD.dtype)
@@ -123,8 +124,10 @@ class _KindAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out_THD):
         q_THD, k_SKD, v_SKD, out_THD, lse_TH, sinks_H = ctx.saved_tensors
-        dq, dk, dv = varlen_attention_backward(grad_out_THD, q_THD, k_SKD, v_SKD, out_THD, lse_TH, *ctx.lengths,
-                                               causal=True, backend=ctx.backend, **ctx.kind.kernel_args())
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = ctx.lengths
+        dq, dk, dv = varlen_attention_backward(grad_out_THD, q_THD, k_SKD, v_SKD, out_THD, lse_TH, cu_seqlens_q,
+                                               cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True,
+                                               backend=ctx.backend, **ctx.kind.kernel_args())
         dsinks = None
         if sinks_H is not None and ctx.needs_input_grad[3]:
             acc = lse_TH.dtype
