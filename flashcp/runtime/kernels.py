@@ -332,9 +332,13 @@ def resolve_backend(backend: str, q: torch.Tensor, blockwise: bool = False, **ki
         api = _load(name)
         if not (isinstance(api, _Unavailable) and not api.installed):
             skipped.append(why if why.startswith(name) else f"{name} ({why})")
-    _warn_once(f"attention backend auto found no GPU kernel for {q.dtype} tensors with head dim {q.shape[-1]} on "
-               f"{q.device} ({'; '.join(skipped) or 'none is installed'}): running the reference kernel, a Python "
-               f"loop with a host sync per call (train in bfloat16 or float16 to use the GPU kernels)")
+    asked = [f"{name}={value}" for name, value in kind.items() if value is not None]
+    what = f" and {', '.join(asked)}" if asked else ""
+    hint = ("the GPU kernels run windows only" if asked and q.dtype in _HALF_DTYPES else
+            "train in bfloat16 or float16 to use the GPU kernels")
+    _warn_once(f"attention backend auto found no GPU kernel for {q.dtype} tensors with head dim {q.shape[-1]}{what} "
+               f"on {q.device} ({'; '.join(skipped) or 'none is installed'}): running the reference kernel, a Python "
+               f"loop with a host sync per call ({hint})")
     return "reference"
 
 

@@ -157,4 +157,5 @@ def test_kinds_a_backend_cannot_run_are_refused_and_auto_falls_back(installed):
         assert resolve_backend("auto", q, chunk=8) == "reference"
     said = [str(w.message) for w in caught if issubclass(w.category, BackendFallbackWarning)]
     assert len(said) == 1 and "fa3 has no chunked attention" in said[0], said
+    assert "head dim 64 and chunk=8" in said[0] and "(the GPU kernels run windows only)" in said[0], said
     assert resolve_backend("auto", q, window=128) == "fa3"
