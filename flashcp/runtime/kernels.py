@@ -29,10 +29,10 @@ reason in one sentence. ``_device_capability`` is the one place that looks at th
 Layer kinds (``flashcp.runtime.layer_kinds``) run through the log-sum-exp entry points below, which take a
 sliding ``window``, a ``chunk`` and a logit ``softcap``: the reference kernel runs all three; FA2 (2.6+), FA3,
 FA4 and ``torch_varlen`` a window, which their forward and backward entry points declare (``window_size`` or
-``window_size_left/right``). No backward entry point flashcp calls takes a chunk (FA3's ``attention_chunk``
-is a forward argument), and soft-capping, which FA2/FA3/FA4 declare, is not passed to them yet (their fakes
-do not emulate it), so those two run on the reference kernel: ``auto`` falls back with its one warning, a
-backend asked for by name says why.
+``window_size_left/right``); FA2 (2.6+) a soft-cap (``softcap``; FA3 and FA4 declare one too, but flashcp
+does not pass it to them yet). No backward entry point flashcp calls takes a chunk (FA3's ``attention_chunk``
+is a forward argument), so chunks run on the reference kernel. For a kind a backend cannot run, ``auto``
+falls back with its one warning and a backend asked for by name says why.
 
 Block-wise attention (the ``ring`` comm mode) needs two more entry points, not differentiable themselves:
 ``varlen_attention_forward`` returns the output *and* its log-sum-exp, and may drop the causal mask (a query
@@ -275,8 +275,10 @@ def _kind_problem(backend: str, api: _Api, window: int | None, chunk: int | None
     if window is not None and not (_declares(forward, "window_size", "window_size_left")
                                    and _declares(backward, "window_size", "window_size_left")):
         return f"{backend} takes no sliding window (window={window}) in this release"
-    if softcap is not None:  # FA2/FA3/FA4 declare softcap; flashcp's calls of it are not checked against fakes yet
-        return f"flashcp runs logit soft-capping (softcap={softcap}) on the reference kernel only, not {backend}"
+    if softcap is not None and backend in ("fa3", "fa4"):  # declared, but not emulated by their fakes yet
+        return f"flashcp does not pass logit soft-capping (softcap={softcap}) to {backend} yet"
+    if softcap is not None and not (_declares(forward, "softcap") and _declares(backward, "softcap")):
+        return f"{backend} takes no logit soft-capping (softcap={softcap})"
     return None
 
 
@@ -334,7 +336,7 @@ def resolve_backend(backend: str, q: torch.Tensor, blockwise: bool = False, **ki
             skipped.append(why if why.startswith(name) else f"{name} ({why})")
     asked = [f"{name}={value}" for name, value in kind.items() if value is not None]
     what = f" and {', '.join(asked)}" if asked else ""
-    hint = ("the GPU kernels run windows only" if asked and q.dtype in _HALF_DTYPES else
+    hint = ("the GPU kernels run windows, and FA2 soft-caps" if asked and q.dtype in _HALF_DTYPES else
             "train in bfloat16 or float16 to use the GPU kernels")
     _warn_once(f"attention backend auto found no GPU kernel for {q.dtype} tensors with head dim {q.shape[-1]}{what} "
                f"on {q.device} ({'; '.join(skipped) or 'none is installed'}): running the reference kernel, a Python "

@@ -119,9 +119,10 @@ WINDOW_FAKES = ("flash_attn-2.6", "flash_attn-2.8", "fa3", "fa3-2025-04", "fa4",
 
 
 @pytest.mark.parametrize("fake", WINDOW_FAKES)
-def test_window_and_sinks_through_each_fake(fake, installed):
+def test_window_sinks_and_softcap_through_each_fake(fake, installed):
     installed(fake)
     backend = fake_kernels.BACKEND_OF[fake]
+    kind = {"window": 5, "softcap": 1.5} if backend == "flash_attn" else {"window": 5}  # FA2 2.6+ soft-caps
     doc_lens = np.array([9, 1, 14, 4])
     plan = random_plan(doc_lens, 1, np.random.default_rng(3))
     meta = CPAttnMeta.from_plan(plan, doc_lens, 0)
@@ -129,19 +130,21 @@ def test_window_and_sinks_through_each_fake(fake, installed):
     gen = torch.Generator().manual_seed(1)
     q, k, v, grad = (torch.randn(28, h, 16, generator=gen).bfloat16() for h in (4, 2, 2, 4))
     sinks = torch.randn(4, generator=gen)
-    assert resolve_backend("auto", q, blockwise=True, window=5) == backend
+    assert resolve_backend("auto", q, blockwise=True, **kind) == backend
     results = []
     for dtype in (torch.float64, torch.bfloat16):  # the float64 truth and a plain bf16 implementation's error
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, sinks)]
-        out = naive_document_attention(*leaves[:3], doc_lens, window=5, sinks=leaves[3])
+        out = naive_document_attention(*leaves[:3], doc_lens, sinks=leaves[3], **kind)
         results.append((out[pos], *(g[pos] if g.dim() == 3 else g
                                     for g in torch.autograd.grad(out, leaves, grad.to(dtype)))))
     leaves = [t[pos].clone().requires_grad_() for t in (q, k, v)] + [sinks.clone().requires_grad_()]
-    out = cp_attention(*leaves[:3], meta, backend=backend, window=5, sinks=leaves[3])
+    out = cp_attention(*leaves[:3], meta, backend=backend, sinks=leaves[3], **kind)
     got = (out, *torch.autograd.grad(out, leaves, grad[pos]))
     errors = [(a.double() - b.double()).abs().max().item() for a, b in zip(got, results[0])]
     bound = [2 * (p.double() - b.double()).abs().max().item() + 1e-5 for p, b in zip(results[1], results[0])]
     assert all(e <= b for e, b in zip(errors, bound)), f"{fake}: max |err| {errors} above 2x plain bf16 {bound}"
+    ref64 = naive_document_attention(q.double(), k.double(), v.double(), doc_lens)[pos]
+    assert (out.double() - ref64).abs().max() > 1e-2  # the kind changed the result: it was not dropped
 
 
 def test_kinds_a_backend_cannot_run_are_refused_and_auto_falls_back(installed):
@@ -149,13 +152,20 @@ def test_kinds_a_backend_cannot_run_are_refused_and_auto_falls_back(installed):
     q = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
     with pytest.raises(BackendUnavailableError, match="fa3 has no chunked attention"):
         resolve_backend("fa3", q, chunk=8)
-    with pytest.raises(BackendUnavailableError, match="soft-capping .softcap=30.0. on the reference kernel only"):
+    with pytest.raises(BackendUnavailableError, match=r"torch_varlen takes no logit soft-capping \(softcap=30.0\)"):
         resolve_backend("torch_varlen", q, softcap=30.0)
+    with pytest.raises(BackendUnavailableError, match="does not pass logit soft-capping .softcap=30.0. to fa3 yet"):
+        resolve_backend("fa3", q, softcap=30.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resolve_backend("auto", q, softcap=30.0, window=8) == "flash_attn"  # FA2 takes the soft-cap
+    said = [str(w.message) for w in caught if issubclass(w.category, BackendFallbackWarning)]
+    assert len(said) == 1 and "skipped fa3 (flashcp does not pass logit soft-capping" in said[0], said
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert resolve_backend("auto", q, chunk=8) == "reference"
         assert resolve_backend("auto", q, chunk=8) == "reference"
     said = [str(w.message) for w in caught if issubclass(w.category, BackendFallbackWarning)]
     assert len(said) == 1 and "fa3 has no chunked attention" in said[0], said
-    assert "head dim 64 and chunk=8" in said[0] and "(the GPU kernels run windows only)" in said[0], said
+    assert "head dim 64 and chunk=8" in said[0] and "(the GPU kernels run windows, and FA2 soft-caps)" in said[0]
     assert resolve_backend("auto", q, window=128) == "fa3"
