@@ -45,6 +45,11 @@ VARIANTS = {
     "starcoder2-no-window": ("starcoder2", "Starcoder2ForCausalLM", {"sliding_window": None}),
     "qwen3_moe-no-window": ("qwen3_moe", "Qwen3MoeForCausalLM", {"sliding_window": None}),
     "lfm2-conv": ("lfm2", "Lfm2ForCausalLM", {"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2}),
+    # issue 35: a window switched on where the default has none (transformers passes it to the sliding layers)
+    "qwen2-window": ("qwen2", "Qwen2ForCausalLM", {"use_sliding_window": True,
+                                                  "layer_types": ["full_attention", "sliding_attention"]}),
+    "qwen3-window": ("qwen3", "Qwen3ForCausalLM", {"use_sliding_window": True,
+                                                  "layer_types": ["sliding_attention", "full_attention"]}),
 }
 
 
@@ -234,7 +239,7 @@ def test_every_architecture_is_refused_or_trains_exactly(every_architecture):
         assert results[name]["status"] == "exact", results[name]
     # issue 35's layer kinds: windows (Mistral, Gemma 3, gpt-oss), sinks (gpt-oss), chunks (Llama 4), soft-caps
     for name in ("mistral:MistralForCausalLM", "gemma3_text:Gemma3ForCausalLM", "gpt_oss:GptOssForCausalLM",
-                 "llama4_text:Llama4ForCausalLM", "gemma2:Gemma2ForCausalLM"):
+                 "llama4_text:Llama4ForCausalLM", "gemma2:Gemma2ForCausalLM", "qwen2-window", "qwen3-window"):
         assert results[name]["status"] == "exact", (name, results[name])
 
 
