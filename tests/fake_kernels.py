@@ -6,7 +6,8 @@ contiguity, int32 cu_seqlens, head dim, one device for every tensor, LSE layout)
 
 - ``flash_attn-2.5`` / ``-2.6`` / ``-2.8``: flash-attn's ``flash_attn_interface.py`` and
   ``csrc/flash_attn/flash_api.cpp`` at v2.5.9.post1 (padded ``(B, H, max_seqlen)`` varlen LSE, window_size
-  tuple, no softcap), v2.6.3 (packed ``(H, T)`` LSE, plain functions, the C++ forward pads the head dim) and
+  tuple, no softcap), v2.6.3 (packed ``(H, T)`` LSE, plain functions, softcap forward and backward: scores
+  ``softcap * tanh(scale * q.k / softcap)``, the C++ forward pads the head dim) and
   v2.8.3 (``torch.library.custom_op`` ops with window_size_left/right and zero_tensors; the Python wrapper
   pads the head dim, the C++ requires a multiple of 8);
 - ``fa3``: ``hopper/flash_attn_interface.py`` at HEAD (the ``flash_attn_3::_flash_attn_backward`` custom op,
@@ -84,8 +85,11 @@ def check_varlen(q, k, v, cu_q, cu_k, max_q, max_k, half_only=True):
     check(max(len_q) <= max_q and max(len_k) <= max_k, "a sequence is longer than max_seqlen")
 
 
-def attend64(q, k, v, cu_q, cu_k, scale, causal, window=(-1, -1)):
-    """``(out (T, H, D) float64, lse (H, T) float64)``; bottom-right aligned causal mask and window."""
+def attend64(q, k, v, cu_q, cu_k, scale, causal, window=(-1, -1), softcap=0.0):
+    """``(out (T, H, D) float64, lse (H, T) float64)``; bottom-right aligned causal mask and window.
+
+    ``softcap`` > 0: scores ``softcap * tanh(scale * q.k / softcap)`` (flash-attn 2.6+'s ``params.softcap``).
+    """
     group = q.shape[1] // k.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)
     lse = torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float64)
@@ -97,6 +101,8 @@ def attend64(q, k, v, cu_q, cu_k, scale, causal, window=(-1, -1)):
         qs = q[qa:qb].double()
         ks, vs = (t[ka:kb].double().repeat_interleave(group, 1) for t in (k, v))
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
         diag = torch.arange(nq)[:, None] + nk - nq
         keys = torch.arange(nk)[None, :]
         keep = torch.ones(nq, nk, dtype=torch.bool)
@@ -112,7 +118,7 @@ def attend64(q, k, v, cu_q, cu_k, scale, causal, window=(-1, -1)):
     return out, lse
 
 
-def attend_backward64(dout, q, k, v, out, lse_HT, cu_q, cu_k, scale, causal, window=(-1, -1)):
+def attend_backward64(dout, q, k, v, out, lse_HT, cu_q, cu_k, scale, causal, window=(-1, -1), softcap=0.0):
     """``(dq, dk, dv)`` in float64 from the given out and LSE (as the kernels do); dk, dv summed per KV head."""
     num_kv, group = k.shape[1], q.shape[1] // k.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float64)
@@ -125,6 +131,10 @@ def attend_backward64(dout, q, k, v, out, lse_HT, cu_q, cu_k, scale, causal, win
         qs, do, os = (t[qa:qb].double() for t in (q, dout, out))
         ks, vs = (t[ka:kb].double().repeat_interleave(group, 1) for t in (k, v))
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        cap_grad = 1.0
+        if softcap > 0:
+            tanh = torch.tanh(scores / softcap)
+            scores, cap_grad = softcap * tanh, 1 - tanh * tanh
         diag = torch.arange(nq)[:, None] + nk - nq
         keys = torch.arange(nk)[None, :]
         keep = torch.ones(nq, nk, dtype=torch.bool)
@@ -135,7 +145,7 @@ def attend_backward64(dout, q, k, v, out, lse_HT, cu_q, cu_k, scale, causal, win
         probs = torch.exp(scores - lse_HT[:, qa:qb].double()[..., None]).masked_fill(~keep, 0.0)
         dprobs = torch.einsum("qhd,khd->hqk", do, vs)
         delta = (do * os).sum(-1).T[..., None]
-        dscores = probs * (dprobs - delta) * scale
+        dscores = probs * (dprobs - delta) * cap_grad * scale
         dq[qa:qb] = torch.einsum("hqk,khd->qhd", dscores, ks)
         dk[ka:kb] = torch.einsum("hqk,qhd->khd", dscores, qs).view(nk, num_kv, group, -1).sum(2)
         dv[ka:kb] = torch.einsum("hqk,qhd->khd", probs, do).view(nk, num_kv, group, -1).sum(2)
@@ -182,13 +192,14 @@ def _module(name, **attrs):
 
 # ---------------------------------------------------------------- flash-attn 2.x
 
-def _fa2_varlen_forward_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, pad_in_cpp, padded_lse):
+def _fa2_varlen_forward_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, pad_in_cpp, padded_lse,
+                               softcap=0.0):
     """``mha_varlen_fwd``: out (T, H, D), lse packed (H, T) or padded (B, H, max_seqlen_q)."""
     check_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
     head_dim = q.shape[-1]
     if not pad_in_cpp:
         check(head_dim % 8 == 0, "query, key, value, and out_ must have a head_size that is a multiple of 8")
-    out, lse = attend64(q, k, v, cu_q, cu_k, scale, causal, window)
+    out, lse = attend64(q, k, v, cu_q, cu_k, scale, causal, window, softcap)
     if padded_lse:
         lse = _pack_to_padded(lse, cu_q, max_q)
     return out.to(q.dtype), lse.float()
@@ -206,7 +217,7 @@ def _padded_to_pack(lse_BHM, cu_q):
 
 
 def _fa2_varlen_backward_kernel(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, scale, causal,
-                                window, padded_lse):
+                                window, padded_lse, softcap=0.0):
     """``mha_varlen_bwd``: fills dq, dk, dv in place; returns softmax_d."""
     check_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
     _check_backward(dout, q, k, v, out, dq, dk, dv)
@@ -216,7 +227,7 @@ def _fa2_varlen_backward_kernel(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k,
         lse = _padded_to_pack(lse, cu_q)
     else:
         _check_lse(lse, q.shape[1], q.shape[0])
-    grads = attend_backward64(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, window)
+    grads = attend_backward64(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, window, softcap)
     for target, grad in zip((dq, dk, dv), grads):
         target.copy_(grad)
     return torch.zeros(q.shape[1], q.shape[0] + 128 * (cu_q.numel() - 1), dtype=torch.float32)
@@ -237,6 +248,22 @@ def _make_fa2(release: str):
 
     if version >= (2, 7):
         forward_op, backward_op = _fa2_custom_ops()
+    elif version >= (2, 6):  # 2.6 added softcap after window_size, forward and backward
+        def forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                       causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_softmax=False,
+                       block_table=None):
+            q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
+            out, lse = _fa2_varlen_forward_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  softmax_scale, causal, window_size, pad_in_cpp, padded_lse, softcap)
+            return out, lse, torch.empty(0, dtype=q.dtype), torch.zeros(2, dtype=torch.int64)
+
+        def backward_op(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                        alibi_slopes, deterministic, rng_state=None):
+            dout, q, k, v, out = (_maybe_contiguous(x) for x in (dout, q, k, v, out))
+            return _fa2_varlen_backward_kernel(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
+                                               cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                               window_size, padded_lse, softcap)
     else:
         def forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                        causal, window_size=(-1, -1), alibi_slopes=None, return_softmax=False, block_table=None):
@@ -245,83 +272,77 @@ def _make_fa2(release: str):
                                                   softmax_scale, causal, window_size, pad_in_cpp, padded_lse)
             return out, lse, torch.empty(0, dtype=q.dtype), torch.zeros(2, dtype=torch.int64)
 
-        if version < (2, 6):
-            def backward_op(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                            max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
-                            alibi_slopes, deterministic, rng_state=None):
-                dout, q, k, v, out = (_maybe_contiguous(x) for x in (dout, q, k, v, out))
-                return _fa2_varlen_backward_kernel(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
-                                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                                                   window_size, padded_lse)
-        else:
-            def backward_op(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                            max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                            alibi_slopes, deterministic, rng_state=None):
-                dout, q, k, v, out = (_maybe_contiguous(x) for x in (dout, q, k, v, out))
-                check(softcap == 0.0, "the fake supports softcap 0 only")
-                return _fa2_varlen_backward_kernel(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
-                                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                                                   window_size, padded_lse)
+        def backward_op(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                        alibi_slopes, deterministic, rng_state=None):
+            dout, q, k, v, out = (_maybe_contiguous(x) for x in (dout, q, k, v, out))
+            return _fa2_varlen_backward_kernel(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
+                                               cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                               window_size, padded_lse)
 
-    def call_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window):
+    def call_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap):
         if version >= (2, 7):
             return forward_op(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale, causal=causal,
-                              window_size_left=window[0], window_size_right=window[1], softcap=0.0,
+                              window_size_left=window[0], window_size_right=window[1], softcap=softcap,
                               alibi_slopes=None, return_softmax=False, block_table=None)
+        if version >= (2, 6):
+            return forward_op(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale, causal, window, softcap)
         return forward_op(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale, causal, window)
 
-    def call_backward(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, scale, causal, window):
+    def call_backward(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, scale, causal, window,
+                      softcap):
         if version >= (2, 7):
             return backward_op(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, 0.0, scale, causal,
-                               window[0], window[1], 0.0, None, False, rng_state=None)
+                               window[0], window[1], softcap, None, False, rng_state=None)
         if version >= (2, 6):
             return backward_op(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, 0.0, scale, causal,
-                               window, 0.0, None, False, rng_state=None)
+                               window, softcap, None, False, rng_state=None)
         return backward_op(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, 0.0, scale, causal,
                            window, None, False, rng_state=None)
 
     class FlashAttnVarlenFunc(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size, return_softmax):
+        def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size, softcap,
+                    return_softmax):
             if softmax_scale is None:
                 softmax_scale = q.shape[-1] ** (-0.5)
             head_size_og = q.size(2)
             if not pad_in_cpp:
                 q, k, v = (_pad8(x) for x in (q, k, v))
             out_padded, softmax_lse, s_dmask, _ = call_forward(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale,
-                                                               causal, window_size)
+                                                               causal, window_size, softcap)
             ctx.save_for_backward(q, k, v, out_padded, softmax_lse, cu_q, cu_k)
-            ctx.args = (max_q, max_k, softmax_scale, causal, window_size)
+            ctx.args = (max_q, max_k, softmax_scale, causal, window_size, softcap)
             out = out_padded[..., :head_size_og]
             return out if not return_softmax else (out, softmax_lse, s_dmask)
 
         @staticmethod
         def backward(ctx, dout, *args):
             q, k, v, out, softmax_lse, cu_q, cu_k = ctx.saved_tensors
-            max_q, max_k, scale, causal, window = ctx.args
+            max_q, max_k, scale, causal, window, softcap = ctx.args
             head_size_og = dout.size(2)
             q, k, v, out, dout_padded = (_pad8(x) for x in (q, k, v, out, dout))  # the C++ of 2.6 pads too
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
             call_backward(dout_padded, q, k, v, out, softmax_lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, scale,
-                          causal, window)
+                          causal, window, softcap)
             return (dq[..., :head_size_og], dk[..., :head_size_og], dv[..., :head_size_og],
-                    None, None, None, None, None, None, None, None)
+                    None, None, None, None, None, None, None, None, None)
 
     if version >= (2, 6):
         def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                    alibi_slopes=None, deterministic=False, return_attn_probs=False,
                                    block_table=None):
-            check(dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None, "the fake supports no dropout")
+            check(dropout_p == 0.0 and alibi_slopes is None, "the fake supports no dropout")
             return FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                             softmax_scale, causal, window_size, return_attn_probs)
+                                             softmax_scale, causal, window_size, softcap, return_attn_probs)
     else:
         def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                    softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
                                    deterministic=False, return_attn_probs=False, block_table=None):
             check(dropout_p == 0.0 and alibi_slopes is None, "the fake supports no dropout")
             return FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                             softmax_scale, causal, window_size, return_attn_probs)
+                                             softmax_scale, causal, window_size, 0.0, return_attn_probs)
 
     text = release
     interface = _module("flash_attn.flash_attn_interface", flash_attn_varlen_func=flash_attn_varlen_func,
@@ -352,7 +373,7 @@ def _fa2_custom_ops():
         q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
         out, lse = _fa2_varlen_forward_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                               softmax_scale, causal, (window_size_left, window_size_right),
-                                              pad_in_cpp=False, padded_lse=False)
+                                              pad_in_cpp=False, padded_lse=False, softcap=softcap)
         return out, lse, torch.empty(0, dtype=q.dtype), torch.zeros(2, dtype=torch.int64)
 
     @torch.library.custom_op("flash_attn::_flash_attn_varlen_backward", mutates_args=("dq", "dk", "dv"))
@@ -370,7 +391,7 @@ def _fa2_custom_ops():
         dv = torch.empty_like(v) if dv is None else dv
         return _fa2_varlen_backward_kernel(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                                            max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                                           (window_size_left, window_size_right), padded_lse=False)
+                                           (window_size_left, window_size_right), padded_lse=False, softcap=softcap)
 
     _CUSTOM_OPS["fa2"] = (_flash_attn_varlen_forward, _flash_attn_varlen_backward)
     return _CUSTOM_OPS["fa2"]

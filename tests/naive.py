@@ -48,11 +48,14 @@ def naive_exact_need_sent(shards: list[tuple[int, int, int, int]], cp: int) -> l
     return sent
 
 
-def naive_document_attention(q, k, v, doc_lens, scale=None):
+def naive_document_attention(q, k, v, doc_lens, scale=None, window=None, chunk=None, sinks=None, softcap=None):
     """Dense attention over the whole packed sequence with a document-causal mask (torch, any dtype).
 
     q: (C, H, D); k, v: (C, K, D) with H % K == 0. Token i attends to token j iff both lie in the same
-    document and j <= i. Scale ``scale``, by default 1 / sqrt(D).
+    document and j <= i; with ``window`` W also ``j > i - W``; with ``chunk`` K, j in i's chunk of the document
+    (positions counted from the document's first token). Scale ``scale``, by default 1 / sqrt(D); ``softcap``
+    c turns scores s into ``c * tanh(s / c)``; ``sinks`` (H,) adds a column of per-head logits to the softmax
+    that no value reads (gpt-oss).
     """
     import torch
 
@@ -60,13 +63,27 @@ def naive_document_attention(q, k, v, doc_lens, scale=None):
     group = num_heads // k.shape[1]
     doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.as_tensor(doc_lens))
     pos = torch.arange(context_len)
+    starts = torch.repeat_interleave(torch.cumsum(torch.as_tensor(doc_lens), 0) - torch.as_tensor(doc_lens),
+                                     torch.as_tensor(doc_lens))
+    doc_pos = pos - starts
     keep = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+    if window is not None:
+        keep &= pos[None, :] > pos[:, None] - window
+    if chunk is not None:
+        keep &= (doc_pos[None, :] // chunk) == (doc_pos[:, None] // chunk)
     k_full = k.repeat_interleave(group, dim=1)
     v_full = v.repeat_interleave(group, dim=1)
     scale = head_dim ** -0.5 if scale is None else scale
     scores = torch.einsum("ihd,jhd->hij", q, k_full) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~keep.to(q.device), float("-inf"))
-    return torch.einsum("hij,jhd->ihd", scores.softmax(-1), v_full)
+    if sinks is not None:
+        sink_column = sinks.to(scores.dtype)[:, None, None].expand(num_heads, context_len, 1)
+        probs = torch.cat((scores, sink_column), -1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    return torch.einsum("hij,jhd->ihd", probs, v_full)
 
 
 def naive_pack(docs: list[list[int]], context_len: int, overflow: str):

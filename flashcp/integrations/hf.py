@@ -38,6 +38,7 @@ from flashcp.integrations.hf_support import (
     attention_kwarg_problem,
     check_hf_config,
     check_hf_model,
+    layer_chunk,
 )
 from flashcp.runtime import CommStats, CPAttention, CPAttnMeta, cp_attention
 from flashcp.runtime.loader import Batch
@@ -95,10 +96,13 @@ def flashcp_attention_forward(module: nn.Module | None, query: torch.Tensor, key
         flashcp_comm: ``allgather``, ``a2a``, ``full`` or ``auto``.
         flashcp_backend: ``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``.
         flashcp_stats: a CommStats recording the collectives, or None.
-        **kwargs: the layer's other arguments: those that do not change the result (``position_ids``,
-            ``use_cache``, ..., ``hf_support.HARMLESS_ATTENTION_KWARGS``) and options switched off (None,
-            ``dropout=0``, ``is_causal=True``) are accepted; any other (sinks ``s_aux``, ``sliding_window``,
-            ``softcap``, attention dropout, ...) is refused, never dropped.
+        **kwargs: the layer's other arguments. ``sliding_window`` (transformers passes it to sliding layers
+            only), learned sinks ``s_aux`` (or ``sinks``) and ``softcap`` are honoured (``cp_attention``'s
+            window, sinks and softcap); a layer the config marks ``chunked_attention`` attends within chunks of
+            ``attention_chunk_size``. Those that do not change the result (``position_ids``, ``use_cache``, ...,
+            ``hf_support.HARMLESS_ATTENTION_KWARGS``) and options switched off (None, ``dropout=0``,
+            ``is_causal=True``) are accepted; any other (attention dropout, a bias, ...) is refused, never
+            dropped.
 
     Returns ``(out, None)`` with ``out`` (1, T, H, D). Raises ValueError (``UnsupportedModelError`` for the
     model's own settings) with one sentence.
@@ -108,6 +112,11 @@ def flashcp_attention_forward(module: nn.Module | None, query: torch.Tensor, key
         if config is not None:
             check_hf_config(config)
         module._flashcp_checked = True  # a plain attribute: not in the state dict
+    kind = {"window": kwargs.pop("sliding_window", None), "softcap": kwargs.pop("softcap", None),
+            "chunk": layer_chunk(module)}
+    sinks = kwargs.pop("s_aux", None)
+    if sinks is None:
+        sinks = kwargs.pop("sinks", None)
     for name, option in kwargs.items():
         problem = attention_kwarg_problem(name, option)
         if problem is not None:
@@ -123,7 +132,7 @@ def flashcp_attention_forward(module: nn.Module | None, query: torch.Tensor, key
                          "attention_mask")
     out_THD = cp_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                            flashcp_meta, group=flashcp_group, comm=flashcp_comm, backend=flashcp_backend,
-                           stats=flashcp_stats, softmax_scale=scaling)
+                           stats=flashcp_stats, softmax_scale=scaling, sinks=sinks, **kind)
     return out_THD[None], None
 
 

@@ -4,19 +4,19 @@ flashcp's CP is exact for one kind of token mixing: causal attention inside each
 ``cp_attention`` with the plan's document mask. A decoder layer that mixes tokens any other way trains silently
 wrong under CP: a recurrent or state-space layer (Gated DeltaNet, Mamba-2) or a short convolution run on a
 rank's tokens carries state across document and shard boundaries and receives nothing from the ranks before;
-a chunked or sliding-window layer would need a mask the plan does not build; learned attention sinks, soft-
-capping or a bias passed to the attention function would be dropped. The loss of a random model barely moves
-(1e-4 relative), the parameter updates are wrong by 14% to 216% (issue 31's table): the bug class that made
-accelerate refuse these models (accelerate #4177).
+a layer kind the runtime does not run, or an option or a bias passed to the attention function that it does
+not honour, would be dropped. The loss of a random model barely moves (1e-4 relative), the parameter updates
+are wrong by 14% to 216% (issue 31's table): the bug class that made accelerate refuse these models
+(accelerate #4177).
 
 So acceptance is an allowlist, never a list of what is known to break:
 
-1. ``VERIFIED_MODEL_TYPES``: the transformers architectures whose every layer is plain full attention (or
-   token-local: MLP, mixture of experts, norms) and that train one step under CP equal to one process running
-   each document alone (``tests/integrations/test_hf_support.py`` builds a tiny model of every
-   ``*ForCausalLM`` architecture of the installed transformers and checks exactly that). Their config must still
-   declare full attention on every layer: no ``layer_types`` other than full attention, no sliding window in
-   use, no chunked attention, no attention-logit soft-capping.
+1. ``VERIFIED_MODEL_TYPES``: the transformers architectures whose every layer is a kind ``cp_attention`` runs
+   (full, sliding-window or chunked causal attention, with learned sinks or logit soft-capping, or token-local:
+   MLP, mixture of experts, norms) and that train one step under CP equal to one process running each document
+   alone (``tests/integrations/test_hf_support.py`` builds a tiny model of every ``*ForCausalLM`` architecture
+   of the installed transformers and checks exactly that). Their config must still declare only those kinds:
+   ``layer_types`` of full, sliding or chunked attention, chunks only on layers marked chunked.
 2. Another architecture transformers knows is refused, naming its first layer flashcp does not run exactly
    (from the config's layer kinds, else the first module that mixes tokens outside attention), else saying it
    has not been verified.
@@ -49,11 +49,17 @@ VERIFIED_MODEL_TYPES = frozenset({
     "aria_text", "dots1", "ernie4_5_moe", "flex_olmo", "glm4_moe", "granitemoe", "granitemoeshared",
     "hunyuan_v1_moe", "hy_v3", "jetmoe", "mellum", "minimax_m2", "minimax_m3_vl_text", "mixtral", "olmoe",
     "qwen2_moe", "qwen3_moe", "sarvam_moe", "solar_open",
+    # sliding-window, chunked, sink or soft-capped layers, which cp_attention runs
+    "cohere2", "exaone4", "gemma2", "gemma3_text", "gpt_oss", "llama4_text", "ministral", "olmo3",
 })
 """transformers ``model_type`` values flashcp trains exactly under CP (checked by the every-architecture test)."""
 
 FULL_ATTENTION_KINDS = frozenset({"full_attention", "attention"})
 """Layer kinds (``layer_types`` / ``layers_block_type`` entries) that are causal full attention."""
+
+ATTENTION_KINDS = FULL_ATTENTION_KINDS | {"sliding_attention", "chunked_attention"}
+"""Layer kinds ``cp_attention`` runs: full, sliding-window (transformers passes the window to the attention
+function) and chunked (``layer_chunk`` reads the chunk from the config)."""
 
 TOKEN_LOCAL_KINDS = frozenset({"mlp", "moe"})
 """Layer kinds that mix no tokens (a layer of these holds no attention and no recurrence)."""
@@ -113,6 +119,20 @@ def check_hf_config(config: Any) -> None:
                                     f"parallelism: {problem}")
 
 
+def layer_chunk(module: nn.Module | None) -> int | None:
+    """The chunk length of the calling attention layer, or None when it is not chunked.
+
+    ``attention_chunk_size`` when its config marks the layer ``chunked_attention``: transformers builds a chunk
+    mask for it and passes no chunk to the attention function.
+    """
+    config = getattr(module, "config", None)
+    index = getattr(module, "layer_idx", None)
+    kinds = getattr(config, "layer_types", None)
+    if config is None or index is None or not kinds or kinds[index] != "chunked_attention":
+        return None
+    return int(config.attention_chunk_size)
+
+
 def attention_kwarg_problem(name: str, value: Any) -> str | None:
     """Why the attention function must refuse keyword argument ``name=value``, or None when it is harmless."""
     if name in HARMLESS_ATTENTION_KWARGS or value is None:
@@ -128,10 +148,6 @@ def attention_kwarg_problem(name: str, value: Any) -> str | None:
 
 _KWARG_HINTS = {
     "dropout": "set the config's attention_dropout to 0",
-    "sliding_window": "flashcp computes causal attention over whole documents, not sliding windows",
-    "softcap": "flashcp does not soft-cap attention logits",
-    "s_aux": "flashcp has no learned attention sinks",
-    "sinks": "flashcp has no learned attention sinks",
     "is_causal": "flashcp computes causal attention only",
 }
 
@@ -161,8 +177,9 @@ def _config_problem(config: Any) -> str | None:
     for field in ("layer_types", "layers_block_type"):
         kinds = getattr(text, field, None)
         for index, kind in enumerate(kinds or ()):
-            if kind not in FULL_ATTENTION_KINDS | TOKEN_LOCAL_KINDS:
-                return f"layer {index} is {kind} ({field}), and flashcp runs layers of full attention only"
+            if kind not in ATTENTION_KINDS | TOKEN_LOCAL_KINDS:
+                return (f"layer {index} is {kind} ({field}), and flashcp runs layers of full, sliding-window or "
+                        "chunked attention only")
     pattern = getattr(text, "hybrid_override_pattern", None)
     for index, symbol in enumerate(pattern or ""):
         if symbol not in "*-E":  # Nemotron-H: * attention, - MLP, E mixture of experts, M Mamba-2
@@ -172,20 +189,19 @@ def _config_problem(config: Any) -> str | None:
         if getattr(text, field, None) is not None:  # attention on some layers only: the others are recurrent
             return (f"its config sets {field} (attention on some layers, recurrent or convolution layers on the "
                     "others), and flashcp runs layers of full attention only")
-    window = getattr(text, "sliding_window", None)
     kinds = set(getattr(text, "layer_types", None) or ())
-    if window is not None and not kinds:  # no per-layer kinds: some attention layers read the window directly
-        return (f"its attention layers use a sliding window of {window} tokens, and flashcp computes causal "
-                "attention over whole documents (set sliding_window=None)")
-    if getattr(text, "attention_chunk_size", None) is not None and not kinds:
-        return (f"its attention is chunked (attention_chunk_size={text.attention_chunk_size}), and flashcp "
-                "computes causal attention over whole documents")
+    if getattr(text, "attention_chunk_size", None) is not None and "chunked_attention" not in kinds:
+        return (f"its attention is chunked (attention_chunk_size={text.attention_chunk_size}) on layers its config "
+                "does not mark chunked_attention, and flashcp reads the chunk from layer_types")
+    no_rope = list(getattr(text, "no_rope_layers", None) or ())[:getattr(text, "num_hidden_layers", None)]
+    if getattr(text, "attn_temperature_tuning", False) and 0 in no_rope:
+        # Llama 4: log1p(floor((i + 1) / floor_scale)) with i = arange(tokens), never the position_ids
+        return (f"layer {no_rope.index(0)} has no RoPE and scales its queries by a temperature of each token's "
+                "index in the rank's packed tokens, not its position in the document (attn_temperature_tuning), "
+                "which CP changes once an index passes floor_scale")
     if getattr(text, "kv_lora_rank", None) is not None:
         return (f"layer 0 is multi-head latent attention (kv_lora_rank={text.kv_lora_rank}), whose query/key and "
                 "value heads differ in size, and flashcp runs standard multi-head and grouped-query attention only")
-    softcap = getattr(text, "attn_logit_softcapping", None)
-    if softcap:
-        return f"its attention logits are soft-capped (attn_logit_softcapping={softcap}), which flashcp does not do"
     return None
 
 

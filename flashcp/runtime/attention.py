@@ -20,6 +20,11 @@ so the dK/dV partials of every kernel call, local or from other ranks, are added
 the input dtype once (``flashcp.runtime.comm`` for what that costs on the wire). The forward values are the
 same: a bf16 -> float32 -> bf16 round trip is exact. It costs float32 copies of the gathered keys.
 
+A layer kind (``flashcp.runtime.layer_kinds``: a sliding ``window``, a ``chunk``, learned ``sinks``, a logit
+``softcap``) changes only the kernel calls of steps 2-3: their keys are each shard's document prefix ``[0,
+end)``, which holds everything a window or chunk needs (and more: an exchange sized per kind is not built yet).
+The ``ring`` mode computes plain causal attention and refuses them.
+
 Steps 3-4 without the collective are ``attention_after_exchange``: given the receive buffer a rank would hold,
 it computes that rank's output, so single-process emulation and benchmarks run exactly the same code.
 
@@ -34,6 +39,7 @@ import torch.distributed as dist
 
 from flashcp.runtime.comm import CommStats, start_exchange
 from flashcp.runtime.kernels import fold_softmax_scale, lse_dtype, resolve_backend, varlen_attention
+from flashcp.runtime.layer_kinds import LayerKind, check_sinks, kind_attention
 from flashcp.runtime.meta import CPAttnMeta, Exchange, QueryPart
 from flashcp.runtime.ring import ring_attention
 
@@ -42,7 +48,8 @@ __all__ = ["attention_after_exchange", "cp_attention", "local_attention", "pack_
 
 def cp_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: CPAttnMeta, group=None,
                  comm: str = "auto", backend: str = "auto", stats: CommStats | None = None,
-                 softmax_scale: float | None = None) -> torch.Tensor:
+                 softmax_scale: float | None = None, window: int | None = None, chunk: int | None = None,
+                 sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Context-parallel attention of this rank's queries, ``out_THD``. Run it on all ranks of ``group``.
 
     Args:
@@ -59,13 +66,23 @@ def cp_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, 
             (``flashcp.runtime.kernels``: ``auto`` warns once when it must run the reference kernel on a GPU).
         stats: a CommStats that records each collective issued, or None.
         softmax_scale: the factor on ``q . k`` before the softmax; None means ``1 / sqrt(D)``.
+        window: sliding window W: a token sees itself and the W-1 tokens before it in its document (None: all).
+        chunk: chunk length K: a token at position p of its document sees positions ``[K*floor(p/K), p]``.
+        sinks: (H,) learned per-head logits added to the softmax denominator (gpt-oss), or None.
+        softcap: c: scores ``c * tanh(s / c)`` before the mask (Gemma 2), or None.
 
-    Differentiable in q, k and v.
+    A backend that cannot run the window, chunk or soft-cap is refused by name, skipped by ``auto``. Differentiable
+    in q, k, v and the sinks.
     """
+    kind = LayerKind(window=window, chunk=chunk, softcap=softcap)
     mode = meta.resolve_comm(comm, k_TKD.element_size())
+    if mode == "ring" and not (kind.plain and sinks is None):
+        raise ValueError(f"comm='ring' computes plain causal attention only, got {_kind_words(kind, sinks)}: use "
+                         "comm allgather, a2a or full")
     meta = meta.to(q_THD.device, comm=mode)
     _check_inputs(q_THD, k_TKD, v_TKD, meta)
-    backend = resolve_backend(backend, q_THD, blockwise=mode == "ring")
+    check_sinks(sinks, q_THD.shape[1])
+    backend = _resolve(backend, q_THD, kind, sinks, ring=mode == "ring")
     if mode == "ring":
         if meta.ring.active:
             _check_group(meta, group)
@@ -79,17 +96,29 @@ def cp_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, 
         _check_group(meta, group)
         pending = start_exchange(pack_send(k_TKD, v_TKD, exchange), exchange, group, meta.cp, stats,
                                  wire_dtype=wire_dtype)
-    out_local = local_attention(q_THD, k_TKD, v_TKD, meta, backend, softmax_scale)
+    out_local = local_attention(q_THD, k_TKD, v_TKD, meta, backend, softmax_scale, kind, sinks)
     if pending is not None:
         recv_RKD = pending.wait()
     else:  # nothing to exchange: every shard is local-only
         assert meta.remote.num_tokens == 0
         recv_RKD = k_TKD.new_zeros((0, 2, *k_TKD.shape[1:]))
-    out_remote = remote_attention(q_THD, k_TKD, v_TKD, recv_RKD, meta, exchange, backend, softmax_scale)
+    out_remote = remote_attention(q_THD, k_TKD, v_TKD, recv_RKD, meta, exchange, backend, softmax_scale, kind,
+                                  sinks)
     out = _combine(out_local, out_remote, meta)
     if pending is not None and meta.remote.num_tokens == 0:
         out = pending.tie(out, recv_RKD)
     return out
+
+
+def _kind_words(kind: LayerKind, sinks) -> str:
+    words = [f"{name}={value}" for name, value in kind.kernel_args().items() if value is not None]
+    return ", ".join(words + ([] if sinks is None else ["sinks"]))
+
+
+def _resolve(backend: str, q_THD: torch.Tensor, kind: LayerKind, sinks, ring: bool = False) -> str:
+    # a layer kind or sinks run through the log-sum-exp entry points (layer_kinds.kind_attention)
+    blockwise = ring or not kind.plain or sinks is not None
+    return resolve_backend(backend, q_THD, blockwise=blockwise, **kind.kernel_args())
 
 
 def _accumulating(x: torch.Tensor) -> torch.Tensor:
@@ -114,24 +143,34 @@ def pack_send(k_TKD: torch.Tensor, v_TKD: torch.Tensor, exchange: Exchange) -> t
 
 
 def _attend(q_THD, k_SKD, v_SKD, part: QueryPart, kv_index: torch.Tensor, backend: str,
-            softmax_scale: float | None) -> torch.Tensor:
+            softmax_scale: float | None, kind: LayerKind | None, sinks: torch.Tensor | None) -> torch.Tensor:
     if part.num_tokens == 0:
-        return q_THD[:0]  # empty, but in q's graph: a rank holding no tokens still runs the backward
+        # empty, but in the graph of q (and of the sinks): a rank holding no tokens still runs the backward
+        return q_THD[:0] if sinks is None else q_THD[:0] + 0 * sinks.sum()
     # K/V may come in the accumulation dtype (float32): the kernel reads q's dtype, its dK/dV are summed wider
     k_SKD, v_SKD = (x.index_select(0, kv_index).to(q_THD.dtype) for x in (k_SKD, v_SKD))
+    if (kind is not None and not kind.plain) or sinks is not None:
+        return kind_attention(q_THD.index_select(0, part.q_index), k_SKD, v_SKD, part.cu_seqlens_q,
+                              part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k, kind=kind or LayerKind(),
+                              sinks_H=sinks, backend=backend, softmax_scale=softmax_scale)
     return varlen_attention(q_THD.index_select(0, part.q_index), k_SKD, v_SKD, part.cu_seqlens_q,
                             part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k, backend, softmax_scale)
 
 
 def local_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: CPAttnMeta,
-                    backend: str = "auto", softmax_scale: float | None = None) -> torch.Tensor:
-    """Output of the local-only shards, (meta.local.num_tokens, H, D), in ``meta.local.q_index`` order."""
-    return _attend(q_THD, k_TKD, v_TKD, meta.local, meta.local_kv_index, backend, softmax_scale)
+                    backend: str = "auto", softmax_scale: float | None = None, kind: LayerKind | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Output of the local-only shards, (meta.local.num_tokens, H, D), in ``meta.local.q_index`` order.
+
+    ``kind`` and ``sinks``: the layer's (``cp_attention``); ``backend`` must run them.
+    """
+    return _attend(q_THD, k_TKD, v_TKD, meta.local, meta.local_kv_index, backend, softmax_scale, kind, sinks)
 
 
 def remote_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, recv_RKD: torch.Tensor,
                      meta: CPAttnMeta, exchange: Exchange, backend: str = "auto",
-                     softmax_scale: float | None = None) -> torch.Tensor:
+                     softmax_scale: float | None = None, kind: LayerKind | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Output of the shards needing remote K/V, (meta.remote.num_tokens, H, D), given the receive buffer.
 
     ``recv_RKD`` is (exchange.recv_rows, 2, K, D): what ``exchange``'s collective delivered (K in ``[:, 0]``,
@@ -141,25 +180,32 @@ def remote_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tens
         return q_THD[:0]
     k_SKD = torch.cat((k_TKD, recv_RKD[:, 0]))
     v_SKD = torch.cat((v_TKD, recv_RKD[:, 1]))
-    return _attend(q_THD, k_SKD, v_SKD, meta.remote, exchange.kv_index, backend, softmax_scale)
+    return _attend(q_THD, k_SKD, v_SKD, meta.remote, exchange.kv_index, backend, softmax_scale, kind, sinks)
 
 
 def attention_after_exchange(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
                              recv_RKD: torch.Tensor, meta: CPAttnMeta, comm: str = "auto",
-                             backend: str = "auto", softmax_scale: float | None = None) -> torch.Tensor:
-    """Compute a rank's ``out_THD`` from the receive buffer its ``comm`` exchange would deliver."""
+                             backend: str = "auto", softmax_scale: float | None = None,
+                             kind: LayerKind | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Compute a rank's ``out_THD`` from the receive buffer its ``comm`` exchange would deliver.
+
+    ``kind`` and ``sinks``: the layer's, as ``cp_attention``'s window, chunk, softcap and sinks.
+    """
+    kind = kind or LayerKind()
     comm = meta.resolve_comm(comm, k_TKD.element_size())
     meta = meta.to(q_THD.device, comm=comm)
     _check_inputs(q_THD, k_TKD, v_TKD, meta)
+    check_sinks(sinks, q_THD.shape[1])
     exchange = meta.exchange(comm)
-    backend = resolve_backend(backend, q_THD)
+    backend = _resolve(backend, q_THD, kind, sinks)
     if recv_RKD.shape[0] != exchange.recv_rows:
         raise ValueError(f"the receive buffer has {recv_RKD.shape[0]} rows, the {exchange.mode} exchange "
                          f"delivers {exchange.recv_rows}")
     k_TKD, v_TKD = _accumulating(k_TKD), _accumulating(v_TKD)
     recv_RKD = recv_RKD.to(k_TKD.dtype)
-    out_local = local_attention(q_THD, k_TKD, v_TKD, meta, backend, softmax_scale)
-    out_remote = remote_attention(q_THD, k_TKD, v_TKD, recv_RKD, meta, exchange, backend, softmax_scale)
+    out_local = local_attention(q_THD, k_TKD, v_TKD, meta, backend, softmax_scale, kind, sinks)
+    out_remote = remote_attention(q_THD, k_TKD, v_TKD, recv_RKD, meta, exchange, backend, softmax_scale, kind,
+                                  sinks)
     return _combine(out_local, out_remote, meta)
 
 

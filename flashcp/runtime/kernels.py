@@ -26,6 +26,14 @@ tensors (float32, say) and it must use the reference kernel, which loops over se
 host sync per call. Requested by name, an unavailable backend raises ``BackendUnavailableError`` with the
 reason in one sentence. ``_device_capability`` is the one place that looks at the device.
 
+Layer kinds (``flashcp.runtime.layer_kinds``) run through the log-sum-exp entry points below, which take a
+sliding ``window``, a ``chunk`` and a logit ``softcap``: the reference kernel runs all three; FA2 (2.6+), FA3,
+FA4 and ``torch_varlen`` a window, which their forward and backward entry points declare (``window_size`` or
+``window_size_left/right``); FA2 (2.6+) a soft-cap (``softcap``; FA3 and FA4 declare one too, but flashcp
+does not pass it to them yet). No backward entry point flashcp calls takes a chunk (FA3's ``attention_chunk``
+is a forward argument), so chunks run on the reference kernel. For a kind a backend cannot run, ``auto``
+falls back with its one warning and a backend asked for by name says why.
+
 Block-wise attention (the ``ring`` comm mode) needs two more entry points, not differentiable themselves:
 ``varlen_attention_forward`` returns the output *and* its log-sum-exp, and may drop the causal mask (a query
 attends to every key of its sequence); ``varlen_attention_backward`` computes dq, dk, dv of one block from
@@ -220,8 +228,9 @@ def _max_head_dim(backend: str, capability: tuple[int, int], head_dim: int) -> b
     return padded <= _MAX_HEAD_DIM
 
 
-def _why_unavailable(backend: str, q: torch.Tensor, blockwise: bool = False) -> str | None:
-    """None when ``backend`` can run on tensors like ``q``, else the reason in a few words."""
+def _why_unavailable(backend: str, q: torch.Tensor, blockwise: bool = False, *, window: int | None = None,
+                     chunk: int | None = None, softcap: float | None = None) -> str | None:
+    """None when ``backend`` can run on tensors like ``q`` (and the layer kind asked for), else the reason."""
     if backend == "reference":
         return None
     if backend not in BACKENDS:
@@ -239,25 +248,56 @@ def _why_unavailable(backend: str, q: torch.Tensor, blockwise: bool = False) -> 
         return f"{backend} needs compute capability {need} or newer, the device has {capability[0]}.{capability[1]}"
     if not _max_head_dim(backend, capability, q.shape[-1]):
         return f"{backend} does not support head dim {q.shape[-1]} on compute capability {capability[0]}.x"
-    if blockwise and api.why_not_blockwise is not None:
+    kinds = window is not None or chunk is not None or softcap is not None
+    if (blockwise or kinds) and api.why_not_blockwise is not None:
         return api.why_not_blockwise
+    return _kind_problem(backend, api, window, chunk, softcap) if kinds else None
+
+
+def _declares(fn, *names: str) -> bool:
+    try:
+        return any(name in _parameters(fn) for name in names)
+    except BackendUnavailableError:
+        return False
+
+
+def _kind_problem(backend: str, api: _Api, window: int | None, chunk: int | None,
+                  softcap: float | None) -> str | None:
+    """Why ``backend`` cannot run a window, chunk or soft-cap, from the parameters its entry points declare."""
+    if chunk is not None:  # FA3's forward takes attention_chunk, no backward entry point flashcp calls does
+        return f"{backend} has no chunked attention (chunk={chunk}) in both its forward and backward"
+    forward: Any
+    backward: Any
+    if backend == "torch_varlen":
+        forward, backward = torch.ops.torch_attn._varlen_attn, torch.ops.torch_attn._varlen_attn_backward
+    else:
+        forward, backward = api.forward, api.backward
+    if window is not None and not (_declares(forward, "window_size", "window_size_left")
+                                   and _declares(backward, "window_size", "window_size_left")):
+        return f"{backend} takes no sliding window (window={window}) in this release"
+    if softcap is not None and backend in ("fa3", "fa4"):  # declared, but not emulated by their fakes yet
+        return f"flashcp does not pass logit soft-capping (softcap={softcap}) to {backend} yet"
+    if softcap is not None and not (_declares(forward, "softcap") and _declares(backward, "softcap")):
+        return f"{backend} takes no logit soft-capping (softcap={softcap})"
     return None
 
 
-def unavailable_reason(backend: str, q: torch.Tensor, blockwise: bool = False) -> str | None:
+def unavailable_reason(backend: str, q: torch.Tensor, blockwise: bool = False, **kind) -> str | None:
     """Why ``backend`` cannot run on tensors like ``q``, in a few words; None when it can.
 
-    ``blockwise``: the ring's entry points too. The words are those ``resolve_backend`` says.
+    ``blockwise``: the ring's entry points too; ``kind``: ``window``, ``chunk``, ``softcap`` the layer needs.
+    The words are those ``resolve_backend`` says.
     """
-    return _why_unavailable(backend, q, blockwise)
+    return _why_unavailable(backend, q, blockwise, **kind)
 
 
-def backend_available(backend: str, q: torch.Tensor, blockwise: bool = False) -> bool:
+def backend_available(backend: str, q: torch.Tensor, blockwise: bool = False, **kind) -> bool:
     """Whether ``backend`` can run on tensors like ``q`` (device, dtype, head dim, installed packages).
 
-    ``blockwise``: also the log-sum-exp entry points of the ``ring`` comm mode.
+    ``blockwise``: also the log-sum-exp entry points of the ``ring`` comm mode; ``kind``: ``window``,
+    ``chunk``, ``softcap`` (``varlen_attention_forward``) the layer needs.
     """
-    return _why_unavailable(backend, q, blockwise) is None
+    return _why_unavailable(backend, q, blockwise, **kind) is None
 
 
 _warned: set[str] = set()
@@ -269,14 +309,15 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, BackendFallbackWarning, stacklevel=3)
 
 
-def resolve_backend(backend: str, q: torch.Tensor, blockwise: bool = False) -> str:
+def resolve_backend(backend: str, q: torch.Tensor, blockwise: bool = False, **kind) -> str:
     """The concrete backend for ``backend`` on tensors like ``q`` (``"auto"``: see the module docstring).
 
     ``blockwise``: the backend must also run ``varlen_attention_forward/backward`` (the ``ring`` comm mode).
-    Raises BackendUnavailableError naming the reason when an explicitly requested backend cannot run.
+    ``kind``: the layer's ``window``, ``chunk`` and ``softcap`` (None: not used), which the backend must run
+    too. Raises BackendUnavailableError naming the reason when an explicitly requested backend cannot run.
     """
     if backend != "auto":
-        why = _why_unavailable(backend, q, blockwise)
+        why = _why_unavailable(backend, q, blockwise, **kind)
         if why is not None:
             raise BackendUnavailableError(f"attention backend '{backend}' cannot run here: {why}")
         return backend
@@ -285,7 +326,7 @@ def resolve_backend(backend: str, q: torch.Tensor, blockwise: bool = False) -> s
         return "reference"
     skipped: list[str] = []
     for name in _auto_order(capability):
-        why = _why_unavailable(name, q, blockwise)
+        why = _why_unavailable(name, q, blockwise, **kind)
         if why is None:
             if skipped:
                 _warn_once(f"attention backend auto skipped {'; '.join(skipped)}; using {name}")
@@ -293,9 +334,13 @@ def resolve_backend(backend: str, q: torch.Tensor, blockwise: bool = False) -> s
         api = _load(name)
         if not (isinstance(api, _Unavailable) and not api.installed):
             skipped.append(why if why.startswith(name) else f"{name} ({why})")
-    _warn_once(f"attention backend auto found no GPU kernel for {q.dtype} tensors with head dim {q.shape[-1]} on "
-               f"{q.device} ({'; '.join(skipped) or 'none is installed'}): running the reference kernel, a Python "
-               f"loop with a host sync per call (train in bfloat16 or float16 to use the GPU kernels)")
+    asked = [f"{name}={value}" for name, value in kind.items() if value is not None]
+    what = f" and {', '.join(asked)}" if asked else ""
+    hint = ("the GPU kernels run windows, and FA2 soft-caps" if asked and q.dtype in _HALF_DTYPES else
+            "train in bfloat16 or float16 to use the GPU kernels")
+    _warn_once(f"attention backend auto found no GPU kernel for {q.dtype} tensors with head dim {q.shape[-1]}{what} "
+               f"on {q.device} ({'; '.join(skipped) or 'none is installed'}): running the reference kernel, a Python "
+               f"loop with a host sync per call ({hint})")
     return "reference"
 
 
@@ -447,22 +492,30 @@ def _lse_TH(lse: torch.Tensor, num_tokens: int, num_heads: int, backend: str) ->
 
 def varlen_attention_forward(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Tensor,
                              cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                             max_seqlen_k: int, causal: bool, backend: str = "auto"
+                             max_seqlen_k: int, causal: bool, backend: str = "auto", *, window: int | None = None,
+                             chunk: int | None = None, softcap: float | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen attention returning ``(out_THD, lse_TH)``; not differentiable (for use in autograd Functions).
 
     Args: as ``varlen_attention``, plus ``causal``: True for the bottom-right causal mask (every sequence
-    then needs at least as many keys as queries), False to let each query see every key of its sequence.
+    then needs at least as many keys as queries), False to let each query see every key of its sequence;
+    and the layer kind, which needs ``causal`` and each sequence's keys to be a document's prefix from its
+    first token (key ``i`` is the document's position ``i``; query ``j`` its position ``S_i - T_i + j``):
+    ``window`` W: a query at position p sees keys ``(p - W, p]``; ``chunk`` K: keys ``[K*floor(p/K), p]``;
+    ``softcap`` c: scores ``c * tanh(s / c)`` (s already scaled) before the mask.
 
-    ``lse_TH`` is ``log(sum_j exp(q . k_j / sqrt(D)))`` over the keys each query sees, (T, H), in
-    ``lse_dtype(q.dtype)``. Every sequence must have at least one key.
+    ``lse_TH`` is ``log(sum_j exp(s_j))`` over the keys each query sees, ``s_j = q . k_j / sqrt(D)`` (soft-
+    capped when asked), (T, H), in ``lse_dtype(q.dtype)``. Every sequence must have at least one key.
     """
-    backend = resolve_backend(backend, q_THD, blockwise=True)
+    kind = {"window": window, "chunk": chunk, "softcap": softcap}
+    backend = resolve_backend(backend, q_THD, blockwise=True, **kind)
     num_tokens, num_heads, head_dim = q_THD.shape
     if num_tokens == 0:
         return q_THD.clone(), q_THD.new_zeros((0, num_heads), dtype=lse_dtype(q_THD.dtype))
     if backend == "reference":
-        return _reference_forward(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, causal)
+        return _reference_forward(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, causal, **kind)
+    left = -1 if window is None else window - 1
+    options: dict[str, Any] = {} if softcap is None else {"softcap": float(softcap)}
     padded = _padded_head_dim(head_dim)
     q_TPH, k_SKP, v_SKP = (_pad(x, padded) for x in (q_THD, k_SKD, v_SKD))
     lengths = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
@@ -472,14 +525,19 @@ def varlen_attention_forward(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: to
         if backend == "torch_varlen":
             op = torch.ops.torch_attn._varlen_attn
             out, lse, _ = _call(op, [q_TPH, k_SKP, v_SKP, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k],
-                                {"is_causal": causal, "scale": scale, "window_size": [-1, 0] if causal else [-1, -1],
+                                {"is_causal": causal, "scale": scale,
+                                 "window_size": [left, 0] if causal else [-1, -1],
                                  "enable_gqa": k_SKD.shape[1] != num_heads})
         elif backend == "fa4":
+            if window is not None:
+                options["window_size"] = (left, 0)
             out, lse = _api(backend).forward(q_TPH, k_SKP, v_SKP, **lengths, softmax_scale=scale, causal=causal,
-                                             return_lse=True)
+                                             return_lse=True, **options)
         else:
+            if window is not None:
+                options["window_size"] = (left, 0)
             result = _api(backend).forward(q_TPH, k_SKP, v_SKP, **lengths, softmax_scale=scale, causal=causal,
-                                           return_attn_probs=True)
+                                           return_attn_probs=True, **options)
             if not isinstance(result, tuple):  # FA3 builds of mid-2025 ignore return_attn_probs
                 raise BackendUnavailableError(f"attention backend '{backend}' returned no log-sum-exp; "
                                               f"block-wise attention needs a newer build")
@@ -491,7 +549,8 @@ def varlen_attention_forward(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: to
 def varlen_attention_backward(grad_out_THD: torch.Tensor, q_THD: torch.Tensor, k_SKD: torch.Tensor,
                               v_SKD: torch.Tensor, out_THD: torch.Tensor, lse_TH: torch.Tensor,
                               cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                              max_seqlen_k: int, causal: bool, backend: str = "auto"
+                              max_seqlen_k: int, causal: bool, backend: str = "auto", *, window: int | None = None,
+                              chunk: int | None = None, softcap: float | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq_THD, dk_SKD, dv_SKD)`` of one block of keys, given the output and log-sum-exp over *all* blocks.
 
@@ -508,43 +567,48 @@ def varlen_attention_backward(grad_out_THD: torch.Tensor, q_THD: torch.Tensor, k
         max_seqlen_k: longest key sequence.
         causal: the mask the forward call used.
         backend: one of BACKENDS or ``"auto"``.
+        window: the sliding window the forward call used (``varlen_attention_forward``), or None.
+        chunk: the chunk length the forward call used, or None.
+        softcap: the logit soft-cap the forward call used, or None.
 
     The gradients are in the inputs' dtypes; summed over the blocks they are the exact gradient of the
     attention over all blocks.
     """
-    backend = resolve_backend(backend, q_THD, blockwise=True)
+    kind = {"window": window, "chunk": chunk, "softcap": softcap}
+    backend = resolve_backend(backend, q_THD, blockwise=True, **kind)
     if q_THD.shape[0] == 0:
         return q_THD.clone(), torch.zeros_like(k_SKD), torch.zeros_like(v_SKD)
     if backend == "reference":
         return _reference_backward(grad_out_THD.contiguous(), q_THD, k_SKD, v_SKD, out_THD, lse_TH, cu_seqlens_q,
-                                   cu_seqlens_k, causal)
+                                   cu_seqlens_k, causal, **kind)
     head_dim = q_THD.shape[-1]
     padded = _padded_head_dim(head_dim)
     dout, q, k, v, out = (_pad(x, padded).contiguous() for x in (grad_out_THD, q_THD, k_SKD, v_SKD, out_THD))
     lse_HT = lse_TH.transpose(0, 1).float().contiguous()
     dq, dk, dv = _BACKWARDS[backend](dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                     max_seqlen_k, causal, head_dim ** -0.5)
+                                     max_seqlen_k, causal, head_dim ** -0.5,
+                                     -1 if window is None else window - 1, 0.0 if softcap is None else float(softcap))
     if padded != head_dim:
         dq, dk, dv = (x[..., :head_dim] for x in (dq, dk, dv))
     return dq, dk, dv
 
 
 def _fa2_backward(dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                  scale):
+                  scale, left, softcap):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     # its parameters moved between releases: window_size -> window_size_left/right, softcap, zero_tensors
     _call(_api("flash_attn").backward, [], {
         "dout": dout, "q": q, "k": k, "v": v, "out": out, "softmax_lse": lse_HT, "dq": dq, "dk": dk, "dv": dv,
         "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
         "max_seqlen_k": max_seqlen_k, "dropout_p": 0.0, "softmax_scale": scale, "causal": causal,
-        "window_size": (-1, 0) if causal else (-1, -1), "window_size_left": -1,
-        "window_size_right": 0 if causal else -1, "softcap": 0.0, "alibi_slopes": None,
+        "window_size": (left, 0) if causal else (-1, -1), "window_size_left": left,
+        "window_size_right": 0 if causal else -1, "softcap": softcap, "alibi_slopes": None,
         "deterministic": False, "rng_state": None, "zero_tensors": False})
     return dq, dk, dv
 
 
 def _fa3_backward(dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                  scale):
+                  scale, left, softcap):
     backward = _api("fa3").backward
     if not {"dq", "dk", "dv"} <= set(_parameters(backward)):
         raise BackendUnavailableError("flash_attn_interface._flash_attn_backward takes no dq, dk, dv buffers")
@@ -554,27 +618,28 @@ def _fa3_backward(dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, max_se
         "dout": dout, "q": q, "k": k, "v": v, "out": out, "softmax_lse": lse_HT, "cu_seqlens_q": cu_seqlens_q,
         "cu_seqlens_k": cu_seqlens_k, "sequed_q": None, "sequed_k": None, "max_seqlen_q": max_seqlen_q,
         "max_seqlen_k": max_seqlen_k, "dq": dq, "dk": dk, "dv": dv, "softmax_scale": scale, "causal": causal,
-        "is_causal": causal, "window_size": (-1, 0) if causal else (-1, -1), "window_size_left": -1,
-        "window_size_right": 0 if causal else -1, "softcap": 0.0, "deterministic": False, "sm_margin": 0})
+        "is_causal": causal, "window_size": (left, 0) if causal else (-1, -1), "window_size_left": left,
+        "window_size_right": 0 if causal else -1, "softcap": softcap, "deterministic": False, "sm_margin": 0})
     return dq, dk, dv
 
 
 def _fa4_backward(dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                  scale):
-    # no window: FA4 spells an infinite window None and derives the causal one from ``causal``
+                  scale, left, softcap):
+    # FA4 spells an infinite window None and derives the causal one from ``causal``
+    window = {} if left < 0 else {"window_size_left": left, "window_size_right": 0}
     grads = _call(_api("fa4").backward, [], {
-        "q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse_HT, "softmax_scale": scale,
-        "causal": causal, "softcap": 0.0, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+        **window, "q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse_HT, "softmax_scale": scale,
+        "causal": causal, "softcap": softcap, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
         "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k, "deterministic": False})
     return grads[0], grads[1], grads[2]
 
 
 def _torch_varlen_backward(dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           causal, scale):
+                           causal, scale, left, softcap):
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout
     return _call(torch.ops.torch_attn._varlen_attn_backward,
                  [dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                  rng_state], {"scale": scale, "window_size": [-1, 0] if causal else [-1, -1]})
+                  rng_state], {"scale": scale, "window_size": [left, 0] if causal else [-1, -1]})
 
 
 _BACKWARDS = {"flash_attn": _fa2_backward, "fa3": _fa3_backward, "fa4": _fa4_backward,
@@ -583,20 +648,39 @@ _BACKWARDS = {"flash_attn": _fa2_backward, "fa3": _fa3_backward, "fa4": _fa4_bac
 
 # ---------------------------------------------------------------- the reference kernels
 
-def _reference_scores(q_QHD, k_KKD, group: int, causal: bool):
-    """Scaled scores (H, Q, Kn) in the lse dtype, -inf where masked; and the heads-repeated keys."""
+def _keep_mask(num_q: int, num_k: int, device, window: int | None = None,
+               chunk: int | None = None) -> torch.Tensor:
+    """(Q, Kn) bool: the bottom-right causal mask, narrowed to a window or a chunk of document positions."""
+    if num_k < num_q:
+        raise ValueError(f"a causal sequence has {num_q} queries but only {num_k} keys")
+    # bottom-right alignment: query j is the (num_k - num_q + j)-th key position
+    query_pos = torch.arange(num_q, device=device)[:, None] + (num_k - num_q)
+    key_pos = torch.arange(num_k, device=device)[None, :]
+    keep = key_pos <= query_pos
+    if window is not None:
+        keep &= key_pos > query_pos - window
+    if chunk is not None:
+        keep &= key_pos >= query_pos // chunk * chunk
+    return keep
+
+
+def _reference_scores(q_QHD, k_KKD, group: int, causal: bool, window: int | None = None,
+                      chunk: int | None = None, softcap: float | None = None):
+    """Scaled (and soft-capped) scores (H, Q, Kn) in the lse dtype, -inf where masked.
+
+    Also the heads-repeated keys and ``d capped / d scaled`` (None without a soft-cap).
+    """
     acc = lse_dtype(q_QHD.dtype)
-    num_q, num_k = q_QHD.shape[0], k_KKD.shape[0]
     k_full = k_KKD.to(acc).repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q_QHD.to(acc), k_full) / math.sqrt(q_QHD.shape[-1])
+    cap_grad = None
+    if softcap is not None:
+        tanh = torch.tanh(scores / softcap)
+        scores, cap_grad = softcap * tanh, 1 - tanh * tanh
     if causal:
-        if num_k < num_q:
-            raise ValueError(f"a causal sequence has {num_q} queries but only {num_k} keys")
-        # bottom-right alignment: query j is the (num_k - num_q + j)-th key position
-        keep = (torch.arange(num_k, device=q_QHD.device)[None, :]
-                <= torch.arange(num_q, device=q_QHD.device)[:, None] + (num_k - num_q))
-        scores = scores.masked_fill(~keep, float("-inf"))
-    return scores, k_full
+        scores = scores.masked_fill(~_keep_mask(q_QHD.shape[0], k_KKD.shape[0], q_QHD.device, window, chunk),
+                                    float("-inf"))
+    return scores, k_full, cap_grad
 
 
 def _sequences(cu_seqlens_q, cu_seqlens_k):
@@ -638,19 +722,20 @@ def _cpu_flash_inputs(q_QHD, k_KKD, v_KKD, group: int, causal: bool):
     return tensors, False, mask
 
 
-def _reference_forward(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, causal):
+def _reference_forward(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, causal, window=None, chunk=None,
+                       softcap=None):
     acc = lse_dtype(q_THD.dtype)
     group = q_THD.shape[1] // k_SKD.shape[1]
     out = torch.empty_like(q_THD)
     lse = q_THD.new_empty(q_THD.shape[:2], dtype=acc)
-    use_flash = _use_cpu_flash(q_THD)
+    use_flash = _use_cpu_flash(q_THD) and window is None and chunk is None and softcap is None
     for qs, ks in _sequences(cu_seqlens_q, cu_seqlens_k):
         if use_flash:
             (q, k, v), is_causal, mask = _cpu_flash_inputs(q_THD[qs], k_SKD[ks], v_SKD[ks], group, causal)
             out_1HQD, lse_1HQ = _cpu_flash_ops()[0](q, k, v, 0.0, is_causal, attn_mask=mask)
             out[qs], lse[qs] = out_1HQD[0].transpose(0, 1), lse_1HQ[0].transpose(0, 1)
             continue
-        scores, _ = _reference_scores(q_THD[qs], k_SKD[ks], group, causal)
+        scores, _, _ = _reference_scores(q_THD[qs], k_SKD[ks], group, causal, window, chunk, softcap)
         lse_HQ = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - lse_HQ[..., None])
         out[qs] = torch.einsum("hqk,khd->qhd", probs, v_SKD[ks].to(acc).repeat_interleave(group, dim=1))
@@ -659,13 +744,13 @@ def _reference_forward(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, causal):
 
 
 def _reference_backward(grad_out_THD, q_THD, k_SKD, v_SKD, out_THD, lse_TH, cu_seqlens_q, cu_seqlens_k,
-                        causal):
+                        causal, window=None, chunk=None, softcap=None):
     acc = lse_dtype(q_THD.dtype)
     num_kv_heads, head_dim = k_SKD.shape[1], k_SKD.shape[2]
     group = q_THD.shape[1] // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim)
     dq, dk, dv = torch.empty_like(q_THD), torch.zeros_like(k_SKD), torch.zeros_like(v_SKD)
-    use_flash = _use_cpu_flash(q_THD)
+    use_flash = _use_cpu_flash(q_THD) and window is None and chunk is None and softcap is None
     for qs, ks in _sequences(cu_seqlens_q, cu_seqlens_k):
         num_k = ks.stop - ks.start
         if use_flash:
@@ -677,13 +762,15 @@ def _reference_backward(grad_out_THD, q_THD, k_SKD, v_SKD, out_THD, lse_TH, cu_s
             dk[ks] = dk_1[0].transpose(0, 1).reshape(num_k, num_kv_heads, group, head_dim).sum(2)
             dv[ks] = dv_1[0].transpose(0, 1).reshape(num_k, num_kv_heads, group, head_dim).sum(2)
             continue
-        scores, k_full = _reference_scores(q_THD[qs], k_SKD[ks], group, causal)
+        scores, k_full, cap_grad = _reference_scores(q_THD[qs], k_SKD[ks], group, causal, window, chunk, softcap)
         probs = torch.exp(scores - lse_TH[qs].to(acc).transpose(0, 1)[..., None])  # (H, Q, Kn)
         dout = grad_out_THD[qs].to(acc)
         v_full = v_SKD[ks].to(acc).repeat_interleave(group, dim=1)
         dprobs = torch.einsum("qhd,khd->hqk", dout, v_full)
         delta = (dout * out_THD[qs].to(acc)).sum(-1).transpose(0, 1)[..., None]  # (H, Q, 1)
         dscores = probs * (dprobs - delta) * scale
+        if cap_grad is not None:
+            dscores = dscores * cap_grad
         dq[qs] = torch.einsum("hqk,khd->qhd", dscores, k_full)
         dk[ks] = torch.einsum("hqk,qhd->khd", dscores, q_THD[qs].to(acc)).view(
             num_k, num_kv_heads, group, head_dim).sum(2)

@@ -96,7 +96,7 @@ def test_refusals():
     meta = whole_sequence_meta(np.array([3]))
     cases = [(dict(), "needs this rank's CPAttnMeta"),
              (dict(flashcp_meta=meta, dropout=0.1), "attention_dropout"),
-             (dict(flashcp_meta=meta, sliding_window=4), "sliding windows"),
+             (dict(flashcp_meta=meta, sliding_window=0), "window must be a positive number of tokens"),
              (dict(flashcp_meta=meta, attention_mask=torch.ones(1, 1, 3, 3)), "without attention_mask")]
     for kwargs, message in cases:
         mask = kwargs.pop("attention_mask", None)

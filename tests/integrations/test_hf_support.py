@@ -1,8 +1,9 @@
 """Which transformers models flashcp accepts under CP: every accepted one trains exactly, every other is refused.
 
 The fast tests build models on the meta device and check the refusals (issue 31's models: Qwen3-Next, Nemotron-H,
-Llama 4 with chunked layers, gpt-oss with sinks, gpt-oss with sliding layers, DeepSeek-V3's latent attention),
-in one sentence naming the layer and its kind, before any forward. The slow test builds a tiny model of every
+DeepSeek-V3's latent attention; Llama 4 with temperature-tuned layers without RoPE), in one sentence naming the
+layer and its kind, before any forward, and that the attention function honours windows, chunks, sinks and
+soft-caps (issue 35). The slow test builds a tiny model of every
 ``*ForCausalLM`` architecture of the installed transformers (``hf_zoo``) and, on 2 gloo ranks, asserts each is
 either refused or trains one step under CP equal to one process running each document alone; it also runs the
 refused issue models with the checks switched off to show the comparison sees what the refusal prevents.
@@ -18,6 +19,7 @@ from torch import nn
 pytest.importorskip("transformers")
 
 import flashcp.integrations.hf as hf  # noqa: E402
+from flashcp.integrations import hf_support  # noqa: E402
 from flashcp.integrations.hf_support import (  # noqa: E402
     VERIFIED_MODEL_TYPES,
     UnsupportedModelError,
@@ -30,9 +32,7 @@ from tests.integrations import hf_zoo  # noqa: E402
 ISSUE_MODELS = [
     ("qwen3_next", "Qwen3NextForCausalLM", {}, "layer 0 is linear_attention"),
     ("nemotron_h", "NemotronHForCausalLM", {}, "layer 0 is linear_attention"),
-    ("llama4_text", "Llama4ForCausalLM", {}, "layer 0 is chunked_attention"),
-    ("gpt_oss", "GptOssForCausalLM", {"layer_types": ["full_attention", "full_attention"]}, "(sinks)"),
-    ("gpt_oss", "GptOssForCausalLM", {}, "layer 0 is sliding_attention"),
+    ("llama4_text", "Llama4ForCausalLM", {"no_rope_layers": [1, 0]}, "layer 1 has no RoPE"),
     ("deepseek_v3", "DeepseekV3ForCausalLM", {}, "multi-head latent attention"),
 ]
 
@@ -45,6 +45,11 @@ VARIANTS = {
     "starcoder2-no-window": ("starcoder2", "Starcoder2ForCausalLM", {"sliding_window": None}),
     "qwen3_moe-no-window": ("qwen3_moe", "Qwen3MoeForCausalLM", {"sliding_window": None}),
     "lfm2-conv": ("lfm2", "Lfm2ForCausalLM", {"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2}),
+    # issue 35: a window switched on where the default has none (transformers passes it to the sliding layers)
+    "qwen2-window": ("qwen2", "Qwen2ForCausalLM", {"use_sliding_window": True,
+                                                  "layer_types": ["full_attention", "sliding_attention"]}),
+    "qwen3-window": ("qwen3", "Qwen3ForCausalLM", {"use_sliding_window": True,
+                                                  "layer_types": ["sliding_attention", "full_attention"]}),
 }
 
 
@@ -72,27 +77,50 @@ def test_issue_models_are_refused_before_any_forward(model_type, class_name, ove
 
 
 def test_the_attention_function_refuses_what_it_cannot_honour():
-    # a chunked-attention model that reaches the attention function without check_hf_model
-    model = hf_zoo.tiny_model("llama4_text", "Llama4ForCausalLM")
+    # a Llama 4 with a temperature-tuned layer without RoPE reaches the attention function without check_hf_model
+    model = hf_zoo.tiny_model("llama4_text", "Llama4ForCausalLM", no_rope_layers=[1, 0])
     hf.register_flashcp_attention()
     model.set_attn_implementation("cp_attention")
     ids = torch.arange(3, 11)[None]
     meta = _one_document_meta(8)
-    with pytest.raises(UnsupportedModelError, match="layer 0 is chunked_attention"):
+    with pytest.raises(UnsupportedModelError, match="layer 1 has no RoPE .*attn_temperature_tuning"):
         model(input_ids=ids, position_ids=torch.arange(8)[None], use_cache=False, **hf.hf_attention_kwargs(meta))
     assert all(p.grad is None for p in model.parameters())
     # keyword arguments that change the result are refused, harmless ones and options switched off pass
     q = torch.zeros(1, 4, 8, 8, dtype=torch.float64)
     k = torch.zeros(1, 2, 8, 8, dtype=torch.float64)
-    for name, value, says in [("s_aux", torch.zeros(4), "sinks"), ("sliding_window", 128, "sliding"),
-                              ("softcap", 30.0, "soft-cap"), ("dropout", 0.1, "attention_dropout"),
-                              ("is_causal", False, "causal"), ("attention_bias", torch.zeros(8, 8), "attention_bias")]:
+    for name, value, says in [("dropout", 0.1, "attention_dropout"), ("is_causal", False, "causal"),
+                              ("attention_bias", torch.zeros(8, 8), "attention_bias")]:
         with pytest.raises(UnsupportedModelError, match=says):
             hf.flashcp_attention_forward(None, q, k, k, None, flashcp_meta=meta, **{name: value})
     out, _ = hf.flashcp_attention_forward(None, q, k, k, None, flashcp_meta=meta, s_aux=None, sliding_window=None,
                                           dropout=0.0, is_causal=True, position_ids=torch.arange(8)[None],
                                           use_cache=False, output_router_logits=False)
     assert out.shape == (1, 8, 4, 8)
+
+
+def test_the_attention_function_honours_windows_sinks_softcaps_and_chunked_layers():
+    from flashcp.runtime import cp_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 8, 8, dtype=torch.float64, generator=gen) for h in (4, 2, 2))
+    sinks = torch.randn(4, dtype=torch.float64, generator=gen)
+    meta = _one_document_meta(8)
+    got, _ = hf.flashcp_attention_forward(None, q, k, v, None, 0.3, flashcp_meta=meta, sliding_window=3, s_aux=sinks,
+                                          softcap=2.0)
+    want = cp_attention(*(t[0].transpose(0, 1) for t in (q, k, v)), meta, softmax_scale=0.3, window=3, sinks=sinks,
+                        softcap=2.0)
+    assert torch.equal(got[0], want)
+    plain, _ = hf.flashcp_attention_forward(None, q, k, v, None, 0.3, flashcp_meta=meta)
+    assert (plain - got).abs().max() > 1e-2
+    # a layer its config marks chunked attends within chunks of attention_chunk_size
+    model = hf_zoo.tiny_model("llama4_text", "Llama4ForCausalLM", attention_chunk_size=4)
+    layers = {layer.self_attn.layer_idx: layer.self_attn for layer in model.model.layers}
+    chunked = [i for i, kind in enumerate(model.config.layer_types) if kind == "chunked_attention"]
+    assert chunked and hf_support.layer_chunk(layers[chunked[0]]) == 4
+    got, _ = hf.flashcp_attention_forward(layers[chunked[0]], q, k, v, None, 0.3, flashcp_meta=meta)
+    want = cp_attention(*(t[0].transpose(0, 1) for t in (q, k, v)), meta, softmax_scale=0.3, chunk=4)
+    assert torch.equal(got[0], want)
 
 
 def test_the_own_loops_loss_hook_refuses_before_the_first_step():
@@ -139,8 +167,7 @@ def _one_document_meta(length: int):
 
 SHOWN_WRONG = {  # the issue's models with every check switched off: the comparison must see them differ
     "unchecked-qwen3_next": ("qwen3_next", "Qwen3NextForCausalLM", {}),
-    "unchecked-llama4_text": ("llama4_text", "Llama4ForCausalLM", {}),
-    "unchecked-gpt_oss-sinks": ("gpt_oss", "GptOssForCausalLM", {"layer_types": ["full_attention"] * 2}),
+    "unchecked-llama4_text": ("llama4_text", "Llama4ForCausalLM", {"no_rope_layers": [1, 0], "floor_scale": 16}),
 }
 
 
@@ -210,6 +237,10 @@ def test_every_architecture_is_refused_or_trains_exactly(every_architecture):
     assert results["lfm2-conv"]["status"] == "refused" and "layer 0 is conv" in results["lfm2-conv"]["message"]
     for name in ("mistral-no-window", "mixtral-no-window", "qwen3_moe-no-window"):
         assert results[name]["status"] == "exact", results[name]
+    # issue 35's layer kinds: windows (Mistral, Gemma 3, gpt-oss), sinks (gpt-oss), chunks (Llama 4), soft-caps
+    for name in ("mistral:MistralForCausalLM", "gemma3_text:Gemma3ForCausalLM", "gpt_oss:GptOssForCausalLM",
+                 "llama4_text:Llama4ForCausalLM", "gemma2:Gemma2ForCausalLM", "qwen2-window", "qwen3-window"):
+        assert results[name]["status"] == "exact", (name, results[name])
 
 
 @pytest.mark.slow

@@ -326,10 +326,11 @@ def test_refusals_are_one_sentence(planned, tmp_path):
         assert "\n" not in str(refused.value)
     with pytest.raises(FlashcpError, match="plan 'cp9' does not exist"):
         build(plan="cp9")
-    for model_type, class_name, names in [("qwen3_next", "Qwen3NextForCausalLM", "layer 0 is linear_attention"),
-                                          ("llama4_text", "Llama4ForCausalLM", "layer 0 is chunked_attention")]:
+    for model_type, class_name, overrides, names in [
+            ("qwen3_next", "Qwen3NextForCausalLM", {}, "layer 0 is linear_attention"),
+            ("llama4_text", "Llama4ForCausalLM", {"no_rope_layers": [1, 0]}, "layer 1 has no RoPE")]:
         with pytest.raises(ValueError, match=f"{class_name} cannot train under flashcp .*{names}") as refused:
-            CPTrainer(model=tiny_model(model_type, class_name), train_dataset=str(root), plan="cp1",
+            CPTrainer(model=tiny_model(model_type, class_name, **overrides), train_dataset=str(root), plan="cp1",
                       args=training_arguments(str(tmp_path / "refused"), ddp_backend=None))
         assert "\n" not in str(refused.value)
     with pytest.raises(FlashcpError, match="is not a dataset folder"):
