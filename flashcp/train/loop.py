@@ -111,6 +111,9 @@ class TrainOptions:
     """``replicate`` (every rank holds the weights, gradients all-reduced) or ``fsdp`` (FSDP2 over dp x cp)."""
     prefetch: int = 2
     """Batches built ahead on a background thread (0: build each batch on the training thread)."""
+    balance_window: int = 16
+    """Steps per DP balance window (``CPLoader``): with ``dp`` > 1 each window's sequences are grouped into
+    steps by cost; 0 keeps the stream order."""
 
     def __post_init__(self):
         if self.steps < 0:
@@ -127,6 +130,8 @@ class TrainOptions:
             raise ValueError(f"unknown sharding '{self.sharding}' (choose from {', '.join(SHARDING_MODES)})")
         if self.prefetch < 0:
             raise ValueError(f"--prefetch must be at least 0, got {self.prefetch}")
+        if self.balance_window < 0:
+            raise ValueError(f"--balance-window must be at least 0, got {self.balance_window}")
         TinyConfig(vocab_size=self.vocab_size, dim=self.dim, num_layers=self.num_layers,
                    num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)  # validates the shape
 
@@ -306,7 +311,7 @@ def _set_up(options: TrainOptions, rank: int, world: int, device: torch.device,
         check_checkpoint_target(options.ckpt, sharded=options.sharding == "fsdp")
     if groups is not None:
         loader = CPLoader.from_mesh(options.data, options.plan, groups.mesh, seed=options.seed,
-                                    shuffle=options.shuffle)
+                                    shuffle=options.shuffle, balance_window=options.balance_window)
     else:
         loader = CPLoader(options.data, options.plan, rank, world, seed=options.seed, shuffle=options.shuffle)
     if len(loader) == 0:
