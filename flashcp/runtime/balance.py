@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["balanced_order", "step_efficiency"]
+__all__ = ["balanced_epoch", "balanced_order", "step_efficiency", "window_order"]
 
 
 def balanced_order(costs: np.ndarray, dp: int, rng: np.random.Generator | None) -> np.ndarray:
@@ -42,6 +42,32 @@ def balanced_order(costs: np.ndarray, dp: int, rng: np.random.Generator | None) 
     if rng is not None:
         groups = groups[rng.permutation(full)]
     return np.concatenate([groups.reshape(-1), by_cost[full * dp:]]).astype(np.int64)
+
+
+def window_order(costs: np.ndarray, dp: int, *, seed: int, epoch: int, start: int, shuffle: bool) -> np.ndarray:
+    """``balanced_order`` of the window at stream position ``start`` of ``epoch``, as ``CPLoader`` groups it.
+
+    Its steps are shuffled from ``(seed, epoch, start)`` (``shuffle``), else the most costly first.
+    """
+    rng = np.random.default_rng((seed, epoch, start)) if shuffle else None
+    return balanced_order(costs, dp, rng)
+
+
+def balanced_epoch(costs: np.ndarray, dp: int, window: int, *, seed: int, epoch: int = 0,
+                   shuffle: bool = True) -> np.ndarray:
+    """The balanced order of a whole epoch that starts at position 0 (no sequence taken by a straddling step).
+
+    ``costs`` (n,) in stream order; windows of ``window * dp`` sequences from position 0, each grouped by
+    ``window_order``: what ``CPLoader`` with ``balance_window=window`` and ``dp_size=dp`` trains in its first
+    epoch. Returns (n,) int64 stream positions in the new order (``arange(n)`` when ``window`` is 0 or ``dp`` 1).
+    """
+    costs = np.asarray(costs, dtype=np.float64)
+    if window == 0 or dp == 1:
+        return np.arange(costs.size, dtype=np.int64)
+    size = window * dp
+    parts = [start + window_order(costs[start:start + size], dp, seed=seed, epoch=epoch, start=start,
+                                  shuffle=shuffle) for start in range(0, costs.size, size)]
+    return np.concatenate([*parts, np.zeros(0, np.int64)])
 
 
 def step_efficiency(costs: np.ndarray, dp: int) -> float:

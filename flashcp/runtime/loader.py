@@ -61,10 +61,10 @@ import torch
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError, PlanError
 from flashcp.planner.store import PlanStore
-from flashcp.runtime.balance import balanced_order
+from flashcp.runtime.balance import window_order
 from flashcp.runtime.meta import CPAttnMeta, rank_token_positions
 
-__all__ = ["Batch", "CPLoader"]
+__all__ = ["Batch", "CPLoader", "stream_rows"]
 
 IGNORE_INDEX = -100
 """Label of a document's last token (nothing to predict inside the document)."""
@@ -164,7 +164,7 @@ class CPLoader:
         self.seed, self.shuffle = int(seed), bool(shuffle)
         self.balance_window = int(balance_window)
         self.context_len = self.dataset.context_len
-        self._units = self._list_units()
+        self._units = _list_units(self.dataset)
         self._epoch = 0
         self._position = 0
         self._window = (0, 0, self.dp_size)  # the balance window of the position: (start, stop, its dp_size)
@@ -204,21 +204,6 @@ class CPLoader:
         dp_rank = mesh.get_local_rank(dp_dim) if dp_dim is not None else 0
         return cls(data_dir, plan, mesh.get_local_rank(cp_dim), cp, dp_rank=dp_rank, dp_size=dp, seed=seed,
                    shuffle=shuffle, balance_window=balance_window)
-
-    def _list_units(self) -> list[_Unit]:
-        units = []
-        for index in range(len(self.dataset.files)):
-            meta = self.dataset.parquet(index).metadata
-            first = 0
-            for g in range(meta.num_row_groups):
-                rows = meta.row_group(g).num_rows
-                units.append(_Unit(index, g, first, rows))
-                first += rows
-            expected = self.dataset.files[index].rows
-            if first != expected:
-                raise FlashcpError(f"data file {self.dataset.path(self.dataset.files[index])} has {first} "
-                                   f"rows, the manifest says {expected}; re-create the dataset")
-        return units
 
     def __len__(self) -> int:
         """Sequences per epoch (all replicas together)."""
@@ -272,12 +257,7 @@ class CPLoader:
     def _order(self, epoch: int) -> tuple[list[tuple[_Unit, np.ndarray]], list[int]]:
         """The epoch's units in order with their row orders (relative to the unit), and each unit's start."""
         if epoch not in self._orders:
-            if not self.shuffle:
-                order = [(u, np.arange(u.num_rows)) for u in self._units]
-            else:
-                unit_order = np.random.default_rng((self.seed, epoch)).permutation(len(self._units))
-                order = [(self._units[i], np.random.default_rng((self.seed, epoch, int(i))).permutation(
-                    self._units[i].num_rows)) for i in unit_order]
+            order = _epoch_order(self._units, self.seed, epoch, self.shuffle)
             starts = np.r_[0, np.cumsum([u.num_rows for u, _ in order])][:-1].tolist()
             if len(self._orders) >= 2:  # a pass needs this epoch's order and at most the next one's
                 self._orders.pop(min(self._orders))
@@ -310,9 +290,7 @@ class CPLoader:
         A global row index counts the rows of the data files one after the other (file 0's first).
         """
         if self._stream[0] != epoch:
-            order, _ = self._order(epoch)
-            rows = [self._file_first[u.file_index] + u.first_row + r for u, r in order]
-            self._stream = (epoch, np.concatenate([*rows, np.zeros(0, np.int64)]).astype(np.int64))
+            self._stream = (epoch, _global_rows(self._order(epoch)[0], self._file_first))
         return self._stream[1]
 
     def _next_window(self, start: int) -> tuple[int, int, int]:
@@ -335,10 +313,10 @@ class CPLoader:
             if self._costs is None:
                 self._costs = np.concatenate([self.store.seq_costs(i) for i in range(len(self.dataset.files))])
             rows = self.stream_order(self._epoch)[start:stop]
-            rng = np.random.default_rng((self.seed, self._epoch, start)) if self.shuffle else None
             if len(self._windows) >= 2:  # the window of the position and the next one
                 self._windows.pop(next(iter(self._windows)))
-            self._windows[key] = start + balanced_order(self._costs[rows], dp, rng)
+            self._windows[key] = start + window_order(self._costs[rows], dp, seed=self.seed, epoch=self._epoch,
+                                                      start=start, shuffle=self.shuffle)
             _, starts = self._order(self._epoch)
             units = np.unique(np.searchsorted(starts, np.arange(start, stop), side="right"))
             self._read_cap = max(self._read_cap, units.size + 1)
@@ -395,3 +373,46 @@ class CPLoader:
         return Batch(input_ids=torch.from_numpy(tokens_C[global_pos].astype(np.int64)),
                      position_ids=torch.from_numpy(position), labels=torch.from_numpy(labels), attn=attn,
                      num_label_tokens=int(doc_lens.sum() - doc_lens.size), file_index=file_index, row=row)
+
+
+def stream_rows(data_dir: str | Path, *, seed: int = 0, epoch: int = 0, shuffle: bool = True) -> np.ndarray:
+    """(num_sequences,) int64: the global row indices of ``epoch``'s stream order, as ``CPLoader`` walks it.
+
+    Needs no plan and no token ids (a lengths-only dataset works): for reports on the order, such as the DP
+    step efficiency of ``flashcp bench --scenario dp``. A global row index counts the data files' rows one
+    file after the other.
+    """
+    dataset = Dataset(data_dir)
+    file_first = np.r_[0, np.cumsum([f.rows for f in dataset.files])].astype(np.int64)
+    return _global_rows(_epoch_order(_list_units(dataset), int(seed), int(epoch), bool(shuffle)), file_first)
+
+
+def _list_units(dataset: Dataset) -> list[_Unit]:
+    """The row groups of every data file, in file order; FlashcpError when a file's rows are not the manifest's."""
+    units = []
+    for index in range(len(dataset.files)):
+        meta = dataset.parquet(index).metadata
+        first = 0
+        for g in range(meta.num_row_groups):
+            rows = meta.row_group(g).num_rows
+            units.append(_Unit(index, g, first, rows))
+            first += rows
+        expected = dataset.files[index].rows
+        if first != expected:
+            raise FlashcpError(f"data file {dataset.path(dataset.files[index])} has {first} rows, the manifest "
+                               f"says {expected}; re-create the dataset")
+    return units
+
+
+def _epoch_order(units: list[_Unit], seed: int, epoch: int, shuffle: bool) -> list[tuple[_Unit, np.ndarray]]:
+    """The epoch's units in order, each with its rows' order (relative to the unit); module docstring."""
+    if not shuffle:
+        return [(u, np.arange(u.num_rows)) for u in units]
+    unit_order = np.random.default_rng((seed, epoch)).permutation(len(units))
+    return [(units[i], np.random.default_rng((seed, epoch, int(i))).permutation(units[i].num_rows))
+            for i in unit_order]
+
+
+def _global_rows(order: list[tuple[_Unit, np.ndarray]], file_first: np.ndarray) -> np.ndarray:
+    rows = [file_first[u.file_index] + u.first_row + r for u, r in order]
+    return np.concatenate([*rows, np.zeros(0, np.int64)]).astype(np.int64)

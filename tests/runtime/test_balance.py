@@ -9,8 +9,9 @@ import pytest
 
 from flashcp.planner.store import PlanStore
 from flashcp.runtime import CPLoader
-from flashcp.runtime.balance import balanced_order, step_efficiency
+from flashcp.runtime.balance import balanced_epoch, balanced_order, step_efficiency
 from flashcp.runtime.emulate import random_plan
+from flashcp.runtime.loader import stream_rows
 from tests.plans import write_dataset, write_plan
 
 CONTEXT = 32
@@ -195,3 +196,15 @@ def test_a_state_from_before_balance_resumes_and_a_bad_window_is_refused(planned
         resumed[0].load_state_dict({**state, "window": [0, NUM + 1, 2]})
     with pytest.raises(Exception, match="balance_window"):
         CPLoader(dataset.root, "cp2-test", 0, CP, balance_window=-1)
+
+
+@pytest.mark.parametrize("dp, window", [(4, 2), (3, 16), (8, 1)])
+def test_the_reporting_functions_replay_the_loaders_first_epoch(planned, dp, window):
+    dataset, costs = planned
+    steps, _ = run(replicas(dataset.root, dp, window, seed=9), -(-NUM // dp))
+    stream = stream_rows(dataset.root, seed=9)
+    assert sorted(stream.tolist()) == list(range(NUM))
+    unbalanced, _ = run(replicas(dataset.root, dp, 0, seed=9), -(-NUM // dp))
+    assert np.ravel(unbalanced)[:NUM].tolist() == stream.tolist()
+    expected = stream[balanced_epoch(costs[stream], dp, window, seed=9)]
+    assert np.ravel(steps)[:NUM].tolist() == expected.tolist()
