@@ -1,6 +1,6 @@
 """CPU seconds per batch that ``CPLoader`` spends on one rank, across CP sizes, at C = 1,048,576.
 
-    python bench/loader_host_cost.py [--data DIR] [--cp 8,16,32,64] [--strategy flashcp2] [--seqs 8]
+    python bench/loader_host_cost.py [--data DIR] [--cp 8,16,32,64] [--strategy flashcp2] [--seqs 8] [--online]
 
 Without ``--data`` it writes a synthetic dataset with token ids (``flashcp synth --dist wlb --context-len
 1048576``) into a temporary folder and plans it at every ``--cp`` (``flashcp plan --cp N --strategy S``); with
@@ -11,6 +11,10 @@ For each CP size it walks every sequence as rank 0 and as the middle rank ``cp /
 warm up (Numba's compiled kernels load, the Parquet file opens), then ``--passes`` times measured: the
 process's CPU time (``time.process_time``) around each ``next()``: reading the row group, slicing this rank's
 tokens and labels, and building its ``CPAttnMeta``. Reported: mean and largest CPU milliseconds per batch.
+
+``--online`` loads with ``plan=None`` instead (each sequence planned as it is read, the default strategy; no
+plan needed in ``--data``, whose context length is then any): the difference to the stored plan's row is the
+planning cost per sequence. The warm-up pass also loads the planner's compiled kernels.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ def make_data(root: Path, cps: list[int], strategy: str, seqs: int) -> None:
                        capture_output=True)
 
 
-def cpu_ms_per_batch(data: Path, plan: str, cp: int, rank: int, passes: int) -> list[float]:
+def cpu_ms_per_batch(data: Path, plan: str | None, cp: int, rank: int, passes: int) -> list[float]:
     loader = CPLoader(data, plan, rank, cp, shuffle=False)
     for _ in loader:  # warm-up pass
         pass
@@ -60,6 +64,7 @@ def main() -> None:
     parser.add_argument("--strategy", default="flashcp2")
     parser.add_argument("--seqs", type=int, default=8, help="sequences of the synthetic dataset")
     parser.add_argument("--passes", type=int, default=2, help="measured passes over the sequences")
+    parser.add_argument("--online", action="store_true", help="plan=None: plan each sequence as it is read")
     args = parser.parse_args()
     cps = [int(c) for c in args.cp.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,7 +72,8 @@ def main() -> None:
         if data is None:
             data = Path(tmp) / "data"
             make_data(data, cps, args.strategy, args.seqs)
-        missing = [cp for cp in cps if not (data / "plans" / f"cp{cp}-{args.strategy}" / "plan.json").is_file()]
+        missing = [cp for cp in cps if not args.online
+                   and not (data / "plans" / f"cp{cp}-{args.strategy}" / "plan.json").is_file()]
         if missing:
             sys.exit(f"{data} has no plan cp{missing[0]}-{args.strategy}; run 'flashcp plan {data} --cp "
                      f"{missing[0]} --strategy {args.strategy}' first")
@@ -75,7 +81,8 @@ def main() -> None:
         print("| --- | --- | --- | --- |")
         for cp in cps:
             for rank in sorted({0, cp // 2}):
-                times = cpu_ms_per_batch(data, f"cp{cp}-{args.strategy}", cp, rank, args.passes)
+                plan = None if args.online else f"cp{cp}-{args.strategy}"
+                times = cpu_ms_per_batch(data, plan, cp, rank, args.passes)
                 print(f"| {cp} | {rank} | {sum(times) / len(times):.1f} | {max(times):.1f} |", flush=True)
 
 

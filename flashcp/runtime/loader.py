@@ -43,6 +43,13 @@ state records the window the position is in (its bounds and the ``dp_size`` it w
 with another ``dp_size`` finishes that window as it was grouped (its steps then mix that window's groups,
 nothing repeated or skipped) and groups the following windows for the new ``dp_size``.
 
+Online planning (``plan=None``): for data that was never planned, each sequence is planned as it is read
+(in the prefetch worker when there is one) with the default strategy and its default parameters, validated
+as ``flashcp plan`` validates (``planner.pipeline.plan_rows``): the plan ``flashcp plan --cp N`` would store.
+Every rank plans the same sequence alike, so no rank talks to another. The planner is imported only then
+(importing the runtime loads no planning kernel); its first use compiles or loads its kernels. Sequence costs
+for DP balance come from the data's document lengths under the strategy's default shape.
+
 Shape legend: ``T`` this rank's tokens of the sequence.
 """
 
@@ -58,8 +65,11 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from flashcp.costmodel.objective import sequence_flops
+from flashcp.costmodel.shape import AttentionShape
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError, PlanError
+from flashcp.planner.plan import SequencePlan
 from flashcp.planner.store import PlanStore
 from flashcp.runtime.balance import window_order
 from flashcp.runtime.meta import CPAttnMeta, rank_token_positions
@@ -121,7 +131,8 @@ class CPLoader:
 
     Args:
         data_dir: the dataset folder.
-        plan: the plan's name (a folder under ``DATA/plans``).
+        plan: the plan's name (a folder under ``DATA/plans``); None plans each sequence as it is read (module
+            docstring, online planning).
         rank: this rank inside its CP group, in ``[0, world_size)``.
         world_size: the CP group's size; must equal the plan's ``cp``.
         dp_rank: this rank's data-parallel replica, in ``[0, dp_size)``.
@@ -135,7 +146,7 @@ class CPLoader:
     size, a lengths-only dataset, or a rank or replica outside its group.
     """
 
-    def __init__(self, data_dir: str | Path, plan: str, rank: int, world_size: int, *, dp_rank: int = 0,
+    def __init__(self, data_dir: str | Path, plan: str | None, rank: int, world_size: int, *, dp_rank: int = 0,
                  dp_size: int = 1, seed: int = 0, shuffle: bool = True, balance_window: int = 16):
         if balance_window < 0:
             raise FlashcpError(f"balance_window must be 0 (off) or a number of steps, got {balance_window}")
@@ -147,18 +158,23 @@ class CPLoader:
         if not self.dataset.has_tokens:
             raise FlashcpError(f"dataset {self.dataset.root} is lengths-only (made with 'synth "
                                "--no-tokens'); the loader needs token ids")
-        self.store = PlanStore(self.dataset, plan)
-        if self.store.cp != world_size:
-            raise FlashcpError(f"plan '{plan}' was made for cp {self.store.cp} but world_size is "
-                               f"{world_size}; launch {self.store.cp} ranks or run "
-                               f"'flashcp plan --cp {world_size}'")
         if not 0 <= rank < world_size:
             raise FlashcpError(f"rank {rank} is outside [0, {world_size})")
-        plan_rows = [int(f["rows"]) for f in self.store.meta["plan_files"]]
-        if plan_rows != [f.rows for f in self.dataset.files]:
-            raise FlashcpError(f"plan '{plan}' has {sum(plan_rows)} rows in {len(plan_rows)} files but the "
-                               f"data has {self.dataset.num_sequences} in {len(self.dataset.files)}; re-run "
-                               "'flashcp plan --force'")
+        self.store: PlanStore | None = None
+        self._online: _OnlinePlanner | None = None
+        if plan is None:
+            self._online = _OnlinePlanner(self.dataset.context_len, world_size)
+        else:
+            self.store = PlanStore(self.dataset, plan)
+            if self.store.cp != world_size:
+                raise FlashcpError(f"plan '{plan}' was made for cp {self.store.cp} but world_size is "
+                                   f"{world_size}; launch {self.store.cp} ranks or run "
+                                   f"'flashcp plan --cp {world_size}'")
+            plan_rows = [int(f["rows"]) for f in self.store.meta["plan_files"]]
+            if plan_rows != [f.rows for f in self.dataset.files]:
+                raise FlashcpError(f"plan '{plan}' has {sum(plan_rows)} rows in {len(plan_rows)} files but the "
+                                   f"data has {self.dataset.num_sequences} in {len(self.dataset.files)}; re-run "
+                                   "'flashcp plan --force'")
         self.plan_name, self.rank, self.world_size = plan, rank, world_size
         self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         self.seed, self.shuffle = int(seed), bool(shuffle)
@@ -177,7 +193,7 @@ class CPLoader:
         self._read_cap = 2
 
     @classmethod
-    def from_mesh(cls, data_dir: str | Path, plan: str, mesh, *, dp_dim: str | None = "dp",
+    def from_mesh(cls, data_dir: str | Path, plan: str | None, mesh, *, dp_dim: str | None = "dp",
                   cp_dim: str = "cp", seed: int = 0, shuffle: bool = True,
                   balance_window: int = 16) -> CPLoader:
         """The loader of this process's place in ``mesh``, a ``torch.distributed.device_mesh.DeviceMesh``.
@@ -196,7 +212,7 @@ class CPLoader:
                                f"init_device_mesh(..., mesh_dim_names={tuple(wanted)})")
         cp = mesh.size(names.index(cp_dim))
         dp = mesh.size(names.index(dp_dim)) if dp_dim is not None else 1
-        store_cp = PlanStore(Dataset(data_dir), plan).cp
+        store_cp = PlanStore(Dataset(data_dir), plan).cp if plan is not None else cp
         if cp != store_cp:
             raise FlashcpError(f"plan '{plan}' was made for cp {store_cp} but the device mesh's '{cp_dim}' "
                                f"dimension has {cp} ranks; build the mesh with cp {store_cp} or run "
@@ -311,7 +327,7 @@ class CPLoader:
         key = (self._epoch, start, stop, dp)
         if key not in self._windows:
             if self._costs is None:
-                self._costs = np.concatenate([self.store.seq_costs(i) for i in range(len(self.dataset.files))])
+                self._costs = np.concatenate([self._seq_costs(i) for i in range(len(self.dataset.files))])
             rows = self.stream_order(self._epoch)[start:stop]
             if len(self._windows) >= 2:  # the window of the position and the next one
                 self._windows.pop(next(iter(self._windows)))
@@ -334,14 +350,22 @@ class CPLoader:
             while len(self._reads) >= self._read_cap:
                 self._reads.pop(next(iter(self._reads)))
             tokens, doc_offsets, doc_lens = self._read_unit(unit)
-            plans = self.store.read_plans(unit.file_index, unit.first_row, unit.first_row + unit.num_rows)
+            plans = None if self.store is None else self.store.read_plans(unit.file_index, unit.first_row,
+                                                                          unit.first_row + unit.num_rows)
             self._reads[key] = (tokens, doc_offsets, doc_lens, plans)
         self._reads[key] = self._reads.pop(key)
         tokens, doc_offsets, doc_lens, plans = self._reads[key]
         i = int(rows[index - starts[at]])
         lens = doc_lens[doc_offsets[i]:doc_offsets[i + 1]]
         seq_tokens = tokens[i * self.context_len:(i + 1) * self.context_len]
-        return self._batch(seq_tokens, lens, plans[i].plan, unit.file_index, unit.first_row + i)
+        plan = plans[i].plan if plans is not None else self._online.plan(lens, unit.file_index, unit.first_row + i)
+        return self._batch(seq_tokens, lens, plan, unit.file_index, unit.first_row + i)
+
+    def _seq_costs(self, index: int) -> np.ndarray:
+        """(rows,) float64: the price of every sequence of the ``index``-th data file (DP balance)."""
+        if self.store is not None:
+            return self.store.seq_costs(index)
+        return sequence_flops(*self.dataset.read_doc_lens(index), self._online.shape)
 
     def _read_unit(self, unit: _Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         path = self.dataset.path(self.dataset.files[unit.file_index])
@@ -416,3 +440,28 @@ def _epoch_order(units: list[_Unit], seed: int, epoch: int, shuffle: bool) -> li
 def _global_rows(order: list[tuple[_Unit, np.ndarray]], file_first: np.ndarray) -> np.ndarray:
     rows = [file_first[u.file_index] + u.first_row + r for u, r in order]
     return np.concatenate([*rows, np.zeros(0, np.int64)]).astype(np.int64)
+
+
+class _OnlinePlanner:
+    """Plans one sequence at a time as ``flashcp plan --cp N`` would: the default strategy, validated."""
+
+    def __init__(self, context_len: int, cp: int):
+        # imported here: a loader of stored plans never loads a planning kernel
+        from flashcp.planner.pipeline import plan_rows
+        from flashcp.planner.registry import DEFAULT_STRATEGY, check_shape, get_strategy, resolve_params
+
+        try:
+            check_shape(context_len, cp)
+        except ValueError as e:
+            raise FlashcpError(f"cannot plan sequences of {context_len} tokens for {cp} ranks: {e}") from None
+        self.cp = cp
+        self.strategy = get_strategy(DEFAULT_STRATEGY)
+        self.params = resolve_params(self.strategy)
+        self.shape = AttentionShape.from_params(self.params)
+        self._plan_rows = plan_rows
+
+    def plan(self, doc_lens: np.ndarray, file_index: int, row: int) -> SequencePlan:
+        """The validated plan of one sequence (row ``row`` of data file ``file_index``, for messages)."""
+        planned = self._plan_rows(np.array([0, doc_lens.size], np.int64), doc_lens, self.cp, self.strategy,
+                                  self.params, where=f"data file {file_index}", first_row=row)
+        return planned.row(0, self.cp)
