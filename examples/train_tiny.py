@@ -55,12 +55,17 @@ def parse_args(argv=None) -> TrainOptions:
     parser.add_argument("--sharding", default="replicate", choices=("replicate", "fsdp"),
                         help="replicated weights with an all-reduce, or FSDP2 over the dp x cp mesh")
     parser.add_argument("--prefetch", type=int, default=2, help="batches built ahead on a thread (0: off)")
+    parser.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step on each replica")
+    parser.add_argument("--clip", type=float, default=0.0, help="clip gradients to this L2 norm (0: off)")
+    parser.add_argument("--balance-window", type=int, default=16,
+                        help="with --dp > 1: steps per window whose sequences are grouped by cost (0: off)")
     args = parser.parse_args(argv)
     return TrainOptions(data=args.data, plan=args.plan, steps=args.steps, comm=args.comm, backend=args.backend,
                         lr=args.lr, dtype=args.dtype, model=args.model, vocab_size=args.vocab, dim=args.dim,
                         num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
                         ckpt=args.ckpt, resume=args.resume, save_every=args.save_every, seed=args.seed,
-                        dp=args.dp, sharding=args.sharding, prefetch=args.prefetch)
+                        dp=args.dp, sharding=args.sharding, prefetch=args.prefetch,
+                        balance_window=args.balance_window, accum_steps=args.accum, max_grad_norm=args.clip)
 
 
 def main(argv=None) -> int:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from flashcp.costmodel.objective import sequence_flops
+from flashcp.costmodel.shape import AttentionShape
 from flashcp.costmodel.workload import token_quotas, workload
 from flashcp.data.dataset import Dataset, data_table, write_data_file, write_manifest
 from flashcp.planner.plan import SequencePlan
@@ -108,7 +110,8 @@ def write_greedy_plan(dataset: Dataset, cp: int, name: str | None = None) -> str
         table = plan_table(shard_offsets, cat("shard_doc"), cat("shard_start"), cat("shard_len"),
                            cat("shard_rank"), np.array([m.imbalance for m in metrics]),
                            np.array([m.ag_comm_tokens for m in metrics]),
-                           np.array([m.a2a_comm_tokens for m in metrics]))
+                           np.array([m.a2a_comm_tokens for m in metrics]),
+                           sequence_flops(offsets, lens, AttentionShape()))
         plan_files.append(write_plan_file(plan_dir, i, table))
     write_plan_json(plan_dir, dataset=dataset, strategy="greedy", params={}, cp=cp, plan_files=plan_files,
                     summary={})

@@ -881,3 +881,21 @@ def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float =
         best = naive_finish(naive_local_search(best, cp, step_time, max(target, best_imbalance), 16 * effort,
                                                window=window))
     return best
+
+
+def naive_sequence_flops(doc_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, layers: int,
+                         hidden_mult: float = 4.0) -> float:
+    """FLOPs of one packed sequence, forward + backward, counted token by token and pair by pair.
+
+    Per token and layer: the projections Q, K, V, O and the two MLP matrices, 2 FLOPs per multiply-add, three
+    times (forward, and backward's two products). Per query-key pair and layer: ``QK^T`` and ``PV`` (4 H D
+    forward), backward 2.5 times that (the flash-attention convention the cost model uses).
+    """
+    d, d_kv = num_heads * head_dim, num_kv_heads * head_dim
+    per_token = 3 * (2 * d * d + 2 * d * d_kv + 2 * d * d_kv + 2 * d * d + 2 * 2 * d * hidden_mult * d)
+    per_pair = 4 * num_heads * head_dim * (1 + 2.5)
+    total = 0.0
+    for n in doc_lens:
+        for query in range(n):
+            total += per_token + per_pair * (query + 1)
+    return layers * total

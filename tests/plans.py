@@ -13,6 +13,8 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from flashcp.costmodel.objective import sequence_flops
+from flashcp.costmodel.shape import AttentionShape
 from flashcp.costmodel.workload import token_quotas
 from flashcp.data.dataset import Dataset, data_table, write_data_file, write_manifest
 from flashcp.planner.plan import SequencePlan, check_metrics
@@ -129,8 +131,12 @@ def write_dataset(root: Path, files: list[list[np.ndarray]], context_len: int, r
 
 
 def write_plan(dataset: Dataset, name: str, plans: list[list[SequencePlan]], cp: int,
-               row_group_rows: int | None = None) -> None:
-    """Write plan files + plan.json for ``plans[i][j]`` (file i, row j)."""
+               row_group_rows: int | None = None, seq_cost: bool = True) -> None:
+    """Write plan files + plan.json for ``plans[i][j]`` (file i, row j).
+
+    ``seq_cost``: write each sequence's price under the default shape (False: a plan file made before the
+    column, which readers price themselves).
+    """
     import flashcp.planner.store as store
 
     plan_dir = dataset.root / "plans" / name
@@ -145,7 +151,8 @@ def write_plan(dataset: Dataset, name: str, plans: list[list[SequencePlan]], cp:
         table = plan_table(offsets, cat("shard_doc"), cat("shard_start"), cat("shard_len"), cat("shard_rank"),
                            np.array([m.imbalance for m in metrics]),
                            np.array([m.ag_comm_tokens for m in metrics]),
-                           np.array([m.a2a_comm_tokens for m in metrics]))
+                           np.array([m.a2a_comm_tokens for m in metrics]),
+                           np.array([plan_seq_cost(p) for p in rows]) if seq_cost else None)
         saved = store.PLAN_ROW_GROUP_ROWS
         store.PLAN_ROW_GROUP_ROWS = row_group_rows or saved
         try:
@@ -154,6 +161,12 @@ def write_plan(dataset: Dataset, name: str, plans: list[list[SequencePlan]], cp:
             store.PLAN_ROW_GROUP_ROWS = saved
     write_plan_json(plan_dir, dataset=dataset, strategy="test", params={}, cp=cp, plan_files=entries,
                     summary={})
+
+
+def plan_seq_cost(plan: SequencePlan) -> float:
+    """The price of the sequence ``plan`` covers, under the default shape (its documents from its shards)."""
+    doc_lens = np.bincount(plan.shard_doc, weights=plan.shard_len).astype(np.int64)
+    return float(sequence_flops([0, doc_lens.size], doc_lens, AttentionShape())[0])
 
 
 # --- shared by the planner's property tests

@@ -103,6 +103,26 @@ def _ring_cost(console: Console, ring_cost: dict) -> None:
     _show(console, table)
 
 
+def _dp(console: Console, dp: dict) -> None:
+    rows = dp["rows"]
+    shape = dp["shape"]
+    table = _table(f"DP step efficiency: mean sequence cost / mean of each step's largest (1.00: no replica "
+                   f"waits), priced as forward + backward FLOPs of H={shape['num_heads']}, "
+                   f"H_kv={shape['num_kv_heads']}, D={shape['head_dim']}, {shape['layers']} layers; balanced: "
+                   f"windows of {rows[0]['window'] if rows else 0} steps grouped by cost; speed-up: step time "
+                   "of the stream order over the balanced one", "source", "C", "sequences", "max/min cost", "dp",
+                   "steps", "stream order", "balanced", "speed-up")
+    last = None
+    for r in rows:
+        if last is not None and r["source"] != last:
+            table.add_section()
+        last = r["source"]
+        table.add_row(r["source"], str(r["context_len"]), str(r["num_seqs"]), f"{r['cost_ratio']:.2f}",
+                      str(r["dp"]), str(r["steps"]), f"{r['stream_efficiency']:.2f}",
+                      f"{r['balanced_efficiency']:.2f}", f"{r['speedup']:.2f}x")
+    _show(console, table)
+
+
 def _speed(console: Console, speed: dict) -> None:
     rows = speed["rows"]
     referenced = any("python_seqs_per_s" in r for r in rows)  # Python references given (bench/plan_speed.py)
@@ -254,8 +274,8 @@ def print_report(results: dict, console: Console) -> None:
     """Print every scenario present in ``results``, then the paper comparison, the targets and the notes."""
     console.print(f"[bold]flashcp bench[/] {results['flashcp_version']} (torch {results['torch']}); "
                   f"profile: {results['profile']['name']}", markup=True)
-    sections = {"quality": _quality, "ring-cost": _ring_cost, "speed": _speed, "end_to_end": _end_to_end,
-                "runtime": _runtime, "latency": _latency}
+    sections = {"quality": _quality, "ring-cost": _ring_cost, "dp": _dp, "speed": _speed,
+                "end_to_end": _end_to_end, "runtime": _runtime, "latency": _latency}
     for name, show in sections.items():
         if results.get(name):
             show(console, results[name])

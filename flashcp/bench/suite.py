@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from flashcp import __version__
+from flashcp.bench.dp import dp_scenario
 from flashcp.bench.latency import latency_scenario
 from flashcp.bench.quality import parse_strategy, plan_quality
 from flashcp.bench.ring_cost import ring_cost
@@ -36,8 +37,9 @@ BENCH_REPORT = json_report("flashcp-bench", "a flashcp bench report",
 
 SCENARIOS = ("quality", "speed", "runtime", "latency")
 """The scenarios a plain run runs, in order: plan quality, planner speed, CPU runtime, projected latency."""
-EXTRA_SCENARIOS = ("ring-cost",)
-"""Scenarios run only when ``--scenario`` names them: the ring baselines by the cost model."""
+EXTRA_SCENARIOS = ("ring-cost", "dp")
+"""Scenarios run only when ``--scenario`` names them: the ring baselines by the cost model, the DP step
+efficiency."""
 DEFAULT_DISTS = ("wlb", "prolong", "pile")
 
 
@@ -105,6 +107,10 @@ class BenchConfig:
     """Seconds of GPU timing in the latency scenario; later settings fall back to projection."""
     device: str = "cuda"
     """Device for ``measured``."""
+    dp_sizes: tuple[int, ...] = (8, 32, 128)
+    """DP sizes of the DP step efficiency scenario."""
+    balance_window: int = 16
+    """Steps per balance window in the DP step efficiency scenario."""
     notes: list = field(default_factory=list)
     """Notes gathered while configuring (shown with the results)."""
 
@@ -117,6 +123,9 @@ class BenchConfig:
             raise ValueError("no sources: give DATA or --dist")
         if min(self.cps) < 1 or min(self.heads) < 1 or self.num_seqs < 1 or self.runtime_cp < 1:
             raise ValueError("cp sizes, head counts and sequence counts must be positive")
+        if min(self.dp_sizes) < 1 or self.balance_window < 0:
+            raise ValueError(f"--dp sizes must be positive and --balance-window at least 0, got dp "
+                             f"{list(self.dp_sizes)} and window {self.balance_window}")
         if "runtime" in self.scenarios and self.runtime_cp < 2:
             raise ValueError(f"--runtime-cp {self.runtime_cp}: the CPU runtime scenario times the K/V exchange "
                              "between gloo ranks, so it needs at least 2; give --runtime-cp 2 or more, or leave "
@@ -209,6 +218,10 @@ def run_bench(config: BenchConfig, profile: HardwareProfile, log=print) -> dict:
     if "ring-cost" in config.scenarios:
         timed("ring-cost", lambda: ring_cost(book, sources, strategies, list(config.cps), config.context_len,
                                              config.num_seqs, config.seed))
+    if "dp" in config.scenarios:
+        timed("dp", lambda: dp_scenario(sources, list(config.dp_sizes), config.balance_window, config.num_seqs,
+                                        config.context_len, config.seed),
+              f"pricing {config.num_seqs} sequence(s) from each of {labels} and grouping them into DP steps")
     if "speed" in config.scenarios:
         timed("speed", lambda: planner_speed(book, sources[0], list(config.strategies or strategies),
                                              max(config.cps), config.context_len, config.speed_seqs),

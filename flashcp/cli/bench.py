@@ -33,7 +33,8 @@ def _names(value: str | None) -> tuple[str, ...] | None:
 @click.option("--quick", is_flag=True, help="Small CI-sized run (well under 2 minutes on 2 CPU cores).")
 @click.option("--scenario", "scenarios", metavar="LIST",
               help="Comma-separated subset of quality,speed,runtime,latency (default: these four; none with "
-                   "--calibrate alone), or ring-cost (the ring baselines by the cost model; only when named).")
+                   "--calibrate alone), or ring-cost (the ring baselines by the cost model) and dp (DP step "
+                   "efficiency, stream order vs balanced), only when named.")
 @click.option("--dist", "dists", metavar="LIST",
               help="Length distributions: wlb, prolong, pile or JSON files (default: all three, or only DATA "
                    "when DATA is given).")
@@ -75,6 +76,9 @@ def _names(value: str | None) -> tuple[str, ...] | None:
               "scenario (default: as many as query heads).")
 @click.option("--runtime-head-dim", type=click.IntRange(min=1), help="Head dim of the CPU runtime scenario "
               "(default 32).")
+@click.option("--dp", "dp_sizes", metavar="LIST", help="DP sizes of the dp scenario (default 8,32,128).")
+@click.option("--balance-window", type=click.IntRange(min=0), help="Steps per balance window of the dp scenario "
+              "(default 16; 0: stream order only).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the packed sequences.")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
               help="Hardware profile JSON (default: H100 SXM NVLink from public specs).")
@@ -95,7 +99,8 @@ def command(data, quick, scenarios, dists, cps, strategies, price_tokens, gpus_p
             context_len, seqs, speed_seqs,
             e2e_seqs, e2e_strategies, workers,
             runtime_context_len, runtime_cp, runtime_cases, runtime_seqs, runtime_reps, runtime_heads,
-            runtime_kv_heads, runtime_head_dim, seed, profile_path, calibrate, profile_out, measured, measure_budget,
+            runtime_kv_heads, runtime_head_dim, dp_sizes, balance_window,
+            seed, profile_path, calibrate, profile_out, measured, measure_budget,
             device, json_path, plot_path):
     """Compare CP strategies: plan quality, planner speed, CPU runtime and projected step latency (and ring-cost).
 
@@ -137,7 +142,8 @@ def command(data, quick, scenarios, dists, cps, strategies, price_tokens, gpus_p
                               runtime_cases=_names(runtime_cases), runtime_seqs=runtime_seqs,
                               runtime_reps=runtime_reps, runtime_heads=runtime_heads,
                               runtime_kv_heads=runtime_kv_heads, runtime_head_dim=runtime_head_dim,
-                              seed=seed, measured=measured, measure_budget_s=measure_budget, device=device)
+                              seed=seed, measured=measured, measure_budget_s=measure_budget, device=device,
+                              dp_sizes=_ints(dp_sizes, "--dp"), balance_window=balance_window)
     except ValueError as e:
         raise FlashcpError(str(e)) from None
     profile = load_profile(profile_path)

@@ -46,8 +46,8 @@ from flashcp.costmodel.shape import AttentionShape
 from flashcp.costmodel.workload import workload
 
 __all__ = ["BWD_FLOPS", "batch_step_seconds", "cached_model", "curve_tflops", "exchange_seconds", "model_vector",
-           "one_shard_seconds", "pair_seconds", "plan_step_seconds", "rank_floor", "shard_seconds", "step_seconds",
-           "step_seconds_of", "token_seconds"]
+           "one_shard_seconds", "pair_flops", "pair_seconds", "plan_step_seconds", "rank_floor", "sequence_flops",
+           "shard_seconds", "step_seconds", "step_seconds_of", "token_seconds"]
 
 
 BWD_FLOPS = 2.5
@@ -148,10 +148,35 @@ def curve_tflops(lengths, knots, values, peak):
 
 
 @njit(cache=True)
+def pair_flops(heads, head_dim):
+    """Forward FLOPs of one query-key pair of attention, one layer: ``4 H D`` (``QK^T`` and ``PV``)."""
+    return 4.0 * heads * head_dim
+
+
+def sequence_flops(row_offsets, doc_lens, shape: AttentionShape) -> np.ndarray:
+    """Forward + backward FLOPs of each packed sequence under ``shape``: the price of a sequence.
+
+    Per token the per-token layers (``shape.token_flops()``), per document its causal attention
+    (``workload(0, n)`` pairs at ``pair_flops`` forward and ``BWD_FLOPS`` times that backward), times
+    ``shape.layers``. How the sequence is sharded does not change it; it is what a DP step balances.
+
+    ``row_offsets`` (rows + 1,) int indexes the flat ``doc_lens`` (int) by row. Returns (rows,) float64.
+    """
+    row_offsets = np.asarray(row_offsets, dtype=np.int64)
+    doc_lens = np.asarray(doc_lens, dtype=np.int64)
+    pairs = np.concatenate([[0], np.cumsum(workload(0, doc_lens), dtype=np.int64)])
+    tokens = np.concatenate([[0], np.cumsum(doc_lens, dtype=np.int64)])
+    row_pairs = (pairs[row_offsets[1:]] - pairs[row_offsets[:-1]]).astype(np.float64)
+    row_tokens = (tokens[row_offsets[1:]] - tokens[row_offsets[:-1]]).astype(np.float64)
+    attention = pair_flops(shape.num_heads, shape.head_dim) * (1.0 + BWD_FLOPS)
+    return shape.layers * (row_tokens * shape.token_flops() + row_pairs * attention)
+
+
+@njit(cache=True)
 def _pair_seconds_one(pairs, eq_len, heads, head_dim, backward, knots, values, peak):
     if pairs <= 0:
         return 0.0
-    flops = 4.0 * pairs * heads * head_dim * (BWD_FLOPS if backward else 1.0)
+    flops = pairs * pair_flops(heads, head_dim) * (BWD_FLOPS if backward else 1.0)
     return flops / (_curve_one(eq_len, knots, values, peak) * 1e12)
 
 
@@ -183,7 +208,7 @@ def _shard_seconds_both(start, length, model, knots, fwd_curve, bwd_curve):
         return model[_SEQ] * 1e-6, model[_SEQ] * 1e-6
     x = math.log(max(eq_len, 1.0))
     j = _segment(x, knots)
-    flops = 4.0 * pairs * model[_H] * model[_D]
+    flops = pairs * pair_flops(model[_H], model[_D])
     out_f = flops / (_curve_on(x, j, knots, fwd_curve, model[_PEAK]) * 1e12) + model[_SEQ] * 1e-6
     out_b = flops * BWD_FLOPS / (_curve_on(x, j, knots, bwd_curve, model[_PEAK]) * 1e12) + model[_SEQ] * 1e-6
     return out_f, out_b

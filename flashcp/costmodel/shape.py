@@ -35,6 +35,15 @@ class AttentionShape:
             raise ValueError(f"bad model shape: H={self.num_heads}, H_kv={self.num_kv_heads}, D={self.head_dim}, "
                              f"layers={self.layers}, {self.dtype_bytes} bytes per element")
 
+    @classmethod
+    def from_params(cls, params: dict) -> AttentionShape:
+        """The shape a plan's parameters (plan.json ``params``) price with: ``flashcp2``'s shape options.
+
+        Fields the parameters do not name keep their defaults (a plan of another strategy: the default shape).
+        """
+        names = ("num_heads", "num_kv_heads", "head_dim", "layers")
+        return cls(**{name: int(params[name]) for name in names if params.get(name) is not None})
+
     def token_flops(self) -> float:
         """FLOPs of one token's per-token layers, one layer, forward + backward (3x forward).
 

@@ -143,7 +143,7 @@ class CPTrainerMixin:
     state: Any
 
     def __init__(self, *args, train_dataset: str | os.PathLike, plan: str, cp: int | None = None,
-                 comm: str = "auto", backend: str = "auto", **kwargs):
+                 comm: str = "auto", backend: str = "auto", balance_window: int = 16, **kwargs):
         """Set up the Trainer, then the ``(dp, cp)`` mesh over the launched ranks.
 
         Args:
@@ -153,6 +153,7 @@ class CPTrainerMixin:
             cp: ranks per sequence; None takes the plan's ``cp``. The launched ranks are ``dp x cp``.
             comm: ``cp_attention``'s K/V exchange (``allgather``, ``a2a``, ``full``, ``ring``, ``auto``).
             backend: its kernels (``flash_attn``, ``torch_varlen``, ``reference``, ``auto``).
+            balance_window: ``CPLoader``'s DP balance window in micro-batches (0: the stream order).
             **kwargs: the Trainer's other keyword arguments.
 
         Raises ValueError (one sentence) for what CPTrainer cannot honour (module docstring) and FlashcpError
@@ -186,7 +187,7 @@ class CPTrainerMixin:
             raise ValueError(f"plan '{plan}' was made for cp {plan_cp} but cp is {cp}; run 'flashcp plan --cp {cp}' "
                              f"or pass cp={plan_cp}")
         self.cp_data, self.cp_plan, self.cp_size = Path(train_dataset), plan, plan_cp
-        self.cp_comm, self.cp_backend = comm, backend
+        self.cp_comm, self.cp_backend, self.cp_balance_window = comm, backend, balance_window
         super().__init__(*args, train_dataset=self._base_train_dataset(dataset), **kwargs)  # type: ignore[call-arg]
         self.cp_vocab_size = self._check_vocabulary(dataset)
         world = self.args.world_size
@@ -262,7 +263,8 @@ class CPTrainerMixin:
         seed = args.data_seed if args.data_seed is not None else args.seed
         shuffle = _SAMPLING[args.train_sampling_strategy]
         if self.cp_groups is not None:
-            loader = CPLoader.from_mesh(self.cp_data, self.cp_plan, self.cp_groups.mesh, seed=seed, shuffle=shuffle)
+            loader = CPLoader.from_mesh(self.cp_data, self.cp_plan, self.cp_groups.mesh, seed=seed, shuffle=shuffle,
+                                        balance_window=self.cp_balance_window)
         else:
             loader = CPLoader(self.cp_data, self.cp_plan, 0, 1, seed=seed, shuffle=shuffle)
         if len(loader) == 0:

@@ -31,7 +31,8 @@ import numpy as np
 import pyarrow as pa
 
 from flashcp.costmodel.comm import batch_node_received, comm_saving, exact_need_saving, node_receive_summary
-from flashcp.costmodel.objective import batch_step_seconds
+from flashcp.costmodel.objective import batch_step_seconds, sequence_flops
+from flashcp.costmodel.shape import AttentionShape
 from flashcp.data.dataset import Dataset, numpy_values
 from flashcp.errors import FlashcpError, PlanError
 from flashcp.fileio import exit_with_parent
@@ -121,6 +122,8 @@ class PlannedRows:
     """(rows,) int64, all-gather critical path."""
     a2a_comm_tokens: np.ndarray
     """(rows,) int64, exact-need critical path."""
+    seq_cost: np.ndarray
+    """(rows,) float64, each sequence's price (``objective.sequence_flops`` under the plan's shape)."""
 
     def row(self, i: int, cp: int) -> SequencePlan:
         """Row ``i``'s plan."""
@@ -143,12 +146,13 @@ class PlannedRows:
         return PlannedRows(shard_offsets=offsets, shard_doc=self.shard_doc[index],
                            shard_start=self.shard_start[index], shard_len=self.shard_len[index],
                            shard_rank=self.shard_rank[index], imbalance=self.imbalance[rows],
-                           ag_comm_tokens=self.ag_comm_tokens[rows], a2a_comm_tokens=self.a2a_comm_tokens[rows])
+                           ag_comm_tokens=self.ag_comm_tokens[rows], a2a_comm_tokens=self.a2a_comm_tokens[rows],
+                           seq_cost=self.seq_cost[rows])
 
     def table(self):
         """The plans as a plan-file table (``flashcp.planner.store.PLAN_SCHEMA``)."""
         return plan_table(self.shard_offsets, self.shard_doc, self.shard_start, self.shard_len, self.shard_rank,
-                          self.imbalance, self.ag_comm_tokens, self.a2a_comm_tokens)
+                          self.imbalance, self.ag_comm_tokens, self.a2a_comm_tokens, self.seq_cost)
 
     def step_seconds(self, cp: int, model: np.ndarray) -> np.ndarray:
         """(rows,) projected step time of every plan (``objective.batch_step_seconds``; ``model``: its vector)."""
@@ -201,7 +205,8 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
         raise PlanError(f"the {chosen.name} plan of {where}, row {first_row + bad}, "
                         f"{_ERROR_TEXT[int(errors[bad])]}")
     return PlannedRows(shard_offsets=offsets, shard_doc=doc, shard_start=start, shard_len=length,
-                       shard_rank=rank, imbalance=imbalance, ag_comm_tokens=ag, a2a_comm_tokens=a2a)
+                       shard_rank=rank, imbalance=imbalance, ag_comm_tokens=ag, a2a_comm_tokens=a2a,
+                       seq_cost=sequence_flops(row_offsets, doc_lens, AttentionShape.from_params(params)))
 
 
 def strategy_metrics(sequences: Sequence[np.ndarray], cp: int, strategy: str,

@@ -32,7 +32,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flashcp import __version__
+from flashcp.costmodel.objective import sequence_flops
 from flashcp.costmodel.profile import HardwareProfile, profile_from_json
+from flashcp.costmodel.shape import AttentionShape
 from flashcp.costmodel.workload import rank_tokens, slack_tokens, token_quotas
 from flashcp.data.dataset import Dataset, _arrow, numpy_values
 from flashcp.errors import FlashcpError, PlanError, StalePlanError
@@ -56,6 +58,7 @@ from flashcp.planner.plan import SequencePlan, check_metrics
 
 __all__ = [
     "PLAN_SCHEMA",
+    "SEQ_COST",
     "PlanFileWriter",
     "PlanSlot",
     "PlanStore",
@@ -79,7 +82,11 @@ PLAN_SCHEMA = pa.schema([
     ("imbalance", pa.float64()),
     ("ag_comm_tokens", pa.int64()),
     ("a2a_comm_tokens", pa.int64()),
+    ("seq_cost", pa.float64()),
 ])
+SEQ_COST = "seq_cost"
+"""The plan column of each sequence's price (``costmodel.objective.sequence_flops`` under the plan's shape);
+plan files written before it have every other column and no ``seq_cost``, and readers compute it."""
 
 
 def plan_name(cp: int, strategy: str) -> str:
@@ -89,8 +96,13 @@ def plan_name(cp: int, strategy: str) -> str:
 
 def plan_table(shard_offsets: np.ndarray, shard_doc: np.ndarray, shard_start: np.ndarray,
                shard_len: np.ndarray, shard_rank: np.ndarray, imbalance: np.ndarray,
-               ag_comm_tokens: np.ndarray, a2a_comm_tokens: np.ndarray) -> pa.Table:
-    """Build a plan table from flat shard arrays; ``shard_offsets`` (rows + 1,) indexes them by row."""
+               ag_comm_tokens: np.ndarray, a2a_comm_tokens: np.ndarray,
+               seq_cost: np.ndarray | None) -> pa.Table:
+    """Build a plan table from flat shard arrays; ``shard_offsets`` (rows + 1,) indexes them by row.
+
+    ``seq_cost`` (rows,) float64: each sequence's price; None leaves the column out (a plan file of the
+    layout before it, which readers still accept).
+    """
     offsets = _arrow_exact(shard_offsets, pa.int32())
 
     def column(values, value_type):
@@ -104,7 +116,12 @@ def plan_table(shard_offsets: np.ndarray, shard_doc: np.ndarray, shard_start: np
         "imbalance": _arrow_exact(imbalance, pa.float64()),
         "ag_comm_tokens": _arrow_exact(ag_comm_tokens, pa.int64()),
         "a2a_comm_tokens": _arrow_exact(a2a_comm_tokens, pa.int64()),
-    }, schema=PLAN_SCHEMA)
+        **({} if seq_cost is None else {SEQ_COST: _arrow_exact(seq_cost, pa.float64())}),
+    }, schema=PLAN_SCHEMA if seq_cost is not None else _without_seq_cost(PLAN_SCHEMA))
+
+
+def _without_seq_cost(schema: pa.Schema) -> pa.Schema:
+    return schema.remove(schema.get_field_index(SEQ_COST))
 
 
 def _arrow_exact(values: np.ndarray, value_type: pa.DataType) -> pa.Array:
@@ -441,6 +458,8 @@ class StoredPlan:
     """Stored all-gather critical path."""
     a2a_comm_tokens: int
     """Stored exact-need critical path."""
+    seq_cost: float | None = None
+    """Stored price of the sequence (FLOPs, ``PlanStore.cost_shape``); None in plan files made before it."""
 
 
 class PlanStore:
@@ -536,7 +555,8 @@ class PlanStore:
         """The whole ``index``-th plan file as flat int64/float64 arrays.
 
         Keys: ``shard_offsets`` (rows + 1,) indexing the flat ``shard_doc``, ``shard_start``, ``shard_len``,
-        ``shard_rank``; and per row ``imbalance``, ``ag_comm_tokens``, ``a2a_comm_tokens``.
+        ``shard_rank``; and per row ``imbalance``, ``ag_comm_tokens``, ``a2a_comm_tokens`` and, when the file
+        has the column, ``seq_cost``.
         """
         path = self.plan_path(index)
         try:
@@ -556,7 +576,34 @@ class PlanStore:
         for name in ("imbalance", "ag_comm_tokens", "a2a_comm_tokens"):
             values = numpy_values(table.column(name).combine_chunks())
             out[name] = values.astype(np.float64 if name == "imbalance" else np.int64)
+        if self._has_seq_cost(index):
+            out[SEQ_COST] = numpy_values(table.column(SEQ_COST).combine_chunks()).astype(np.float64)
         return out
+
+    @property
+    def cost_shape(self) -> AttentionShape:
+        """The model shape the plan's ``seq_cost`` is priced with (``AttentionShape.from_params``)."""
+        params = self.meta.get("params")
+        return AttentionShape.from_params(params if isinstance(params, dict) else {})
+
+    def _has_seq_cost(self, index: int) -> bool:
+        return SEQ_COST in self._open(index).schema_arrow.names
+
+    def seq_costs(self, index: int) -> np.ndarray:
+        """(rows,) float64: the price of every sequence of the ``index``-th data file, in row order.
+
+        Read from the plan's ``seq_cost`` column (one column, a few bytes per row); for a plan file made
+        before it, computed from the data file's document lengths with ``cost_shape``.
+        """
+        if self._has_seq_cost(index):
+            try:
+                column = self._open(index).read(columns=[SEQ_COST]).column(SEQ_COST).combine_chunks()
+            except (OSError, pa.ArrowException) as e:
+                raise FlashcpError(f"plan file {self.plan_path(index)} cannot be read ({e}); "
+                                   "re-run 'flashcp plan --force'") from None
+            return numpy_values(column).astype(np.float64)
+        offsets, lens = self.dataset.read_doc_lens(index)
+        return sequence_flops(offsets, lens, self.cost_shape)
 
     def _open(self, index: int) -> pq.ParquetFile:
         path = self.plan_path(index)
@@ -606,9 +653,18 @@ class PlanStore:
             stored.plan.validate(doc_lens, token_slack=int(slack_tokens(self.token_slack, int(doc_lens.sum()),
                                                                         self.cp)))
             check_metrics(stored.plan, stored.imbalance, stored.ag_comm_tokens, stored.a2a_comm_tokens)
+            self.check_seq_cost(stored.seq_cost, doc_lens)
         except PlanError as e:
             raise PlanError(f"plan '{self.name}' does not fit row {row} of data file "
                             f"{self.dataset.files[index].path}: {e}; re-run 'flashcp plan --force'") from None
+
+    def check_seq_cost(self, seq_cost: float | None, doc_lens: np.ndarray) -> None:
+        """PlanError unless a stored ``seq_cost`` (None: not stored) equals the recomputed price."""
+        if seq_cost is None:
+            return
+        expected = float(sequence_flops([0, len(doc_lens)], doc_lens, self.cost_shape)[0])
+        if not np.isclose(seq_cost, expected, rtol=1e-12, atol=0):
+            raise PlanError(f"stored sequence cost {seq_cost} differs from the recomputed {expected}")
 
     def _checked(self, index: int, table: pa.Table) -> Iterator[StoredPlan]:
         """The table's plans, each checked against the plan's ``cp``; PlanError when one is not for it.
@@ -632,7 +688,8 @@ class PlanStore:
 
 
 def _stored_plans(table: pa.Table, cp: int) -> Iterator[StoredPlan]:
-    cols = {name: table.column(name).combine_chunks() for name in PLAN_SCHEMA.names}
+    cols = {name: table.column(name).combine_chunks() for name in PLAN_SCHEMA.names
+            if name in table.column_names}
     shard_cols = ("shard_doc", "shard_start", "shard_len", "shard_rank")
     offsets = numpy_values(cols["shard_doc"].offsets).astype(np.int64)
     offsets -= offsets[0]  # a sliced table's offsets start mid-buffer; flatten() below honours the slice
@@ -640,9 +697,10 @@ def _stored_plans(table: pa.Table, cp: int) -> Iterator[StoredPlan]:
     imbalance = numpy_values(cols["imbalance"])
     ag = numpy_values(cols["ag_comm_tokens"])
     a2a = numpy_values(cols["a2a_comm_tokens"])
+    cost = numpy_values(cols[SEQ_COST]) if SEQ_COST in cols else None
     for i in range(table.num_rows):
         lo, hi = offsets[i], offsets[i + 1]
         plan = SequencePlan(shard_doc=flat["shard_doc"][lo:hi], shard_start=flat["shard_start"][lo:hi],
                             shard_len=flat["shard_len"][lo:hi], shard_rank=flat["shard_rank"][lo:hi], cp=cp)
         yield StoredPlan(plan=plan, imbalance=float(imbalance[i]), ag_comm_tokens=int(ag[i]),
-                         a2a_comm_tokens=int(a2a[i]))
+                         a2a_comm_tokens=int(a2a[i]), seq_cost=None if cost is None else float(cost[i]))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flashcp.costmodel.objective import sequence_flops
 from flashcp.data.dataset import REPLACE_OLD_DIR, Dataset
 from flashcp.errors import FlashcpError
 from flashcp.fileio import sha256_file
@@ -173,6 +174,13 @@ def _verify_plan(dataset: Dataset, store: PlanStore, doc_lens, progress, fast: b
                 bad = int(np.flatnonzero(~same)[0])
                 raise FlashcpError(f"{where}, row {bad}: stored {label} {stored[bad]} differs from the "
                                    f"recomputed {recomputed[bad]}")
+        if "seq_cost" in flat:  # plan files made before the column have none to check
+            recomputed = sequence_flops(offsets, lens, store.cost_shape)
+            same = np.isclose(flat["seq_cost"], recomputed, rtol=1e-12, atol=0)
+            if not same.all():
+                bad = int(np.flatnonzero(~same)[0])
+                raise FlashcpError(f"{where}, row {bad}: stored sequence cost {flat['seq_cost'][bad]} differs "
+                                   f"from the recomputed {recomputed[bad]}")
         checked += rows
         if progress:
             progress(rows)

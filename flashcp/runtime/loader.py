@@ -14,6 +14,9 @@ next pass continues after the ones the straddling step took from the next epoch.
 
 Reading: a replica reads the row groups its sequences live in, so at ``dp_size`` D every rank reads about D
 times the rows it trains on (one sequence in D of each row group); a row group is Parquet's smallest read.
+With DP balance a window's steps draw from every row group of the window, so the loader keeps those row
+groups read (token ids as int32) until the window is done: memory of about ``W * D / rows per row group + 1``
+row groups instead of 2.
 
 Data is read a row group at a time, and only the ``tokens`` and ``doc_lens`` columns: Parquet's smallest
 read is one column chunk of one row group, so "only what the rank needs" means only the rows and columns it
@@ -22,11 +25,30 @@ shard's last token may live on another rank). The matching plan rows are read fr
 that hold them.
 
 Order: with ``shuffle`` the row groups of all data files are permuted per epoch, and the rows inside each
-row group too, from ``(seed, epoch)``; without it, file order. The order does not depend on ``dp_size``.
-``state_dict()`` records the global position: the epoch and how many sequences of it all replicas together
-have taken; ``load_state_dict`` resumes at the next one without reading the ones before it. The position is
-the same on every rank, so a run may resume with another ``dp_size`` (a DeviceMesh of another shape): it
-continues at the same global position, no sequence repeated or skipped.
+row group too, from ``(seed, epoch)``; without it, file order. That *stream order* does not depend on
+``dp_size``. ``state_dict()`` records the global position: the epoch and how many sequences of it all replicas
+together have taken; ``load_state_dict`` resumes at the next one without reading the ones before it. The
+position is the same on every rank, so a run may resume with another ``dp_size`` (a DeviceMesh of another
+shape): it continues at the same global position, no sequence repeated or skipped.
+
+DP step balance (``balance_window`` W > 0 and ``dp_size`` D > 1): a step waits for its most costly sequence,
+so the stream is cut into *windows* of W steps (W * D sequences) and each window's sequences are regrouped
+into steps by cost (``flashcp.runtime.balance.balanced_order``: sorted by the plan's ``seq_cost``, dealt D at a
+time; the steps of a window in a random order from ``(seed, epoch, window start)``). A step then holds
+sequences of similar cost, drawn from its window of W steps; each epoch still holds every sequence once, and
+the windows move through the epoch in stream order. ``balance_window=0`` (or ``dp_size`` 1) keeps the stream
+order. The first window of an epoch starts after the sequences the previous epoch's straddling step took; the
+last ends at the epoch's end (its partial step, the cheapest sequences, is completed by the next epoch). The
+state records the window the position is in (its bounds and the ``dp_size`` it was grouped for): a run resumed
+with another ``dp_size`` finishes that window as it was grouped (its steps then mix that window's groups,
+nothing repeated or skipped) and groups the following windows for the new ``dp_size``.
+
+Online planning (``plan=None``): for data that was never planned, each sequence is planned as it is read
+(in the prefetch worker when there is one) with the default strategy and its default parameters, validated
+as ``flashcp plan`` validates (``planner.pipeline.plan_rows``): the plan ``flashcp plan --cp N`` would store.
+Every rank plans the same sequence alike, so no rank talks to another. The planner is imported only then
+(importing the runtime loads no planning kernel); its first use compiles or loads its kernels. Sequence costs
+for DP balance come from the data's document lengths under the strategy's default shape.
 
 Shape legend: ``T`` this rank's tokens of the sequence.
 """
@@ -43,12 +65,16 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from flashcp.costmodel.objective import sequence_flops
+from flashcp.costmodel.shape import AttentionShape
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError, PlanError
+from flashcp.planner.plan import SequencePlan
 from flashcp.planner.store import PlanStore
+from flashcp.runtime.balance import window_order
 from flashcp.runtime.meta import CPAttnMeta, rank_token_positions
 
-__all__ = ["Batch", "CPLoader"]
+__all__ = ["Batch", "CPLoader", "stream_rows"]
 
 IGNORE_INDEX = -100
 """Label of a document's last token (nothing to predict inside the document)."""
@@ -105,20 +131,25 @@ class CPLoader:
 
     Args:
         data_dir: the dataset folder.
-        plan: the plan's name (a folder under ``DATA/plans``).
+        plan: the plan's name (a folder under ``DATA/plans``); None plans each sequence as it is read (module
+            docstring, online planning).
         rank: this rank inside its CP group, in ``[0, world_size)``.
         world_size: the CP group's size; must equal the plan's ``cp``.
         dp_rank: this rank's data-parallel replica, in ``[0, dp_size)``.
         dp_size: data-parallel replicas (CP groups) reading the dataset together.
         seed: base of the per-epoch order.
         shuffle: permute row groups and rows per epoch (else file order).
+        balance_window: steps per DP balance window (module docstring); 0 keeps the stream order. Only used
+            with ``dp_size > 1``.
 
     Raises FlashcpError (one sentence) for a missing dataset or plan, a stale plan, a plan for another world
     size, a lengths-only dataset, or a rank or replica outside its group.
     """
 
-    def __init__(self, data_dir: str | Path, plan: str, rank: int, world_size: int, *, dp_rank: int = 0,
-                 dp_size: int = 1, seed: int = 0, shuffle: bool = True):
+    def __init__(self, data_dir: str | Path, plan: str | None, rank: int, world_size: int, *, dp_rank: int = 0,
+                 dp_size: int = 1, seed: int = 0, shuffle: bool = True, balance_window: int = 16):
+        if balance_window < 0:
+            raise FlashcpError(f"balance_window must be 0 (off) or a number of steps, got {balance_window}")
         if dp_size < 1:
             raise FlashcpError(f"dp_size must be at least 1, got {dp_size}")
         if not 0 <= dp_rank < dp_size:
@@ -127,31 +158,44 @@ class CPLoader:
         if not self.dataset.has_tokens:
             raise FlashcpError(f"dataset {self.dataset.root} is lengths-only (made with 'synth "
                                "--no-tokens'); the loader needs token ids")
-        self.store = PlanStore(self.dataset, plan)
-        if self.store.cp != world_size:
-            raise FlashcpError(f"plan '{plan}' was made for cp {self.store.cp} but world_size is "
-                               f"{world_size}; launch {self.store.cp} ranks or run "
-                               f"'flashcp plan --cp {world_size}'")
         if not 0 <= rank < world_size:
             raise FlashcpError(f"rank {rank} is outside [0, {world_size})")
-        plan_rows = [int(f["rows"]) for f in self.store.meta["plan_files"]]
-        if plan_rows != [f.rows for f in self.dataset.files]:
-            raise FlashcpError(f"plan '{plan}' has {sum(plan_rows)} rows in {len(plan_rows)} files but the "
-                               f"data has {self.dataset.num_sequences} in {len(self.dataset.files)}; re-run "
-                               "'flashcp plan --force'")
+        self.store: PlanStore | None = None
+        self._online: _OnlinePlanner | None = None
+        if plan is None:
+            self._online = _OnlinePlanner(self.dataset.context_len, world_size)
+        else:
+            self.store = PlanStore(self.dataset, plan)
+            if self.store.cp != world_size:
+                raise FlashcpError(f"plan '{plan}' was made for cp {self.store.cp} but world_size is "
+                                   f"{world_size}; launch {self.store.cp} ranks or run "
+                                   f"'flashcp plan --cp {world_size}'")
+            plan_rows = [int(f["rows"]) for f in self.store.meta["plan_files"]]
+            if plan_rows != [f.rows for f in self.dataset.files]:
+                raise FlashcpError(f"plan '{plan}' has {sum(plan_rows)} rows in {len(plan_rows)} files but the "
+                                   f"data has {self.dataset.num_sequences} in {len(self.dataset.files)}; re-run "
+                                   "'flashcp plan --force'")
         self.plan_name, self.rank, self.world_size = plan, rank, world_size
         self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         self.seed, self.shuffle = int(seed), bool(shuffle)
+        self.balance_window = int(balance_window)
         self.context_len = self.dataset.context_len
-        self._units = self._list_units()
+        self._units = _list_units(self.dataset)
         self._epoch = 0
         self._position = 0
+        self._window = (0, 0, self.dp_size)  # the balance window of the position: (start, stop, its dp_size)
+        self._windows: dict[tuple[int, int, int, int], np.ndarray] = {}
+        self._costs: np.ndarray | None = None
+        self._stream: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))
+        self._file_first = np.r_[0, np.cumsum([f.rows for f in self.dataset.files])].astype(np.int64)
         self._orders: dict[int, tuple[list[tuple[_Unit, np.ndarray]], list[int]]] = {}
         self._reads: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self._read_cap = 2
 
     @classmethod
-    def from_mesh(cls, data_dir: str | Path, plan: str, mesh, *, dp_dim: str | None = "dp",
-                  cp_dim: str = "cp", seed: int = 0, shuffle: bool = True) -> CPLoader:
+    def from_mesh(cls, data_dir: str | Path, plan: str | None, mesh, *, dp_dim: str | None = "dp",
+                  cp_dim: str = "cp", seed: int = 0, shuffle: bool = True,
+                  balance_window: int = 16) -> CPLoader:
         """The loader of this process's place in ``mesh``, a ``torch.distributed.device_mesh.DeviceMesh``.
 
         ``mesh`` must name a ``cp_dim`` dimension (the CP group, whose size must be the plan's ``cp``) and,
@@ -168,29 +212,14 @@ class CPLoader:
                                f"init_device_mesh(..., mesh_dim_names={tuple(wanted)})")
         cp = mesh.size(names.index(cp_dim))
         dp = mesh.size(names.index(dp_dim)) if dp_dim is not None else 1
-        store_cp = PlanStore(Dataset(data_dir), plan).cp
+        store_cp = PlanStore(Dataset(data_dir), plan).cp if plan is not None else cp
         if cp != store_cp:
             raise FlashcpError(f"plan '{plan}' was made for cp {store_cp} but the device mesh's '{cp_dim}' "
                                f"dimension has {cp} ranks; build the mesh with cp {store_cp} or run "
                                f"'flashcp plan --cp {cp}'")
         dp_rank = mesh.get_local_rank(dp_dim) if dp_dim is not None else 0
         return cls(data_dir, plan, mesh.get_local_rank(cp_dim), cp, dp_rank=dp_rank, dp_size=dp, seed=seed,
-                   shuffle=shuffle)
-
-    def _list_units(self) -> list[_Unit]:
-        units = []
-        for index in range(len(self.dataset.files)):
-            meta = self.dataset.parquet(index).metadata
-            first = 0
-            for g in range(meta.num_row_groups):
-                rows = meta.row_group(g).num_rows
-                units.append(_Unit(index, g, first, rows))
-                first += rows
-            expected = self.dataset.files[index].rows
-            if first != expected:
-                raise FlashcpError(f"data file {self.dataset.path(self.dataset.files[index])} has {first} "
-                                   f"rows, the manifest says {expected}; re-create the dataset")
-        return units
+                   shuffle=shuffle, balance_window=balance_window)
 
     def __len__(self) -> int:
         """Sequences per epoch (all replicas together)."""
@@ -209,17 +238,21 @@ class CPLoader:
     def state_dict(self) -> dict:
         """Where the loader stands: the global position (epoch, sequences of it taken by all replicas).
 
-        The same on every rank; ``dp_size`` is recorded for information only.
+        The same on every rank. ``window``: the balance window the position is in, ``[start, stop, dp_size]``
+        (empty when balance is off); ``dp_size`` and ``balance_window`` are recorded for information.
         """
         return {"plan": self.plan_name, "num_sequences": len(self), "seed": self.seed,
                 "shuffle": self.shuffle, "epoch": self._epoch, "position": self._position,
-                "dp_size": self.dp_size}
+                "window": list(self._window), "dp_size": self.dp_size, "balance_window": self.balance_window}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()`` at the same global position, with this loader's ``dp_size``.
 
         With the same ``dp_size`` the next batch is the one that would have followed; with another, the
-        replicas continue together from the same place in the stream (nothing repeated or skipped).
+        replicas continue together from the same place in the stream (nothing repeated or skipped): the
+        current balance window keeps the grouping it was made with, the next ones are grouped for this
+        ``dp_size``. A state without ``window`` (saved before DP balance), or whose position lies outside it,
+        starts a new window at its position.
         """
         if state.get("plan") != self.plan_name or state.get("num_sequences") != len(self):
             raise FlashcpError(f"the loader state is for plan '{state.get('plan')}' over "
@@ -229,16 +262,18 @@ class CPLoader:
             raise FlashcpError(f"the loader state's position {state['position']} is outside [0, {len(self)}]")
         self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
         self._epoch, self._position = int(state["epoch"]), int(state["position"])
+        start, stop, dp = (int(v) for v in state.get("window", (self._position, self._position, self.dp_size)))
+        if not (0 <= start <= stop <= len(self) and dp >= 1):
+            raise FlashcpError(f"the loader state's window {state.get('window')} is not a window of the "
+                               f"{len(self)} sequences of an epoch")
+        # a position moved by hand outside its window: a new window starts there
+        self._window = (start, stop, dp) if start <= self._position <= stop else \
+            (self._position, self._position, self.dp_size)
 
     def _order(self, epoch: int) -> tuple[list[tuple[_Unit, np.ndarray]], list[int]]:
         """The epoch's units in order with their row orders (relative to the unit), and each unit's start."""
         if epoch not in self._orders:
-            if not self.shuffle:
-                order = [(u, np.arange(u.num_rows)) for u in self._units]
-            else:
-                unit_order = np.random.default_rng((self.seed, epoch)).permutation(len(self._units))
-                order = [(self._units[i], np.random.default_rng((self.seed, epoch, int(i))).permutation(
-                    self._units[i].num_rows)) for i in unit_order]
+            order = _epoch_order(self._units, self.seed, epoch, self.shuffle)
             starts = np.r_[0, np.cumsum([u.num_rows for u, _ in order])][:-1].tolist()
             if len(self._orders) >= 2:  # a pass needs this epoch's order and at most the next one's
                 self._orders.pop(min(self._orders))
@@ -250,14 +285,58 @@ class CPLoader:
         num = len(self)
         while self._position < num:
             epochs, index = divmod(self._position + self.dp_rank, num)
+            if epochs == 0:
+                index = self._balanced(index)
             batch = self._sequence(self._epoch + epochs, index)
             self._position += self.dp_size
             if self._position >= num:  # the step may have taken the next epoch's first sequences
                 self._epoch, self._position = self._epoch + self._position // num, self._position % num
+                self._window = (self._position, self._position, self.dp_size)
                 yield batch
                 return
+            while self._position >= self._window[1]:
+                self._window = self._next_window(self._window[1])
             yield batch
         self._epoch, self._position = self._epoch + 1, 0  # an empty dataset, or resumed at the epoch's end
+        self._window = (0, 0, self.dp_size)
+
+    def stream_order(self, epoch: int) -> np.ndarray:
+        """(num_sequences,) int64: the sequences of ``epoch``'s stream order, as global row indices.
+
+        A global row index counts the rows of the data files one after the other (file 0's first).
+        """
+        if self._stream[0] != epoch:
+            self._stream = (epoch, _global_rows(self._order(epoch)[0], self._file_first))
+        return self._stream[1]
+
+    def _next_window(self, start: int) -> tuple[int, int, int]:
+        """The balance window that starts at ``start``: W steps of this loader's ``dp_size``, or the rest."""
+        size = self.balance_window * self.dp_size if self.dp_size > 1 else 0
+        if size == 0:
+            return start, len(self), 1  # one window of single-sequence groups: the stream order
+        return start, min(start + size, len(self)), self.dp_size
+
+    def _balanced(self, index: int) -> int:
+        """The stream position of the sequence at balanced position ``index`` of the current epoch."""
+        window = self._window
+        if index >= window[1]:  # the step reaches into the next window (after a change of dp_size)
+            window = self._next_window(window[1])
+        start, stop, dp = window
+        if index < start or dp == 1:
+            return index
+        key = (self._epoch, start, stop, dp)
+        if key not in self._windows:
+            if self._costs is None:
+                self._costs = np.concatenate([self._seq_costs(i) for i in range(len(self.dataset.files))])
+            rows = self.stream_order(self._epoch)[start:stop]
+            if len(self._windows) >= 2:  # the window of the position and the next one
+                self._windows.pop(next(iter(self._windows)))
+            self._windows[key] = start + window_order(self._costs[rows], dp, seed=self.seed, epoch=self._epoch,
+                                                      start=start, shuffle=self.shuffle)
+            _, starts = self._order(self._epoch)
+            units = np.unique(np.searchsorted(starts, np.arange(start, stop), side="right"))
+            self._read_cap = max(self._read_cap, units.size + 1)
+        return int(self._windows[key][index - start])
 
     def _sequence(self, epoch: int, index: int) -> Batch:
         """The batch of the ``index``-th sequence of ``epoch``'s order."""
@@ -266,16 +345,27 @@ class CPLoader:
         unit, rows = order[at]
         key = (unit.file_index, unit.row_group)
         if key not in self._reads:
-            if len(self._reads) >= 2:  # the unit being walked and, at an epoch's end, the next epoch's first
+            # the units being walked: one and, at an epoch's end, the next epoch's first; a balance window's
+            # steps draw from every unit of the window, so all of them stay (least recently used leaves first)
+            while len(self._reads) >= self._read_cap:
                 self._reads.pop(next(iter(self._reads)))
             tokens, doc_offsets, doc_lens = self._read_unit(unit)
-            plans = self.store.read_plans(unit.file_index, unit.first_row, unit.first_row + unit.num_rows)
+            plans = None if self.store is None else self.store.read_plans(unit.file_index, unit.first_row,
+                                                                          unit.first_row + unit.num_rows)
             self._reads[key] = (tokens, doc_offsets, doc_lens, plans)
+        self._reads[key] = self._reads.pop(key)
         tokens, doc_offsets, doc_lens, plans = self._reads[key]
         i = int(rows[index - starts[at]])
         lens = doc_lens[doc_offsets[i]:doc_offsets[i + 1]]
         seq_tokens = tokens[i * self.context_len:(i + 1) * self.context_len]
-        return self._batch(seq_tokens, lens, plans[i].plan, unit.file_index, unit.first_row + i)
+        plan = plans[i].plan if plans is not None else self._online.plan(lens, unit.file_index, unit.first_row + i)
+        return self._batch(seq_tokens, lens, plan, unit.file_index, unit.first_row + i)
+
+    def _seq_costs(self, index: int) -> np.ndarray:
+        """(rows,) float64: the price of every sequence of the ``index``-th data file (DP balance)."""
+        if self.store is not None:
+            return self.store.seq_costs(index)
+        return sequence_flops(*self.dataset.read_doc_lens(index), self._online.shape)
 
     def _read_unit(self, unit: _Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         path = self.dataset.path(self.dataset.files[unit.file_index])
@@ -291,7 +381,7 @@ class CPLoader:
             raise FlashcpError(f"data file {path} has a row whose token count is not the context length "
                                f"{self.context_len}; re-create the dataset")
         doc_offsets = lens_col.offsets.to_numpy().astype(np.int64)
-        return (tokens_col.flatten().to_numpy().astype(np.int64), doc_offsets - doc_offsets[0],
+        return (tokens_col.flatten().to_numpy(), doc_offsets - doc_offsets[0],  # tokens stay int32 until sliced
                 lens_col.flatten().to_numpy().astype(np.int64))
 
     def _batch(self, tokens_C: np.ndarray, doc_lens: np.ndarray, plan, file_index: int, row: int) -> Batch:
@@ -302,7 +392,76 @@ class CPLoader:
                             "re-run 'flashcp plan --force'") from None
         global_pos, position, doc = rank_token_positions(plan, doc_lens, self.rank)
         is_last = position + 1 == doc_lens[doc]
-        labels = np.where(is_last, IGNORE_INDEX, tokens_C[np.minimum(global_pos + 1, tokens_C.size - 1)])
-        return Batch(input_ids=torch.from_numpy(tokens_C[global_pos]),
+        labels = np.where(is_last, IGNORE_INDEX,
+                          tokens_C[np.minimum(global_pos + 1, tokens_C.size - 1)]).astype(np.int64)
+        return Batch(input_ids=torch.from_numpy(tokens_C[global_pos].astype(np.int64)),
                      position_ids=torch.from_numpy(position), labels=torch.from_numpy(labels), attn=attn,
                      num_label_tokens=int(doc_lens.sum() - doc_lens.size), file_index=file_index, row=row)
+
+
+def stream_rows(data_dir: str | Path, *, seed: int = 0, epoch: int = 0, shuffle: bool = True) -> np.ndarray:
+    """(num_sequences,) int64: the global row indices of ``epoch``'s stream order, as ``CPLoader`` walks it.
+
+    Needs no plan and no token ids (a lengths-only dataset works): for reports on the order, such as the DP
+    step efficiency of ``flashcp bench --scenario dp``. A global row index counts the data files' rows one
+    file after the other.
+    """
+    dataset = Dataset(data_dir)
+    file_first = np.r_[0, np.cumsum([f.rows for f in dataset.files])].astype(np.int64)
+    return _global_rows(_epoch_order(_list_units(dataset), int(seed), int(epoch), bool(shuffle)), file_first)
+
+
+def _list_units(dataset: Dataset) -> list[_Unit]:
+    """The row groups of every data file, in file order; FlashcpError when a file's rows are not the manifest's."""
+    units = []
+    for index in range(len(dataset.files)):
+        meta = dataset.parquet(index).metadata
+        first = 0
+        for g in range(meta.num_row_groups):
+            rows = meta.row_group(g).num_rows
+            units.append(_Unit(index, g, first, rows))
+            first += rows
+        expected = dataset.files[index].rows
+        if first != expected:
+            raise FlashcpError(f"data file {dataset.path(dataset.files[index])} has {first} rows, the manifest "
+                               f"says {expected}; re-create the dataset")
+    return units
+
+
+def _epoch_order(units: list[_Unit], seed: int, epoch: int, shuffle: bool) -> list[tuple[_Unit, np.ndarray]]:
+    """The epoch's units in order, each with its rows' order (relative to the unit); module docstring."""
+    if not shuffle:
+        return [(u, np.arange(u.num_rows)) for u in units]
+    unit_order = np.random.default_rng((seed, epoch)).permutation(len(units))
+    return [(units[i], np.random.default_rng((seed, epoch, int(i))).permutation(units[i].num_rows))
+            for i in unit_order]
+
+
+def _global_rows(order: list[tuple[_Unit, np.ndarray]], file_first: np.ndarray) -> np.ndarray:
+    rows = [file_first[u.file_index] + u.first_row + r for u, r in order]
+    return np.concatenate([*rows, np.zeros(0, np.int64)]).astype(np.int64)
+
+
+class _OnlinePlanner:
+    """Plans one sequence at a time as ``flashcp plan --cp N`` would: the default strategy, validated."""
+
+    def __init__(self, context_len: int, cp: int):
+        # imported here: a loader of stored plans never loads a planning kernel
+        from flashcp.planner.pipeline import plan_rows
+        from flashcp.planner.registry import DEFAULT_STRATEGY, check_shape, get_strategy, resolve_params
+
+        try:
+            check_shape(context_len, cp)
+        except ValueError as e:
+            raise FlashcpError(f"cannot plan sequences of {context_len} tokens for {cp} ranks: {e}") from None
+        self.cp = cp
+        self.strategy = get_strategy(DEFAULT_STRATEGY)
+        self.params = resolve_params(self.strategy)
+        self.shape = AttentionShape.from_params(self.params)
+        self._plan_rows = plan_rows
+
+    def plan(self, doc_lens: np.ndarray, file_index: int, row: int) -> SequencePlan:
+        """The validated plan of one sequence (row ``row`` of data file ``file_index``, for messages)."""
+        planned = self._plan_rows(np.array([0, doc_lens.size], np.int64), doc_lens, self.cp, self.strategy,
+                                  self.params, where=f"data file {file_index}", first_row=row)
+        return planned.row(0, self.cp)

@@ -44,6 +44,7 @@ from flashcp.costmodel.comm import (
     auto_comm_a2a,
     busiest_rows,
     exact_need_received,
+    exact_need_sent,
 )
 from flashcp.planner.plan import SequencePlan
 
@@ -193,7 +194,7 @@ class CPAttnMeta:
     @classmethod
     def from_plan(cls, plan: SequencePlan, doc_lens, rank: int) -> CPAttnMeta:
         """Build rank ``rank``'s meta from a validated plan of a sequence with documents ``doc_lens``."""
-        return _SequenceLayout(plan, doc_lens).rank_meta(rank)
+        return _RankLayout(plan, doc_lens, rank).meta()
 
     @property
     def device(self) -> torch.device:
@@ -347,88 +348,126 @@ def _int32(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
 
 
-class _SequenceLayout:
-    """Whole-sequence token maps shared by the metas of all ranks of one plan (host, numpy)."""
+class _RankLayout:
+    """One rank's share of a sequence's plan (host, numpy), built from the plan rows alone.
 
-    def __init__(self, plan: SequencePlan, doc_lens):
+    Everything is derived from the shards, never from per-token maps of the whole sequence: a key prefix
+    ``[0, end)`` of a document is a run of *pieces* (the document's shards by start, each clipped at ``end``),
+    and each piece is a run of its owner's local layout. The work is O(num_shards * cp) integer steps in the
+    cost model's compiled kernels (the plan-wide numbers every rank must agree on: the all-gather slot and the
+    a2a busiest rank) plus O(what this rank holds, receives and sends); no loop over the other ranks' metas.
+    """
+
+    def __init__(self, plan: SequencePlan, doc_lens, rank: int):
         self.doc_lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
         # any split of the tokens over ranks runs (token slack); the planner and verify check the quotas
         plan.validate(self.doc_lens, token_slack=int(self.doc_lens.sum()))
-        self.plan, cp = plan, plan.cp
+        cp = plan.cp
+        if not 0 <= rank < cp:
+            raise ValueError(f"rank {rank} is outside [0, {cp})")
+        self.plan, self.rank = plan, rank
         self.doc_offset = _cumsum0(self.doc_lens)[:-1]
         self.context_len = int(self.doc_lens.sum())
         self.shard_end = plan.shard_start + plan.shard_len
-        self.shard_global = self.doc_offset[plan.shard_doc] + plan.shard_start
         self.shard_local = _within_rank_offsets(plan.shard_len, plan.shard_rank)
         self.rank_tokens = np.bincount(plan.shard_rank, weights=plan.shard_len, minlength=cp).astype(np.int64)
+        self.shards = plan.rank_slice(rank)
 
-        # per token of the packed sequence: owning rank and position in the owner's local layout
-        by_pos = np.argsort(self.shard_global)
-        self.owner = np.repeat(plan.shard_rank[by_pos], plan.shard_len[by_pos])
-        self.local_pos = _ranges(self.shard_local[by_pos], plan.shard_len[by_pos])
+        # the pieces: every shard in packed-sequence order; a document's pieces are contiguous
+        self.by_pos = np.argsort(self.doc_offset[plan.shard_doc] + plan.shard_start, kind="stable")
+        self.pos_sorted = (self.doc_offset[plan.shard_doc] + plan.shard_start)[self.by_pos]
+        self.doc_first = np.searchsorted(plan.shard_doc[self.by_pos], np.arange(self.doc_lens.size))
 
-        # allgather: row of each contributed token in the all-gather output
+        # allgather: what each shard contributes and where it lands in the all-gather output
+        args = (plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
         self.contributes = allgather_shard_mask(plan.shard_doc, plan.shard_start, plan.shard_rank)
+        self.ag_slot = int(allgather_contributions(*args).max())
         contrib_len = np.where(self.contributes, plan.shard_len, 0)
-        contributions = np.bincount(plan.shard_rank, weights=contrib_len, minlength=cp).astype(np.int64)
-        assert (contributions == allgather_contributions(plan.shard_doc, plan.shard_start, plan.shard_len,
-                                                         plan.shard_rank, cp)).all()
-        self.ag_slot = int(contributions.max())
-        contrib_offset = _within_rank_offsets(contrib_len, plan.shard_rank)
-        picked = np.flatnonzero(self.contributes)
-        self.ag_row = np.full(self.context_len, -1, dtype=np.int64)
-        self.ag_row[_ranges(self.shard_global[picked], plan.shard_len[picked])] = _ranges(
-            plan.shard_rank[picked] * self.ag_slot + contrib_offset[picked], plan.shard_len[picked])
+        self.ag_base = plan.shard_rank * self.ag_slot + _within_rank_offsets(contrib_len, plan.shard_rank)
 
         # full: every token, padded to the largest quota
         self.full_slot = int(self.rank_tokens.max())
 
-        # exact need: tokens each rank needs and does not hold, sorted by (owner, owner's local position)
-        self.need = [self._exact_need(r) for r in range(cp)]
-        received = np.array([n.size for n in self.need], dtype=np.int64)
-        assert (received == exact_need_received(plan.shard_doc, plan.shard_start, plan.shard_len,
-                                                plan.shard_rank, cp)).all()
-        all_need = np.concatenate(self.need) if cp else np.zeros(0, np.int64)
-        sent = np.bincount(self.owner[all_need], minlength=cp)
-        self.a2a_busiest = int(busiest_rows(sent, received))
+        # exact need: the plan-wide busiest rank, then this rank's receive runs
+        received = exact_need_received(*args)
+        self.a2a_busiest = int(busiest_rows(exact_need_sent(*args), received))
         self.a2a_active = bool(received.any())
-
-        # ring: each rank's tokens by packed-sequence position (= document order inside a document)
-        by_owner = np.argsort(self.owner, kind="stable")
-        self.owned_globals = np.split(by_owner, np.cumsum(self.rank_tokens)[:-1])
         # the rule for 16-bit K/V (what training exchanges), as flashcp bench and the planner price it
         self.auto_comm = "a2a" if auto_comm_a2a(self.a2a_busiest, self.ag_slot, cp, 2) else "allgather"
 
-    def _exact_need(self, rank: int) -> np.ndarray:
-        plan = self.plan
-        mine = plan.shard_rank == rank
-        max_end = np.zeros(self.doc_lens.size, dtype=np.int64)
-        np.maximum.at(max_end, plan.shard_doc[mine], self.shard_end[mine])
-        docs = np.flatnonzero(max_end)
-        prefix = _ranges(self.doc_offset[docs], max_end[docs])
-        need = prefix[self.owner[prefix] != rank]
-        return need[np.lexsort((self.local_pos[need], self.owner[need]))]
+    def _prefix_pieces(self, docs: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The pieces of each prefix ``[0, ends[i])`` of document ``docs[i]``, prefix after prefix, in order.
 
-    def _part(self, shards: np.ndarray) -> tuple[QueryPart, np.ndarray]:
-        """The QueryPart of ``shards`` and the packed-sequence positions of its keys."""
+        Returns ``(prefix, piece, length)``: which prefix, the piece's shard, and its tokens inside the prefix.
+        """
+        first = self.doc_first[docs]
+        count = np.searchsorted(self.pos_sorted, self.doc_offset[docs] + ends) - first
+        piece = self.by_pos[_ranges(first, count)]
+        prefix = np.repeat(np.arange(docs.size), count)
+        length = np.minimum(self.shard_end[piece], ends[prefix]) - self.plan.shard_start[piece]
+        return prefix, piece, length
+
+    def _need_rows(self) -> tuple[np.ndarray, tuple[int, ...]]:
+        """Receive-buffer row of the first token of each shard this rank needs (-1: none), and recv splits.
+
+        The need is, per document this rank holds, the pieces of ``[0, max end of its shards)`` it does not
+        hold, in (owner, owner's local position) order: the order the owners send them in.
+        """
+        plan, shards = self.plan, self.shards
+        max_end = np.zeros(self.doc_lens.size, dtype=np.int64)
+        np.maximum.at(max_end, plan.shard_doc[shards], self.shard_end[shards])
+        docs = np.flatnonzero(max_end)
+        _, piece, length = self._prefix_pieces(docs, max_end[docs])
+        foreign = plan.shard_rank[piece] != self.rank
+        piece, length = piece[foreign], length[foreign]
+        order = np.lexsort((self.shard_local[piece], plan.shard_rank[piece]))
+        rows = np.full(plan.num_shards, -1, dtype=np.int64)
+        rows[piece[order]] = _cumsum0(length[order])[:-1]
+        splits = np.bincount(plan.shard_rank[piece], weights=length, minlength=plan.cp).astype(np.int64)
+        return rows, tuple(int(c) for c in splits)
+
+    def _send(self) -> tuple[np.ndarray, tuple[int, ...]]:
+        """Local positions this rank sends in the a2a, peer after peer, and the send splits.
+
+        Peer ``r`` gets this rank's tokens of each document's prefix ``[0, max end of r's shards)``, in local
+        order (the order ``r``'s need lists them).
+        """
+        plan, shards, cp = self.plan, self.shards, self.plan.cp
+        docs, doc_row = np.unique(plan.shard_doc[shards], return_inverse=True)
+        row_of_doc = np.full(self.doc_lens.size, -1, dtype=np.int64)
+        row_of_doc[docs] = np.arange(docs.size)
+        touching = np.flatnonzero(row_of_doc[plan.shard_doc] >= 0)
+        peer_end = np.zeros((docs.size, cp), dtype=np.int64)
+        np.maximum.at(peer_end, (row_of_doc[plan.shard_doc[touching]], plan.shard_rank[touching]),
+                      self.shard_end[touching])
+        start, length = plan.shard_start[shards, None], plan.shard_len[shards, None]
+        amount = np.clip(peer_end[doc_row.reshape(-1)] - start, 0, length)  # (n_mine, cp)
+        amount[:, self.rank] = 0
+        send = _ranges(np.tile(self.shard_local[shards], cp), amount.T.reshape(-1))
+        return send, tuple(int(c) for c in amount.sum(axis=0))
+
+    def _part(self, shards: np.ndarray) -> tuple[QueryPart, tuple[np.ndarray, np.ndarray]]:
+        """The QueryPart of ``shards`` and the pieces of its keys: ``(piece, length)``, shard after shard."""
         plan = self.plan
         length, end = plan.shard_len[shards], self.shard_end[shards]
         part = QueryPart(q_index=_long(_ranges(self.shard_local[shards], length)),
                          cu_seqlens_q=_int32(_cumsum0(length)), cu_seqlens_k=_int32(_cumsum0(end)),
                          max_seqlen_q=int(length.max(initial=0)), max_seqlen_k=int(end.max(initial=0)))
-        return part, _ranges(self.doc_offset[plan.shard_doc[shards]], end)
+        _, piece, key_len = self._prefix_pieces(plan.shard_doc[shards], end)
+        return part, (piece, key_len)
 
-    def _ring_schedule(self, rank: int, shards: np.ndarray) -> RingSchedule:
-        plan, cp = self.plan, self.plan.cp
+    def _ring_schedule(self) -> RingSchedule:
+        plan, cp, rank, shards = self.plan, self.plan.cp, self.rank, self.shards
         length = plan.shard_len[shards]
-        doc_start = self.doc_offset[plan.shard_doc[shards]]
+        query, piece, key_len = self._prefix_pieces(plan.shard_doc[shards], self.shard_end[shards])
+        # the keys of each step: the visiting rank's pieces, shard after shard, each in document order
+        by_source = np.argsort(plan.shard_rank[piece], kind="stable")
+        bounds = np.searchsorted(plan.shard_rank[piece][by_source], np.arange(cp + 1))
         steps = []
         for step in range(cp):
             source = (rank - step) % cp
-            owned = self.owned_globals[source]
-            # the visible keys of shard i: source's tokens of its document before its end, a run of `owned`
-            first = np.searchsorted(owned, doc_start)
-            count = np.searchsorted(owned, doc_start + self.shard_end[shards]) - first
+            runs = by_source[bounds[source]:bounds[source + 1]]
+            count = np.bincount(query[runs], weights=key_len[runs], minlength=shards.size).astype(np.int64)
             seen = count > 0
             assert step > 0 or (count >= length).all()
             part = QueryPart(q_index=_long(_ranges(self.shard_local[shards[seen]], length[seen])),
@@ -436,7 +475,7 @@ class _SequenceLayout:
                              cu_seqlens_k=_int32(_cumsum0(count[seen])),
                              max_seqlen_q=int(length[seen].max(initial=0)),
                              max_seqlen_k=int(count[seen].max(initial=0)))
-            kv_index = self.local_pos[owned[_ranges(first[seen], count[seen])]]
+            kv_index = _ranges(self.shard_local[piece[runs]], key_len[runs])
             steps.append(RingStep(source=source, causal=step == 0, part=part, kv_index=_long(kv_index),
                                   q_range=_as_range(part.q_index.numpy()), kv_range=_as_range(kv_index)))
         total = self.context_len
@@ -444,66 +483,62 @@ class _SequenceLayout:
                             wire_send_tokens=total - int(self.rank_tokens[(rank + 1) % cp]),
                             wire_recv_tokens=total - int(self.rank_tokens[rank]))
 
-    def rank_meta(self, rank: int) -> CPAttnMeta:
-        """The meta of ``rank``."""
-        plan, cp = self.plan, self.plan.cp
-        if not 0 <= rank < cp:
-            raise ValueError(f"rank {rank} is outside [0, {cp})")
-        shards = plan.rank_slice(rank)
+    def meta(self) -> CPAttnMeta:
+        """The meta of the layout's rank."""
+        plan, cp, rank, shards = self.plan, self.plan.cp, self.rank, self.shards
         num_tokens = int(self.rank_tokens[rank])
-        foreign = _cumsum0(self.owner != rank)
-        prefix_start = self.doc_offset[plan.shard_doc[shards]]
-        local_only = foreign[prefix_start + self.shard_end[shards]] == foreign[prefix_start]
+        # a shard is local-only when no other rank holds a token of its document before its end
+        foreign_start = np.full(self.doc_lens.size, self.doc_lens.max(initial=0), dtype=np.int64)
+        others = plan.shard_rank != rank
+        np.minimum.at(foreign_start, plan.shard_doc[others], plan.shard_start[others])
+        local_only = foreign_start[plan.shard_doc[shards]] >= self.shard_end[shards]
 
-        local, local_keys = self._part(shards[local_only])
-        remote, remote_keys = self._part(shards[~local_only])
+        local, (local_piece, local_len) = self._part(shards[local_only])
+        remote, (piece, key_len) = self._part(shards[~local_only])
         order = np.concatenate([local.q_index.numpy(), remote.q_index.numpy()])
         out_index = np.empty(num_tokens, dtype=np.int64)
         out_index[order] = np.arange(num_tokens)
 
-        held = self.owner[remote_keys] == rank
-        base_row = np.where(held, self.local_pos[remote_keys], num_tokens)
+        held = plan.shard_rank[piece] == rank
+        held_key = np.repeat(held, key_len)
+        base_row = np.where(held_key, _ranges(self.shard_local[piece], key_len), num_tokens)
 
-        def exchange(mode, active, send_index, send_rows, recv_rows, remote_row, wire, splits=((), ())):
-            assert (remote_row[~held] >= 0).all()
-            kv_index = base_row + np.where(held, 0, remote_row)
+        def exchange(mode, active, send_index, send_rows, recv_rows, piece_row, wire, splits=((), ())):
+            assert (piece_row[~held] >= 0).all()
+            kv_index = base_row + np.where(held_key, 0, _ranges(np.where(held, 0, piece_row), key_len))
             return Exchange(mode=mode, active=active, send_index=_long(send_index), send_rows=send_rows,
                             recv_rows=recv_rows, send_splits=splits[0], recv_splits=splits[1],
                             kv_index=_long(kv_index), wire_send_tokens=wire[0], wire_recv_tokens=wire[1])
 
         ag_send = _ranges(self.shard_local[shards], plan.shard_len[shards])[
             np.repeat(self.contributes[shards], plan.shard_len[shards])]
+        ag_row = np.where(self.contributes, self.ag_base, -1)
         ag_wire = int(allgather_wire(self.ag_slot, cp))
         full_wire = int(allgather_wire(self.full_slot, cp))
-        a2a_row = np.full(self.context_len, -1, dtype=np.int64)
-        a2a_row[self.need[rank]] = np.arange(self.need[rank].size)
-        to_peer = [need[self.owner[need] == rank] for need in self.need]
-        send_splits = tuple(int(t.size) for t in to_peer)
-        recv_splits = tuple(int(c) for c in np.bincount(self.owner[self.need[rank]], minlength=cp))
+        need_row, recv_splits = self._need_rows()
+        send_index, send_splits = self._send()
         exchanges = {
             "allgather": exchange("allgather", self.ag_slot > 0, ag_send, self.ag_slot, cp * self.ag_slot,
-                                  self.ag_row[remote_keys], (ag_wire, ag_wire)),
-            "a2a": exchange("a2a", self.a2a_active, self.local_pos[np.concatenate(to_peer)], sum(send_splits),
-                            sum(recv_splits), a2a_row[remote_keys], (sum(send_splits), sum(recv_splits)),
-                            (send_splits, recv_splits)),
+                                  ag_row[piece], (ag_wire, ag_wire)),
+            "a2a": exchange("a2a", self.a2a_active, send_index, sum(send_splits), sum(recv_splits),
+                            need_row[piece], (sum(send_splits), sum(recv_splits)), (send_splits, recv_splits)),
             "full": exchange("full", cp > 1, np.arange(num_tokens), self.full_slot, cp * self.full_slot,
-                             self.owner[remote_keys] * self.full_slot + self.local_pos[remote_keys],
+                             plan.shard_rank[piece] * self.full_slot + self.shard_local[piece],
                              (full_wire, full_wire)),
         }
         return CPAttnMeta(rank=rank, cp=cp, num_tokens=num_tokens, shard_doc=_long(plan.shard_doc[shards]),
                           shard_start=_long(plan.shard_start[shards]),
                           shard_len=_long(plan.shard_len[shards]),
                           shard_local_only=torch.from_numpy(local_only.copy()), local=local,
-                          local_kv_index=_long(self.local_pos[local_keys]), remote=remote,
-                          out_index=_long(out_index), exchanges=exchanges,
-                          ring=self._ring_schedule(rank, shards), auto_comm=self.auto_comm,
+                          local_kv_index=_long(_ranges(self.shard_local[local_piece], local_len)),
+                          remote=remote, out_index=_long(out_index), exchanges=exchanges,
+                          ring=self._ring_schedule(), auto_comm=self.auto_comm,
                           ag_slot=self.ag_slot, a2a_busiest=self.a2a_busiest)
 
 
 def build_rank_metas(plan: SequencePlan, doc_lens) -> list[CPAttnMeta]:
-    """The metas of every rank of ``plan`` (sharing the whole-sequence maps); for emulation and checks."""
-    layout = _SequenceLayout(plan, doc_lens)
-    return [layout.rank_meta(r) for r in range(plan.cp)]
+    """The metas of every rank of ``plan``, each built as that rank builds it alone; for emulation and checks."""
+    return [CPAttnMeta.from_plan(plan, doc_lens, r) for r in range(plan.cp)]
 
 
 def rank_token_positions(plan: SequencePlan, doc_lens, rank: int) -> tuple[np.ndarray, ...]:

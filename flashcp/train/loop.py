@@ -70,7 +70,8 @@ class TrainOptions:
     plan: str
     """Plan name (a folder under ``DATA/plans``); its ``cp`` must equal the number of ranks."""
     steps: int
-    """Total optimizer steps (one packed sequence each); a resumed run continues up to this number."""
+    """Total optimizer steps (``accum_steps`` packed sequences per replica each); a resumed run continues up to
+    this number."""
     comm: str = "auto"
     """K/V exchange: ``allgather``, ``a2a``, ``full`` or ``auto``."""
     backend: str = "auto"
@@ -111,6 +112,13 @@ class TrainOptions:
     """``replicate`` (every rank holds the weights, gradients all-reduced) or ``fsdp`` (FSDP2 over dp x cp)."""
     prefetch: int = 2
     """Batches built ahead on a background thread (0: build each batch on the training thread)."""
+    accum_steps: int = 1
+    """Micro-batches (packed sequences) each replica trains per optimizer step: gradient accumulation."""
+    max_grad_norm: float = 0.0
+    """Clip the gradients to this global L2 norm before each update; 0: no clipping."""
+    balance_window: int = 16
+    """Steps per DP balance window (``CPLoader``): with ``dp`` > 1 each window's sequences are grouped into
+    steps by cost; 0 keeps the stream order."""
 
     def __post_init__(self):
         if self.steps < 0:
@@ -127,6 +135,12 @@ class TrainOptions:
             raise ValueError(f"unknown sharding '{self.sharding}' (choose from {', '.join(SHARDING_MODES)})")
         if self.prefetch < 0:
             raise ValueError(f"--prefetch must be at least 0, got {self.prefetch}")
+        if self.accum_steps < 1:
+            raise ValueError(f"--accum must be at least 1, got {self.accum_steps}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"--clip must be at least 0 (0: no clipping), got {self.max_grad_norm}")
+        if self.balance_window < 0:
+            raise ValueError(f"--balance-window must be at least 0, got {self.balance_window}")
         TinyConfig(vocab_size=self.vocab_size, dim=self.dim, num_layers=self.num_layers,
                    num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)  # validates the shape
 
@@ -146,7 +160,7 @@ class StepLog:
     loss: float
     """The sequence's mean loss."""
     num_tokens: int
-    """Tokens of the global batch (``dp`` packed sequences)."""
+    """Tokens of the global batch (``dp x accum_steps`` packed sequences)."""
     seconds: float
     """Rank 0's wall time for the step, data loading included (the ranks wait for each other in the step's
     collectives, so it is the slowest rank's time up to the local optimizer update)."""
@@ -156,6 +170,8 @@ class StepLog:
     """K/V bytes sent, summed over ranks."""
     grad_bytes: int
     """Bytes of one rank's gradient all-reduce input."""
+    grad_norm: float | None = None
+    """Global gradient L2 norm before clipping (None without ``max_grad_norm``)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -306,7 +322,7 @@ def _set_up(options: TrainOptions, rank: int, world: int, device: torch.device,
         check_checkpoint_target(options.ckpt, sharded=options.sharding == "fsdp")
     if groups is not None:
         loader = CPLoader.from_mesh(options.data, options.plan, groups.mesh, seed=options.seed,
-                                    shuffle=options.shuffle)
+                                    shuffle=options.shuffle, balance_window=options.balance_window)
     else:
         loader = CPLoader(options.data, options.plan, rank, world, seed=options.seed, shuffle=options.shuffle)
     if len(loader) == 0:
@@ -333,21 +349,23 @@ def _set_up(options: TrainOptions, rank: int, world: int, device: torch.device,
 def _step(options: TrainOptions, step: int, run: _Run, group, device: torch.device) -> StepLog:
     began = time.perf_counter()
     kv_bytes = DTYPES[options.dtype or default_dtype(device)].itemsize  # auto comm: the K/V dtype's rule
-    batch = run.next_batch().to(device, non_blocking=run.prefetcher is not None, comm=options.comm,
-                                kv_bytes=kv_bytes)
-    batch = fold_vocab(batch, options.vocab_size)
-    result = train_step(run.model, run.optimizer, batch, run.loss_sum_fn, group=group, comm=options.comm,
-                        backend=options.backend, groups=run.groups)
-    return StepLog(step=step, loss=result.loss, num_tokens=run.loader.context_len * options.dp,
+    batches = [fold_vocab(run.next_batch().to(device, non_blocking=run.prefetcher is not None, comm=options.comm,
+                                              kv_bytes=kv_bytes), options.vocab_size)
+               for _ in range(options.accum_steps)]
+    result = train_step(run.model, run.optimizer, batches, run.loss_sum_fn, group=group, comm=options.comm,
+                        backend=options.backend, groups=run.groups,
+                        max_grad_norm=options.max_grad_norm or None)
+    return StepLog(step=step, loss=result.loss,
+                   num_tokens=run.loader.context_len * options.dp * options.accum_steps,
                    seconds=time.perf_counter() - began, kv_bytes_busiest=result.kv_bytes_busiest,
-                   kv_bytes_total=result.kv_bytes_total, grad_bytes=result.grad_bytes)
+                   kv_bytes_total=result.kv_bytes_total, grad_bytes=result.grad_bytes, grad_norm=result.grad_norm)
 
 
 def _format(entry: StepLog, steps: int) -> str:
     width = len(str(steps))
     return (f"step {entry.step:>{width}}/{steps}  loss {entry.loss:.4f}  {entry.tokens_per_s:>9,.0f} tok/s  "
             f"K/V {_bytes(entry.kv_bytes_busiest)} busiest rank, {_bytes(entry.kv_bytes_total)} sent in all  "
-            f"grads {_bytes(entry.grad_bytes)}")
+            f"grads {_bytes(entry.grad_bytes)}" + ("" if entry.grad_norm is None else f", norm {entry.grad_norm:.3g}"))
 
 
 def _bytes(n: float) -> str:

@@ -10,6 +10,13 @@ Replicated parameters are summed by one all-reduce of a flat buffer per dtype; a
 (``flashcp.train.parallel``) reduce-scatters in backward. Every rank then takes the same optimizer step.
 The loss is computed in float32 or wider whatever the model's dtype.
 
+Gradient accumulation: ``train_step`` takes a list of micro-batches (this replica's sequences of the step, in
+order). The global batch is every replica's micro-batches; each micro-batch's loss sum is divided by the label
+count of that whole global batch (known before the first backward, summed over the replicas), the backward
+passes accumulate, and one reduction and one optimizer step follow: the update of one process on the global
+batch. Gradient clipping (``max_grad_norm``) scales the reduced gradients so that their global L2 norm is at
+most the limit (``torch.nn.utils.clip_grads_with_norm_``; a sharded model's norm covers every shard).
+
 Host syncs: none before the optimizer step. The data-parallel label count stays on the device (the loss is
 divided by it there), the loss and the K/V byte counts of every rank ride in the gradient all-reduce (a
 float64 tail of the flat buffer: the loss, then one ``(sent, received)`` slot per rank, so the sum gathers
@@ -27,7 +34,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -40,8 +47,8 @@ from flashcp.runtime.loader import IGNORE_INDEX, Batch
 from flashcp.train.loss import LossSumFn, tiny_loss_sum
 from flashcp.train.parallel import ParallelGroups, is_sharded
 
-__all__ = ["StepResult", "agree_on_errors", "all_reduce_gradients", "fold_vocab", "group_rank", "group_size",
-           "train_step"]
+__all__ = ["StepResult", "agree_on_errors", "all_reduce_gradients", "clip_gradients", "fold_vocab", "group_rank",
+           "group_size", "train_step"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,6 +73,8 @@ class StepResult:
     grad_bytes: int
     """Bytes of this rank's input to the gradient reduction (all-reduce of all replicated parameters, or the
     reduce-scatters of a sharded model: its unsharded gradients)."""
+    grad_norm: float | None = None
+    """Global L2 norm of the gradients before clipping; None when the step did not clip."""
 
 
 def group_size(group=None) -> int:
@@ -215,37 +224,47 @@ class _StepTimer:
         return self.end - self.start
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch | Sequence[Batch],
                loss_sum_fn: LossSumFn = tiny_loss_sum, *, group=None, comm: str = "auto",
-               backend: str = "auto", groups: ParallelGroups | None = None) -> StepResult:
+               backend: str = "auto", groups: ParallelGroups | None = None,
+               max_grad_norm: float | None = None) -> StepResult:
     """Forward, backward, gradient reduction and one optimizer step, on every rank.
 
     Args:
         model: the model: replicated (same weights on every rank) or FSDP2-sharded over ``groups``.
         optimizer: its optimizer.
-        batch: this rank's view of its replica's sequence (on the model's device).
+        batch: this rank's view of its replica's sequence (on the model's device), or of each of its
+            micro-batches (gradient accumulation; every replica the same number).
         loss_sum_fn: the model's summed loss over this rank's labels, given a CPAttention to attend with.
         group: the CP process group whose ranks are the plan's ranks (None: the default group); used when
             ``groups`` is None (CP only, no data parallelism).
         comm: the K/V exchange (``allgather``, ``a2a``, ``full``, ``auto``).
         backend: the attention kernel backend.
         groups: data parallel x CP groups (``ParallelGroups.from_mesh``), or None.
+        max_grad_norm: clip the reduced gradients to this global L2 norm; None: no clipping.
 
     One host sync, after the optimizer step (see the module docstring). Raises ValueError when the CP
-    group's size is not the plan's ``cp``.
+    group's size is not the plan's ``cp``, for no micro-batch, or for a ``max_grad_norm`` that is not positive.
     """
+    batches = [batch] if isinstance(batch, Batch) else list(batch)
+    if not batches:
+        raise ValueError("train_step needs at least one micro-batch")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be positive (or None: no clipping), got {max_grad_norm}")
     cp_group, dp_group, grad_group = group, None, group
     if groups is not None:
         cp_group, dp_group, grad_group = groups.cp_group, groups.dp_group, groups.grad_group
     world = group_size(cp_group)
-    if world != batch.attn.cp:
-        raise ValueError(f"the batch is planned for cp {batch.attn.cp} but the CP group has {world} ranks")
-    device = batch.input_ids.device
+    for one in batches:
+        if world != one.attn.cp:
+            raise ValueError(f"the batch is planned for cp {one.attn.cp} but the CP group has {world} ranks")
+    device = batches[0].input_ids.device
     timer = _StepTimer(device)
     count: torch.Tensor | None = None
-    denominator: torch.Tensor | int = max(batch.num_label_tokens, 1)
+    labels = sum(one.num_label_tokens for one in batches)
+    denominator: torch.Tensor | int = max(labels, 1)
     if dp_group is not None and group_size(dp_group) > 1:  # the replicas' label counts, summed on the device
-        count = torch.full((1,), batch.num_label_tokens, dtype=torch.int64, device=device)  # no copy
+        count = torch.full((1,), labels, dtype=torch.int64, device=device)  # no copy
         dist.all_reduce(count, group=dp_group)
         denominator = count.clamp_min(1)
     ranks, rank = group_size(grad_group), group_rank(grad_group)
@@ -257,9 +276,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
         buffers = GradientBuffers.for_model(model, num_extra=1 + 2 * ranks)
         buffers.attach()
     stats = CommStats()
-    attn = CPAttention(meta=batch.attn, group=cp_group, comm=comm, backend=backend, stats=stats)
-    loss = loss_sum_fn(model, batch, attn) / denominator
-    loss.backward()
+    loss = torch.zeros((), dtype=torch.float64, device=device)
+    for i, one in enumerate(batches):
+        if sharded and len(batches) > 1 and hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(i == len(batches) - 1)  # reduce-scatter once, after the last
+        attn = CPAttention(meta=one.attn, group=cp_group, comm=comm, backend=backend, stats=stats)
+        micro_loss = loss_sum_fn(model, one, attn) / denominator
+        micro_loss.backward()
+        loss = loss + micro_loss.detach()
     sent, received = stats.total("sent_bytes"), stats.total("recv_bytes")
     if buffers is None:  # FSDP2 reduce-scattered the gradients in backward; sum the loss and bytes alone
         extra = torch.zeros(1 + 2 * ranks, dtype=torch.float64, device=device)
@@ -274,12 +298,31 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
             dist.all_reduce(extra, group=grad_group)
     else:
         buffers.all_reduce(grad_group)
+    norm = None if max_grad_norm is None else clip_gradients(model.parameters(), max_grad_norm)
     optimizer.step()
     timer.stop()
-    # the step's one host read: loss, label count and every rank's K/V bytes
-    values = (torch.cat((extra, count.to(extra.dtype))) if count is not None else extra).tolist()
+    # the step's one host read: loss, label count, every rank's K/V bytes and the gradient norm
+    tail = [t.reshape(1).to(extra.dtype) for t in (count, norm) if t is not None]
+    values = torch.cat((extra, *tail)).tolist()
     slots = values[1:1 + 2 * ranks]
-    return StepResult(loss=values[0], num_label_tokens=int(values[-1]) if count is not None
-                      else batch.num_label_tokens, seconds=timer.seconds(), kv_sent_bytes=sent,
+    return StepResult(loss=values[0], num_label_tokens=int(values[1 + 2 * ranks]) if count is not None
+                      else labels, seconds=timer.seconds(), kv_sent_bytes=sent,
                       kv_recv_bytes=received, kv_bytes_busiest=int(max(a + b for a, b in zip(slots[::2], slots[1::2]))),
-                      kv_bytes_total=int(sum(slots[::2])), grad_bytes=grad_bytes)
+                      kv_bytes_total=int(sum(slots[::2])), grad_bytes=grad_bytes,
+                      grad_norm=None if norm is None else values[-1])
+
+
+def clip_gradients(params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale the gradients of ``params`` so that their global L2 norm is at most ``max_norm``, in place.
+
+    Returns the norm before clipping, a 0-d tensor on the gradients' device (no host sync). Gradients of a
+    sharded model (DTensors) count every shard: the norm is the whole model's on every rank.
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm

@@ -4,11 +4,12 @@ and its per-shard re-pricing (the equality over shapes, dtypes and token slack i
 import numpy as np
 import pytest
 
-from flashcp.costmodel.objective import cached_model, plan_step_seconds
+from flashcp.costmodel.objective import cached_model, plan_step_seconds, sequence_flops
 from flashcp.costmodel.profile import load_profile
 from flashcp.costmodel.projection import project_step
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.planner.registry import plan_sequence
+from tests.naive import naive_sequence_flops
 
 MODEL = cached_model(None, 32, 32, 128, 1)
 SHAPE = AttentionShape(num_heads=32, num_kv_heads=32, head_dim=128)
@@ -65,3 +66,22 @@ def test_objective_with_topology_equals_projection():
     plan = plan_sequence("flashcp", [9000, 5000, 3000], 4)
     assert project_step(plan, SHAPE, profile, "auto", True, gpus_per_node=4).total == \
         project_step(plan, SHAPE, profile, "auto", True).total
+
+
+def test_sequence_flops_counts_every_token_and_pair():
+    rng = np.random.default_rng(5)
+    shapes = [AttentionShape(), AttentionShape(num_heads=8, num_kv_heads=2, head_dim=64, layers=3)]
+    for shape in shapes:
+        rows = [rng.integers(1, 300, size=int(rng.integers(1, 6))) for _ in range(7)]
+        offsets = np.r_[0, np.cumsum([r.size for r in rows])]
+        got = sequence_flops(offsets, np.concatenate(rows), shape)
+        expected = [naive_sequence_flops(r.tolist(), shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                                         shape.layers, shape.hidden_mult) for r in rows]
+        assert got.dtype == np.float64 and np.allclose(got, expected, rtol=1e-12, atol=0), (got, expected)
+
+
+def test_a_plans_shape_comes_from_its_parameters():
+    assert AttentionShape.from_params({}) == AttentionShape()
+    shape = AttentionShape.from_params({"num_heads": 8, "num_kv_heads": 2, "head_dim": 64, "layers": 4,
+                                        "target_imbalance": 1.05})
+    assert (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.layers) == (8, 2, 64, 4)

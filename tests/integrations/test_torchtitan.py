@@ -167,7 +167,7 @@ def _worker(rank, world, root, references, ckpt_dir):
             if sharding == "fsdp":
                 model = shard_titan_model(model, meshes)
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-            loader = CPLoader.from_mesh(root, f"cp2-{strategy}", meshes.mesh, shuffle=False)
+            loader = CPLoader.from_mesh(root, f"cp2-{strategy}", meshes.mesh, shuffle=False, balance_window=0)
             losses = _train(model, optimizer, loader, meshes, comm, STEPS)
             loss_err, param_err = _errors(losses, full_parameters(model), references[meshes.groups.dp_size, arch])
             if not (loss_err <= LOSS_RTOL and param_err <= PARAM_TOL):
@@ -201,7 +201,7 @@ def _sharded_build_checks(root, references):
     if torch.equal(qkv[: qkv.shape[0] // 2], qkv[qkv.shape[0] // 2:]):
         failures.append("meta-sharded: both ranks drew the same shard of wqkv")
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    loader = CPLoader.from_mesh(root, "cp2-flashcp2", meshes.mesh, shuffle=False)
+    loader = CPLoader.from_mesh(root, "cp2-flashcp2", meshes.mesh, shuffle=False, balance_window=0)
     losses = _train(model, optimizer, loader, meshes, "a2a", STEPS)
     ref_losses = references[1, "qwen3"][0]  # same data, the unsharded draw's weights
     if not all(abs(a - b) < 0.05 * b for a, b in zip(losses, ref_losses, strict=True)):
@@ -215,7 +215,8 @@ def _loop_checks(root, references, ckpt_dir):
     failures = []
     options = dict(data=root, plan="cp2-flashcp2", model="titan-llama3", dtype="float64", vocab_size=VOCAB,
                    dim=DIM, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, lr=LR, seed=SEED, dp=2,
-                   sharding="fsdp", comm="a2a", shuffle=False, prefetch=0, ckpt=f"{ckpt_dir}/titan")
+                   sharding="fsdp", comm="a2a", shuffle=False, prefetch=0, ckpt=f"{ckpt_dir}/titan",
+                   balance_window=0)
     first = run_training(TrainOptions(**options, steps=2), build_model=build_model)
     second = run_training(TrainOptions(**options, steps=3, resume=True), build_model=build_model)
     losses = [s.loss for s in first + second]

@@ -8,10 +8,15 @@ import pytest
 from click.testing import CliRunner
 
 from flashcp.cli import cli
+from flashcp.costmodel.objective import sequence_flops
+from flashcp.costmodel.shape import AttentionShape
 from flashcp.data.dataset import Dataset
+from flashcp.errors import PlanError
 from flashcp.fileio import sha256_file
 from flashcp.planner import plan_sequence
-from flashcp.planner.store import CP_KEY, PLAN_SCHEMA, PlanFileWriter, PlanStore, plan_table
+from flashcp.planner.pipeline import plan_dataset
+from flashcp.planner.store import CP_KEY, PLAN_SCHEMA, SEQ_COST, PlanFileWriter, PlanStore, plan_table
+from tests.plans import write_plan
 
 
 def _table(plans):
@@ -19,7 +24,7 @@ def _table(plans):
     cat = lambda name: np.concatenate([getattr(p, name) for p in plans])  # noqa: E731
     n = len(plans)
     return plan_table(offsets, cat("shard_doc"), cat("shard_start"), cat("shard_len"), cat("shard_rank"),
-                      np.ones(n), np.zeros(n, np.int64), np.zeros(n, np.int64))
+                      np.ones(n), np.zeros(n, np.int64), np.zeros(n, np.int64), np.ones(n))
 
 
 def test_row_groups_round_trip_with_cp_in_the_footer(tmp_path):
@@ -72,3 +77,35 @@ def test_the_store_reads_back_what_plan_wrote(tmp_path):
     (data / "plans" / "cp8-flashcp+" / "plan.json").write_text(json.dumps(meta))
     with pytest.raises(Exception, match="cp"):
         PlanStore(Dataset(data), "cp8-flashcp+")
+
+
+def test_sequence_costs_are_stored_and_old_plans_are_priced_on_read(tmp_path):
+    data = tmp_path / "d"
+    runner = CliRunner()
+    result = runner.invoke(cli, ["synth", str(data), "--dist", "wlb", "--num-seqs", "7", "--context-len", "8192",
+                                 "--no-tokens", "--rows-per-file", "4"])
+    assert result.exit_code == 0, result.output
+    plan_dataset(data, 4, "flashcp2", overrides={"layers": 3, "num_kv_heads": 8}, compare=0)
+    dataset = Dataset(data)
+    store = PlanStore(dataset, "cp4-flashcp2")
+    assert store.cost_shape == AttentionShape(layers=3, num_kv_heads=8)
+    old_rows = []
+    for index in range(len(dataset.files)):
+        offsets, lens = dataset.read_doc_lens(index)
+        expected = sequence_flops(offsets, lens, store.cost_shape)
+        stored = np.array([p.seq_cost for p in store.iter_plans(index)])
+        assert np.allclose(stored, expected, rtol=1e-12, atol=0) and np.array_equal(store.seq_costs(index), stored)
+        assert np.array_equal(store.read_flat(index)["seq_cost"], stored)
+        old_rows.append([p.plan for p in store.iter_plans(index)])
+        store.check_row(next(store.iter_plans(index)), lens[offsets[0]:offsets[1]], index, 0)
+        with pytest.raises(PlanError, match="sequence cost"):
+            store.check_seq_cost(float(expected[0]) * (1 + 1e-9), lens[offsets[0]:offsets[1]])
+    # a plan file written before the column: readers price the sequences from the data
+    write_plan(dataset, "cp4-old", old_rows, 4, seq_cost=False)
+    old = PlanStore(dataset, "cp4-old")
+    assert SEQ_COST not in pq.ParquetFile(old.plan_path(0)).schema_arrow.names
+    for index in range(len(dataset.files)):
+        offsets, lens = dataset.read_doc_lens(index)
+        assert np.allclose(old.seq_costs(index), sequence_flops(offsets, lens, AttentionShape()), rtol=1e-12)
+        assert all(p.seq_cost is None for p in old.iter_plans(index))
+        assert "seq_cost" not in old.read_flat(index)

@@ -39,7 +39,7 @@ def test_a_plan_row_with_a_moved_shard_is_named(tmp_path):
     flat["shard_start"][offsets[2]] += 1  # row 2's first shard starts one token late: a gap and an overlap
     bad = plan_table(offsets, flat["shard_doc"], flat["shard_start"], flat["shard_len"], flat["shard_rank"],
                      table.column("imbalance").to_numpy(), table.column("ag_comm_tokens").to_numpy(),
-                     table.column("a2a_comm_tokens").to_numpy())
+                     table.column("a2a_comm_tokens").to_numpy(), table.column("seq_cost").to_numpy())
     meta = json.loads((plan_dir / "plan.json").read_text())
     meta["plan_files"][0] = write_plan_file(plan_dir, 0, bad, 4)
     (plan_dir / "plan.json").write_text(json.dumps(meta))

@@ -191,7 +191,7 @@ def test_data_parallel_replicas_share_every_epoch_exactly_once(planned, dp, shuf
     replicas = []
     for d in range(dp):
         per_rank = [stream(CPLoader(dataset.root, "cp3-test", r, CP, dp_rank=d, dp_size=dp, seed=4,
-                                    shuffle=shuffle), steps) for r in range(CP)]
+                                    shuffle=shuffle, balance_window=0), steps) for r in range(CP)]
         assert per_rank[0] == per_rank[1] == per_rank[2], "every rank of a CP group gets the same sequence"
         replicas.append(per_rank[0])
     interleaved = [replicas[d][s] for s in range(steps) for d in range(dp)]
@@ -215,13 +215,13 @@ def test_resume_mid_epoch_with_the_same_or_another_dp_size(planned, dp_before, d
     num = 9
     single = stream(CPLoader(dataset.root, "cp3-test", 1, CP, seed=6), 4 * num)
     for steps_before in (1, 4, 5):
-        loaders = [CPLoader(dataset.root, "cp3-test", 1, CP, dp_rank=d, dp_size=dp_before, seed=6)
-                   for d in range(dp_before)]
+        loaders = [CPLoader(dataset.root, "cp3-test", 1, CP, dp_rank=d, dp_size=dp_before, seed=6,
+                            balance_window=0) for d in range(dp_before)]
         before = [stream(loader, steps_before) for loader in loaders]
         states = [json.loads(json.dumps(loader.state_dict())) for loader in loaders]
         assert all(s == states[0] for s in states), "the loader state is the same on every replica"
-        resumed = [CPLoader(dataset.root, "cp3-test", 1, CP, dp_rank=d, dp_size=dp_after, seed=0)
-                   for d in range(dp_after)]
+        resumed = [CPLoader(dataset.root, "cp3-test", 1, CP, dp_rank=d, dp_size=dp_after, seed=0,
+                            balance_window=0) for d in range(dp_after)]
         for loader in resumed:
             loader.load_state_dict(states[0])
         steps_after = 6

@@ -108,7 +108,8 @@ def _train(root, groups, mesh, strategy, kind, mode, comm, steps, model=None, op
     if model is None:
         model = shard_model(make_model(kind, cp=True), groups, mode)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        loader = CPLoader.from_mesh(root, f"cp{groups.cp_size}-{strategy}", mesh, shuffle=False)
+        # the stream order (no DP balance): the reference trains the stream's consecutive sequences
+        loader = CPLoader.from_mesh(root, f"cp{groups.cp_size}-{strategy}", mesh, shuffle=False, balance_window=0)
     if kind == "tiny":
         loss_sum_fn = tiny_loss_sum
     else:

@@ -207,12 +207,13 @@ def _write_audit_plan(dataset: Dataset, store: PlanStore, audits: list[SequenceA
     plan_files, all_metrics = [], []
     base = 0
     for i, data_file in enumerate(dataset.files):
-        plans, metrics = [], []
+        plans, metrics, costs = [], [], []
         for j, stored in enumerate(store.iter_plans(i)):
             plan = ilp_plans.get(base + j, stored.plan)
             m = plan.metrics()
             plans.append(plan)
             metrics.append(m)
+            costs.append(stored.seq_cost)  # the sequence's price does not depend on its sharding
         base += data_file.rows
         all_metrics += metrics
         shard_offsets = np.r_[0, np.cumsum([p.num_shards for p in plans])].astype(np.int64)
@@ -223,7 +224,8 @@ def _write_audit_plan(dataset: Dataset, store: PlanStore, audits: list[SequenceA
         table = plan_table(shard_offsets, flat("shard_doc"), flat("shard_start"), flat("shard_len"),
                            flat("shard_rank"), np.array([m.imbalance for m in metrics], np.float64),
                            np.array([m.ag_comm_tokens for m in metrics], np.int64),
-                           np.array([m.a2a_comm_tokens for m in metrics], np.int64))
+                           np.array([m.a2a_comm_tokens for m in metrics], np.int64),
+                           None if None in costs else np.array(costs, np.float64))
         plan_files.append(write_plan_file(plan_dir, i, table, store.cp))
     summary = {
         **summarize_plans(np.array([m.imbalance for m in all_metrics], np.float64),
