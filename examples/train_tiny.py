@@ -4,6 +4,8 @@
     torchrun --nproc-per-node 2 examples/train_tiny.py DATA --plan cp2-flashcp --steps 40 --ckpt c.pt --resume
     torchrun --nproc-per-node 4 examples/train_tiny.py DATA --plan cp2-flashcp --dp 2 --sharding fsdp --ckpt ck
     torchrun --nproc-per-node 4 examples/train_tiny.py DATA --plan cp2-flashcp2 --dp 2 --model titan-qwen3
+    torchrun --nproc-per-node 2 examples/train_tiny.py DATA --plan cp2-flashcp --steps 100 --lr-schedule cosine \
+        --warmup-steps 10 --min-lr-ratio 0.1
 
 The plan's ``cp`` times ``--dp`` must equal the number of ranks: the ranks form a ``(dp, cp)`` DeviceMesh,
 consecutive ranks one CP group (``flashcp.train.parallel``). gloo on CPU, NCCL when CUDA is available;
@@ -27,7 +29,8 @@ import torch.distributed as dist
 from flashcp.cli.console import error, info, progress
 from flashcp.errors import FlashcpError
 from flashcp.integrations.models import MODELS, build_model
-from flashcp.train.loop import DTYPES, TrainOptions, run_training
+from flashcp.train.loop import DTYPES, LRSchedule, TrainOptions, run_training
+from flashcp.train.schedule import LR_SCHEDULES
 
 
 def parse_args(argv=None) -> TrainOptions:
@@ -37,7 +40,13 @@ def parse_args(argv=None) -> TrainOptions:
     parser.add_argument("--comm", default="auto", choices=("auto", "allgather", "a2a", "full"))
     parser.add_argument("--backend", default="auto", help="fa3, fa4, flash_attn, torch_varlen, reference or auto")
     parser.add_argument("--steps", type=int, default=10, help="total optimizer steps (one sequence each)")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1e-3, help="base (peak) learning rate")
+    parser.add_argument("--lr-schedule", default="constant", choices=LR_SCHEDULES,
+                        help="after the warm-up: constant, or cosine / linear decay to --min-lr-ratio x --lr")
+    parser.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up from 0 (0: none)")
+    parser.add_argument("--min-lr-ratio", type=float, default=0.0, help="the decay's floor, a fraction of --lr")
+    parser.add_argument("--decay-steps", type=int, default=None,
+                        help="the step the decay reaches its floor at (default: --steps)")
     parser.add_argument("--dtype", default=None, choices=tuple(DTYPES),
                         help="parameter dtype (default: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--model", default="tiny", choices=MODELS,
@@ -60,9 +69,11 @@ def parse_args(argv=None) -> TrainOptions:
     parser.add_argument("--balance-window", type=int, default=16,
                         help="with --dp > 1: steps per window whose sequences are grouped by cost (0: off)")
     args = parser.parse_args(argv)
+    schedule = LRSchedule(kind=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
+                          decay_steps=args.decay_steps)
     return TrainOptions(data=args.data, plan=args.plan, steps=args.steps, comm=args.comm, backend=args.backend,
-                        lr=args.lr, dtype=args.dtype, model=args.model, vocab_size=args.vocab, dim=args.dim,
-                        num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                        lr=args.lr, lr_schedule=schedule, dtype=args.dtype, model=args.model, vocab_size=args.vocab,
+                        dim=args.dim, num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
                         ckpt=args.ckpt, resume=args.resume, save_every=args.save_every, seed=args.seed,
                         dp=args.dp, sharding=args.sharding, prefetch=args.prefetch,
                         balance_window=args.balance_window, accum_steps=args.accum, max_grad_norm=args.clip)

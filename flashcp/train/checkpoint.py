@@ -65,19 +65,22 @@ def _first_line(error: BaseException) -> str:
 
 
 def save_checkpoint(path: str | Path, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    loader: Any, config: dict, group=None) -> None:
+                    loader: Any, config: dict, group=None, schedule: dict | None = None) -> None:
     """Write the checkpoint of a run that has done ``step`` steps; call on every rank of the CP ``group``.
 
     Rank 0 writes ``path`` atomically; every rank returns once the file is in place, or raises the same
     FlashcpError when it could not be written (the previous checkpoint then stays as it was). ``loader`` is
     anything with ``state_dict()`` (a ``CPLoader``); ``config`` a JSON-like dict that identifies the run (a
-    resume must present the same).
+    resume must present the same); ``schedule`` the learning-rate schedule's record (``LRSchedule.record``),
+    checked the same way on resume.
     """
     error: Exception | None = None
     if group_rank(group) == 0:
         state = {"format": CHECKPOINT_FORMAT, "step": int(step), "config": dict(config),
                  "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "loader": loader.state_dict()}
+        if schedule is not None:
+            state["schedule"] = dict(schedule)
         try:
             check_output(path, CHECKPOINT_FILE)  # again: something may have appeared there while training
             with atomic_path(path) as tmp:
@@ -97,12 +100,22 @@ def _check_config(path: Path, saved: dict, config: dict) -> None:
                            "settings or start a new checkpoint")
 
 
+def _check_schedule(path: Path, saved: dict | None, schedule: dict | None) -> None:
+    # a checkpoint from before schedules were recorded trained at its optimizer's constant learning rate
+    if saved is None or schedule is None or saved == schedule:
+        return
+    shown = ", ".join(f"{k} {saved.get(k)!r} (now {schedule.get(k)!r})" for k in sorted(set(saved) | set(schedule))
+                      if saved.get(k) != schedule.get(k))
+    raise FlashcpError(f"checkpoint {path} was trained with another learning-rate schedule: {shown}; resume with "
+                       "the same --lr, --lr-schedule, --warmup-steps, --min-lr-ratio and --decay-steps")
+
+
 def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any,
-                    config: dict, map_location: torch.device | str = "cpu") -> int:
+                    config: dict, map_location: torch.device | str = "cpu", schedule: dict | None = None) -> int:
     """Restore model, optimizer and loader from ``path``; returns the number of steps already done.
 
     Raises FlashcpError (one sentence) for a missing or unreadable file, a checkpoint of another format, or
-    one whose ``config`` differs from this run's (naming the keys that differ).
+    one whose ``config`` or learning-rate ``schedule`` differs from this run's (naming the keys that differ).
     """
     path = Path(path)
     if not path.is_file():
@@ -117,6 +130,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
         raise FlashcpError(f"checkpoint {path} has format {found}, this flashcp reads format "
                            f"{CHECKPOINT_FORMAT}")
     _check_config(path, state.get("config", {}), config)
+    _check_schedule(path, state.get("schedule"), schedule)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     loader.load_state_dict(state["loader"])
@@ -170,17 +184,17 @@ def check_sharded_target(path: str | Path) -> None:
 
 
 def save_sharded_checkpoint(path: str | Path, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                            loader: Any, config: dict, group=None) -> None:
+                            loader: Any, config: dict, group=None, schedule: dict | None = None) -> None:
     """Write a ``torch.distributed.checkpoint`` (DCP) folder; call on every rank of ``group`` (all ranks).
 
     Model and optimizer go through DCP (each rank writes its own shards: FSDP2 DTensors or replicated
-    tensors alike), and rank 0 writes ``flashcp.json`` beside them: format, step, config and the loader
-    state (the same on every rank, see ``CPLoader``). The folder is built under the staging name
-    ``.NAME.staging`` next to ``path`` (marked as flashcp's when it is made) and swapped in at the end (the
-    previous checkpoint, marked, moves to ``.NAME.old`` for the two renames and is deleted after), so a run
-    killed while saving leaves the previous checkpoint intact, and ``load_sharded_checkpoint`` finds it. A
-    DCP checkpoint can be loaded on another mesh shape (DCP reshards). A failed save raises the same
-    FlashcpError on every rank.
+    tensors alike), and rank 0 writes ``flashcp.json`` beside them: format, step, config, the learning-rate
+    ``schedule`` (when given) and the loader state (the same on every rank, see ``CPLoader``). The folder is
+    built under the staging name ``.NAME.staging`` next to ``path`` (marked as flashcp's when it is made) and
+    swapped in at the end (the previous checkpoint, marked, moves to ``.NAME.old`` for the two renames and is
+    deleted after), so a run killed while saving leaves the previous checkpoint intact, and
+    ``load_sharded_checkpoint`` finds it. A DCP checkpoint can be loaded on another mesh shape (DCP reshards).
+    A failed save raises the same FlashcpError on every rank.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -213,8 +227,11 @@ def save_sharded_checkpoint(path: str | Path, *, step: int, model: nn.Module, op
         raise FlashcpError(f"cannot write checkpoint {path}: {_first_line(e)}") from None
     if rank == 0:
         try:
-            write_json_atomic(staging / SHARDED_MARKER, {"format": CHECKPOINT_FORMAT, "step": int(step),
-                                                         "config": dict(config), "loader": loader.state_dict()})
+            meta = {"format": CHECKPOINT_FORMAT, "step": int(step), "config": dict(config),
+                    "loader": loader.state_dict()}
+            if schedule is not None:
+                meta["schedule"] = dict(schedule)
+            write_json_atomic(staging / SHARDED_MARKER, meta)
             if path.exists():
                 remove_marked(old, f"checkpoint {path}")
                 mark_dir(path, f"previous checkpoint {path.name}")  # so that its backup is provably ours
@@ -255,12 +272,13 @@ def _check_complete(path: Path) -> None:
 
 
 def load_sharded_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any,
-                            config: dict, group=None) -> int:
+                            config: dict, group=None, schedule: dict | None = None) -> int:
     """Restore model, optimizer and loader from a ``save_sharded_checkpoint`` folder; returns the steps done.
 
     Call on every rank, after ``shard_model`` and building the optimizer. Raises FlashcpError (one sentence)
-    for a missing folder, a folder that is not a flashcp sharded checkpoint, another run's checkpoint, or a
-    checkpoint missing its ``.metadata`` or one of its shard files (checked before DCP reads anything).
+    for a missing folder, a folder that is not a flashcp sharded checkpoint, another run's checkpoint (its
+    config or learning-rate schedule), or a checkpoint missing its ``.metadata`` or one of its shard files
+    (checked before DCP reads anything).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -276,6 +294,7 @@ def load_sharded_checkpoint(path: str | Path, *, model: nn.Module, optimizer: to
                            f"{SHARDED_MARKER}); point --ckpt elsewhere")
     meta = json.loads((path / SHARDED_MARKER).read_text())
     _check_config(path, meta.get("config", {}), config)
+    _check_schedule(path, meta.get("schedule"), schedule)
     _check_complete(path)
     # the model's own state_dict (FSDP2: its DTensor shards), so state_dict hooks that rename tensors (torchtitan's
     # fused QKV saves wq/wk/wv) apply; torch's get_state_dict maps every key back to a module attribute

@@ -17,6 +17,10 @@ leave the step after the same collectives, so one rank's wall time is the slowes
 optimizer update. The parameter dtype defaults to bfloat16 on CUDA (the GPU attention kernels need 16-bit
 inputs) and float32 elsewhere.
 
+The learning rate of each optimizer step comes from ``options.lr_schedule`` (``flashcp.train.schedule``: warm-up,
+then constant, cosine or linear decay), a function of the step number that checkpoints record, so a resume
+continues the same curve.
+
 The caller brings what the loop does not choose itself: the model (a ``ModelBuilder``; ``build_tiny_model``
 by default, ``flashcp.integrations.models.build_model`` for every ``--model`` name) and the progress bar (a
 ``ProgressFn`` such as ``flashcp.cli.console.progress``; None: no bar).
@@ -27,7 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +53,11 @@ from flashcp.train.checkpoint import (
 )
 from flashcp.train.loss import LossSumFn, tiny_loss_sum
 from flashcp.train.parallel import SHARDING_MODES, FsdpFn, ParallelGroups, build_mesh, shard_model
+from flashcp.train.schedule import LRSchedule
 from flashcp.train.step import agree_on_errors, fold_vocab, group_rank, group_size, train_step
 
-__all__ = ["DTYPES", "ModelBuilder", "ProgressFn", "StepLog", "TrainModel", "TrainOptions", "agree_on_errors",
-           "build_tiny_model", "default_dtype", "run_training"]
+__all__ = ["DTYPES", "LRSchedule", "ModelBuilder", "ProgressFn", "StepLog", "TrainModel", "TrainOptions",
+           "agree_on_errors", "build_tiny_model", "default_dtype", "run_training"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -77,7 +82,9 @@ class TrainOptions:
     backend: str = "auto"
     """Attention kernels: ``fa3``, ``fa4``, ``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``."""
     lr: float = 1e-3
-    """AdamW learning rate."""
+    """AdamW base learning rate (the schedule's peak)."""
+    lr_schedule: LRSchedule = field(default_factory=LRSchedule)
+    """Warm-up and decay of the learning rate, set before every optimizer step (default: constant ``lr``)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     dtype: str | None = None
@@ -141,6 +148,7 @@ class TrainOptions:
             raise ValueError(f"--clip must be at least 0 (0: no clipping), got {self.max_grad_norm}")
         if self.balance_window < 0:
             raise ValueError(f"--balance-window must be at least 0, got {self.balance_window}")
+        self.lr_schedule.check(self.steps)
         TinyConfig(vocab_size=self.vocab_size, dim=self.dim, num_layers=self.num_layers,
                    num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)  # validates the shape
 
@@ -172,6 +180,8 @@ class StepLog:
     """Bytes of one rank's gradient all-reduce input."""
     grad_norm: float | None = None
     """Global gradient L2 norm before clipping (None without ``max_grad_norm``)."""
+    lr: float | None = None
+    """The learning rate the step's update used (None: not recorded)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -301,12 +311,13 @@ def run_training(options: TrainOptions, *, group=None, device: torch.device | st
             for step in range(run.start + 1, options.steps + 1):
                 logs.append(_step(options, step, run, group, device))
                 if log:
-                    log(_format(logs[-1], options.steps))
+                    log(_format(logs[-1], options.steps, show_lr=options.lr_schedule != LRSchedule()))
                 if options.ckpt and (step == options.steps
                                      or (options.save_every and step % options.save_every == 0)):
                     save = save_sharded_checkpoint if options.sharding == "fsdp" else save_checkpoint
                     save(options.ckpt, step=step, model=run.model, optimizer=run.optimizer,
-                         loader=run.loader_state(), config=options.identity(), group=all_ranks)
+                         loader=run.loader_state(), config=options.identity(), group=all_ranks,
+                         schedule=options.lr_schedule.record(options.lr, options.steps))
                     if log:
                         log(f"saved {options.ckpt} at step {step}")
                 if advance is not None:
@@ -336,12 +347,14 @@ def _set_up(options: TrainOptions, rank: int, world: int, device: torch.device,
     start = 0
     if options.resume:
         assert options.ckpt is not None
+        schedule = options.lr_schedule.record(options.lr, options.steps)
         if options.sharding == "fsdp":
             start = load_sharded_checkpoint(Path(options.ckpt), model=model, optimizer=optimizer, loader=loader,
-                                            config=options.identity(), group=groups.grad_group if groups else None)
+                                            config=options.identity(), group=groups.grad_group if groups else None,
+                                            schedule=schedule)
         else:
             start = load_checkpoint(Path(options.ckpt), model=model, optimizer=optimizer, loader=loader,
-                                    config=options.identity(), map_location=device)
+                                    config=options.identity(), map_location=device, schedule=schedule)
     return _Run(loader=loader, model=model, loss_sum_fn=loss_sum_fn, optimizer=optimizer, start=start,
                 groups=groups, prefetch=options.prefetch)
 
@@ -352,20 +365,25 @@ def _step(options: TrainOptions, step: int, run: _Run, group, device: torch.devi
     batches = [fold_vocab(run.next_batch().to(device, non_blocking=run.prefetcher is not None, comm=options.comm,
                                               kv_bytes=kv_bytes), options.vocab_size)
                for _ in range(options.accum_steps)]
+    lr = options.lr * options.lr_schedule.factor(step, options.steps)
+    for param_group in run.optimizer.param_groups:  # a plain float: no host sync, and checkpointed with the state
+        param_group["lr"] = lr
     result = train_step(run.model, run.optimizer, batches, run.loss_sum_fn, group=group, comm=options.comm,
                         backend=options.backend, groups=run.groups,
                         max_grad_norm=options.max_grad_norm or None)
     return StepLog(step=step, loss=result.loss,
                    num_tokens=run.loader.context_len * options.dp * options.accum_steps,
                    seconds=time.perf_counter() - began, kv_bytes_busiest=result.kv_bytes_busiest,
-                   kv_bytes_total=result.kv_bytes_total, grad_bytes=result.grad_bytes, grad_norm=result.grad_norm)
+                   kv_bytes_total=result.kv_bytes_total, grad_bytes=result.grad_bytes, grad_norm=result.grad_norm,
+                   lr=lr)
 
 
-def _format(entry: StepLog, steps: int) -> str:
+def _format(entry: StepLog, steps: int, show_lr: bool = False) -> str:
     width = len(str(steps))
     return (f"step {entry.step:>{width}}/{steps}  loss {entry.loss:.4f}  {entry.tokens_per_s:>9,.0f} tok/s  "
             f"K/V {_bytes(entry.kv_bytes_busiest)} busiest rank, {_bytes(entry.kv_bytes_total)} sent in all  "
-            f"grads {_bytes(entry.grad_bytes)}" + ("" if entry.grad_norm is None else f", norm {entry.grad_norm:.3g}"))
+            f"grads {_bytes(entry.grad_bytes)}" + ("" if entry.grad_norm is None else f", norm {entry.grad_norm:.3g}")
+            + (f"  lr {entry.lr:.3g}" if show_lr and entry.lr is not None else ""))
 
 
 def _bytes(n: float) -> str:
