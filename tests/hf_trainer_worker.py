@@ -3,7 +3,8 @@
 ``python -m torch.distributed.run --nproc-per-node N tests/hf_trainer_worker.py SPEC.json``: SPEC holds the
 dataset folder, an output folder and a list of cases; for each case every rank builds the same seeded tiny
 model and trains it with CPTrainer (or CPSFTTrainer), and rank 0 saves ``{name}.pt`` with the Trainer's log
-history and the final parameters (gathered when FSDP shards them). A case whose construction or training
+history and the final parameters (gathered when FSDP shards them). A case may skip training (``"train": false``)
+and evaluate after it (``"evaluate": true``). A case whose construction or training
 raises ValueError records the message instead (``{"error": ...}``), on every rank alike.
 """
 
@@ -71,7 +72,10 @@ def run_case(case: dict, data: str, out: Path) -> dict:
         trainer = hf_trainer.CPSFTTrainer(**kwargs)
     else:
         trainer = hf_trainer.CPTrainer(**kwargs)
-    trainer.train(resume_from_checkpoint=case.get("resume"))
+    if case.get("train", True):
+        trainer.train(resume_from_checkpoint=case.get("resume"))
+    if case.get("evaluate"):
+        trainer.evaluate()
     params = full_parameters(trainer.model)
     return {"log_history": trainer.state.log_history, "params": params,
             "wrapped": type(trainer.model_wrapped).__name__}

@@ -3,7 +3,7 @@
 transformers' own CP (accelerate's ``ParallelismConfig(cp_size=...)``) shards a sequence with SDPA and a plain
 causal mask only, so packed documents attend across their boundaries. ``CPTrainer`` keeps the Trainer (its
 ``TrainingArguments``, optimizer and scheduler, DDP or FSDP through accelerate, logging, checkpoints, callbacks)
-and replaces the four things CP changes:
+and replaces the five things CP changes:
 
 - **Data.** The train dataloader is ``CPLoader`` over a flashcp dataset and plan. The launched world is a
   ``(dp, cp)`` mesh (``flashcp.train.parallel.build_mesh``): global rank ``g`` is CP rank ``g % cp`` of replica
@@ -20,6 +20,15 @@ and replaces the four things CP changes:
   batch (counted from the plan, summed over the replicas), times the world size because DDP and FSDP average
   gradients over the ranks; summed over ranks and micro-batches that is exactly the single-process mean loss of
   the global batch, and the gradients are its gradients. The logged ``loss`` is that global-batch mean.
+- **Evaluation.** ``eval_dataset`` is a flashcp dataset folder too, with its plan (``eval_plan``, for the same
+  ``cp``). ``evaluate()`` (and ``eval_strategy="steps"`` / ``"epoch"`` during training) runs every sequence of it
+  once, in file order, each under CP with the document mask: replica ``d`` takes sequences ``d, d + dp, ...``, and
+  in the last round a replica past the end runs a sequence anyway (an FSDP forward is collective) and counts
+  nothing. Each rank sums its token losses; the sums and the label counts are added over all ranks, so
+  ``eval_loss`` is the summed next-token loss over every label token of the set divided by their number: what
+  one process computes on the whole set at once. It is logged like the Trainer's own (``eval_loss``,
+  ``eval_runtime``, ``eval_samples_per_second``, ``eval_steps_per_second``) and passed to the callbacks.
+  ``per_device_eval_batch_size`` does not change it (one packed sequence per replica at a time).
 - **Checkpoints.** Each checkpoint folder also holds ``flashcp_loader.json`` (the loader's global position,
   written before the Trainer's own files); ``resume_from_checkpoint`` restores it, and the micro-batches the
   Trainer skips on resume are placeholders that read nothing, so the run continues at the same sequence.
@@ -28,7 +37,9 @@ What the Trainer cannot honour under CP is refused with one sentence: a model fl
 (``flashcp.integrations.hf_support``: any layer that is not full attention, an unverified architecture), a
 ``per_device_train_batch_size`` other than 1, ``auto_find_batch_size``, a ``train_dataset`` that is not a flashcp
 dataset folder, a plan whose ``cp`` differs from the ``cp`` argument or does not divide the launched world, a
-``data_collator``, evaluation, label smoothing, a ``compute_loss_func``, DataParallel (several GPUs in one process),
+``data_collator``, an ``eval_dataset`` that is not a planned flashcp dataset folder, ``compute_metrics`` and
+``preprocess_logits_for_metrics`` (a sequence's logits are split over the CP ranks), ``predict``, label smoothing,
+a ``compute_loss_func``, DataParallel (several GPUs in one process),
 DeepSpeed, accelerate's own context / sequence / tensor parallelism, and, in a batch, an ``attention_mask`` with
 padding.
 
@@ -45,6 +56,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -143,7 +155,8 @@ class CPTrainerMixin:
     state: Any
 
     def __init__(self, *args, train_dataset: str | os.PathLike, plan: str, cp: int | None = None,
-                 comm: str = "auto", backend: str = "auto", balance_window: int = 16, **kwargs):
+                 comm: str = "auto", backend: str = "auto", balance_window: int = 16,
+                 eval_dataset: str | os.PathLike | None = None, eval_plan: str | None = None, **kwargs):
         """Set up the Trainer, then the ``(dp, cp)`` mesh over the launched ranks.
 
         Args:
@@ -154,6 +167,8 @@ class CPTrainerMixin:
             comm: ``cp_attention``'s K/V exchange (``allgather``, ``a2a``, ``full``, ``ring``, ``auto``).
             backend: its kernels (``flash_attn``, ``torch_varlen``, ``reference``, ``auto``).
             balance_window: ``CPLoader``'s DP balance window in micro-batches (0: the stream order).
+            eval_dataset: a flashcp dataset folder to evaluate on (``evaluate()``, ``eval_strategy``), or None.
+            eval_plan: the name of its plan, made for the same ``cp`` (required with ``eval_dataset``).
             **kwargs: the Trainer's other keyword arguments.
 
         Raises ValueError (one sentence) for what CPTrainer cannot honour (module docstring) and FlashcpError
@@ -163,13 +178,23 @@ class CPTrainerMixin:
             raise ValueError(f"CPTrainer trains on a flashcp dataset folder (made by 'flashcp pack' or 'flashcp "
                              f"synth' and planned by 'flashcp plan'), got a {type(train_dataset).__name__}; pass "
                              "the folder's path and the plan's name")
-        for name in ("data_collator", "eval_dataset", "compute_loss_func"):
+        for name in ("data_collator", "compute_loss_func", "compute_metrics", "preprocess_logits_for_metrics"):
             if kwargs.get(name) is not None:
                 raise ValueError(f"CPTrainer cannot honour {name}: " + {
                     "data_collator": "its batches are built from the plan (one packed sequence per rank)",
-                    "eval_dataset": "it does not evaluate yet; evaluate the saved model with a plain Trainer",
                     "compute_loss_func": "its loss is the next-token loss over the global batch's labels",
+                    "compute_metrics": "each rank holds only its shard of a sequence's logits, so its evaluation "
+                                       "reports eval_loss alone",
+                    "preprocess_logits_for_metrics": "each rank holds only its shard of a sequence's logits, so "
+                                                     "its evaluation reports eval_loss alone",
                 }[name])
+        if eval_dataset is not None and not isinstance(eval_dataset, (str, os.PathLike)):
+            raise ValueError(f"CPTrainer evaluates on a flashcp dataset folder (made by 'flashcp pack' and planned "
+                             f"by 'flashcp plan'), got a {type(eval_dataset).__name__} as eval_dataset; pass the "
+                             "folder's path and eval_plan")
+        if eval_dataset is not None and (not isinstance(eval_plan, str) or not eval_plan):
+            raise ValueError(f"CPTrainer needs eval_plan, the name of a plan of {eval_dataset} (made by 'flashcp "
+                             f"plan {eval_dataset} --cp N'), got {eval_plan!r}")
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is None:
             raise ValueError("CPTrainer needs TrainingArguments (args=...); set per_device_train_batch_size=1")
@@ -186,10 +211,26 @@ class CPTrainerMixin:
         if cp is not None and cp != plan_cp:
             raise ValueError(f"plan '{plan}' was made for cp {plan_cp} but cp is {cp}; run 'flashcp plan --cp {cp}' "
                              f"or pass cp={plan_cp}")
+        eval_data = None
+        if eval_dataset is not None:
+            assert eval_plan is not None
+            eval_data = Dataset(Path(eval_dataset))
+            eval_cp = PlanStore(eval_data, eval_plan).cp
+            if eval_cp != plan_cp:
+                raise ValueError(f"eval plan '{eval_plan}' was made for cp {eval_cp} but plan '{plan}' trains with "
+                                 f"cp {plan_cp}; run 'flashcp plan {eval_dataset} --cp {plan_cp}'")
+        elif str(getattr(training_args.eval_strategy, "value", training_args.eval_strategy)) != "no":
+            raise ValueError(f"eval_strategy='{getattr(training_args.eval_strategy, 'value', '')}' needs data to "
+                             "evaluate on: pass CPTrainer(eval_dataset=DATA, eval_plan=PLAN) or set eval_strategy='no'")
         self.cp_data, self.cp_plan, self.cp_size = Path(train_dataset), plan, plan_cp
+        self.cp_eval_data = None if eval_dataset is None else Path(eval_dataset)
+        self.cp_eval_plan = eval_plan
         self.cp_comm, self.cp_backend, self.cp_balance_window = comm, backend, balance_window
-        super().__init__(*args, train_dataset=self._base_train_dataset(dataset), **kwargs)  # type: ignore[call-arg]
+        super().__init__(*args, train_dataset=self._base_train_dataset(dataset),  # type: ignore[call-arg]
+                         eval_dataset=None if eval_data is None else self._base_eval_dataset(eval_data), **kwargs)
         self.cp_vocab_size = self._check_vocabulary(dataset)
+        if eval_data is not None:
+            self._check_vocabulary(eval_data)
         world = self.args.world_size
         if world % self.cp_size:
             raise ValueError(f"plan '{plan}' was made for cp {self.cp_size} but {world} ranks were launched; "
@@ -208,6 +249,13 @@ class CPTrainerMixin:
     def _base_train_dataset(self, dataset: Dataset) -> Any:
         """What the base class's ``__init__`` receives as ``train_dataset`` (the data itself comes from CPLoader)."""
         return None
+
+    def _base_eval_dataset(self, dataset: Dataset) -> Any:
+        """What the base class's ``__init__`` receives as ``eval_dataset`` (``evaluate`` reads through CPLoader).
+
+        Anything but None, so that the base class accepts an ``eval_strategy``.
+        """
+        return str(dataset.root)
 
     # ---- set-up --------------------------------------------------------------------------------------------
 
@@ -307,6 +355,14 @@ class CPTrainerMixin:
         if num_items_in_batch is None:
             raise ValueError("CPTrainer.compute_loss needs num_items_in_batch, the global batch's label tokens "
                              "(CPTrainer.get_batch_samples counts them)")
+        loss_sum, outputs = self._loss_sum(model, inputs)
+        # DDP and FSDP average gradients over the ranks; the loss shares must add up instead
+        world = self.accelerator.num_processes
+        loss = loss_sum * (world / max(int(num_items_in_batch), 1))
+        return (loss, outputs) if return_outputs else loss
+
+    def _loss_sum(self, model: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+        """The summed next-token loss over this rank's labels of one packed sequence, and the model's outputs."""
         mask = inputs.get("attention_mask")
         if mask is not None and not bool(mask.all()):
             raise ValueError("CPTrainer takes the document mask from the plan and its sequences have no padding; "
@@ -316,15 +372,78 @@ class CPTrainerMixin:
         group = self.cp_groups.cp_group if self.cp_groups is not None else None
         outputs = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False,
                         **hf_attention_kwargs(meta, group=group, comm=self.cp_comm, backend=self.cp_backend))
-        loss_sum = causal_lm_loss_sum(outputs.logits[0], labels_BT[0])
-        # DDP and FSDP average gradients over the ranks; the loss shares must add up instead
-        world = self.accelerator.num_processes
-        loss = loss_sum * (world / max(int(num_items_in_batch), 1))
-        return (loss, outputs) if return_outputs else loss
+        return causal_lm_loss_sum(outputs.logits[0], labels_BT[0]), outputs
 
     def get_cp_size(self) -> int:
         """Ranks per sequence (the Trainer divides the world by it to report the global batch size)."""
         return self.cp_size
+
+    # ---- evaluation ------------------------------------------------------------------------------------------
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """The mean next-token loss over every label token of the eval dataset, under CP; logged and returned.
+
+        Collective: call on every rank. Returns ``{"{metric_key_prefix}_loss": ..., "..._runtime": ...,
+        "..._samples_per_second": ..., "..._steps_per_second": ...}`` (module docstring). Raises ValueError for
+        an ``eval_dataset`` argument (the data is the one given to ``CPTrainer``) or when there is none.
+        """
+        from transformers.trainer_utils import speed_metrics
+
+        if eval_dataset is not None:
+            raise ValueError("CPTrainer evaluates the flashcp dataset given as CPTrainer(eval_dataset=DATA, "
+                             "eval_plan=PLAN); call evaluate() without eval_dataset")
+        if self.cp_eval_data is None:
+            raise ValueError("CPTrainer has no data to evaluate on; pass CPTrainer(eval_dataset=DATA, "
+                             "eval_plan=PLAN)")
+        self._memory_tracker.start()  # type: ignore[attr-defined]
+        start = time.time()
+        loss, num_sequences, num_steps = self._evaluation_loss()
+        metrics = {f"{metric_key_prefix}_loss": loss}
+        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=num_sequences, num_steps=num_steps))
+        self.log(metrics)  # type: ignore[attr-defined]
+        self.control = self.callback_handler.on_evaluate(  # type: ignore[attr-defined]
+            self.args, self.state, self.control, metrics)  # type: ignore[has-type]
+        self._memory_tracker.stop_and_update_metrics(metrics)  # type: ignore[attr-defined]
+        return metrics
+
+    def _evaluation_loss(self) -> tuple[float, int, int]:
+        """(summed loss over every label token / their number, sequences, rounds): the module docstring."""
+        assert self.cp_eval_data is not None and self.cp_eval_plan is not None
+        if self.cp_groups is not None:
+            loader = CPLoader.from_mesh(self.cp_eval_data, self.cp_eval_plan, self.cp_groups.mesh, shuffle=False,
+                                        balance_window=0)
+        else:
+            loader = CPLoader(self.cp_eval_data, self.cp_eval_plan, 0, 1, shuffle=False, balance_window=0)
+        num_sequences = len(loader)
+        stream = _CPStream(loader, math.ceil(num_sequences / self.dp_size), self.cp_vocab_size)
+        model = self.model
+        was_training = model.training
+        model.eval()
+        device = self.args.device
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        labels = 0
+        try:
+            with torch.no_grad():
+                for step, micro_batch in enumerate(stream):
+                    inputs = self._prepare_inputs(micro_batch)  # type: ignore[attr-defined]
+                    with self.compute_loss_context_manager():  # type: ignore[attr-defined]
+                        local, _ = self._loss_sum(model, inputs)
+                    if step * self.dp_size + loader.dp_rank < num_sequences:  # else a sequence of the next pass
+                        loss_sum += local.double()
+                        labels += int(micro_batch["num_label_tokens"]) if loader.rank == 0 else 0
+        finally:
+            model.train(was_training)
+        totals = torch.stack((loss_sum, torch.tensor(float(labels), dtype=torch.float64, device=device)))
+        if self.cp_groups is not None:
+            dist.all_reduce(totals)  # every rank's loss sum; the label counts of each replica's CP rank 0
+        total_loss, total_labels = totals.tolist()
+        return total_loss / max(total_labels, 1.0), num_sequences, len(stream)
+
+    def predict(self, *args, **kwargs):
+        """Refused: each rank holds only its shard of a sequence's logits (``evaluate`` gives the loss)."""
+        raise ValueError("CPTrainer cannot predict: each rank holds only its shard of a sequence's logits; use "
+                         "evaluate() for the loss")
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
 
@@ -378,9 +497,6 @@ def _check_arguments(args) -> None:
     if args.label_smoothing_factor:
         raise ValueError(f"CPTrainer's loss has no label smoothing, got label_smoothing_factor="
                          f"{args.label_smoothing_factor}; set it to 0")
-    if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" or args.do_eval:
-        raise ValueError("CPTrainer does not evaluate yet; set eval_strategy='no' and evaluate the saved model "
-                         "with a plain Trainer")
     if args.train_sampling_strategy not in _SAMPLING:
         raise ValueError(f"CPTrainer orders packed sequences 'random' (shuffled with data_seed) or 'sequential', "
                          f"got train_sampling_strategy='{args.train_sampling_strategy}'")
@@ -392,8 +508,10 @@ class CPTrainer(CPTrainerMixin, Trainer):  # type: ignore[misc]
     Launch ``dp x cp`` ranks with torchrun; every rank runs the same script::
 
         trainer = CPTrainer(model=model, args=TrainingArguments(..., per_device_train_batch_size=1),
-                            train_dataset="DATA", plan="cp4-flashcp2")
+                            train_dataset="DATA", plan="cp4-flashcp2",
+                            eval_dataset="EVAL", eval_plan="cp4-flashcp2")
         trainer.train()
+        trainer.evaluate()  # {"eval_loss": ...}
     """
 
 
@@ -424,6 +542,10 @@ def _cp_sft_trainer() -> type:
                 else:
                     kwargs["args"] = training_args
             super().__init__(*args, **kwargs)
+
+        def _base_eval_dataset(self, dataset: Dataset) -> Any:
+            """The same as for training: SFTTrainer looks at an eval dataset's columns too."""
+            return self._base_train_dataset(dataset)
 
         def _base_train_dataset(self, dataset: Dataset) -> Any:
             """SFTTrainer wants a ``datasets`` dataset to look at: the packed sequences' tokens, row by row."""

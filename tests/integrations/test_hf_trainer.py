@@ -11,6 +11,11 @@ grad norms within 3e-7 relative); AdamW divides each entry's step by its own gra
 tiny gradients carry that noise into their update, and parameters are compared to 1% of the learning rate
 (measured: within 2e-5 after 3-5 steps at lr 1e-2). Resume from a Trainer checkpoint must be bit-for-bit
 exact. The refusals run in this process (one rank).
+
+Evaluation: a second dataset (5 packed sequences) with plans for cp 1 and 2. Its reference is the plain Trainer's
+``evaluate`` with all 5 sequences in one batch (so its ``eval_loss`` is the mean over every label token of the set,
+as CPTrainer's), at the same steps of the same training; CPTrainer's ``eval_loss`` must equal it within
+``LOSS_TOL``, on 2 ranks as CP 2 and as DP 2 (whose last round has one replica past the end).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from tests.plans import write_dataset, write_plan  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 HAS_TRL = importlib.util.find_spec("trl") is not None
-CONTEXT, NUM_SEQS = 256, 8
+CONTEXT, NUM_SEQS, NUM_EVAL_SEQS = 256, 8, 5
 LOSS_TOL, GRAD_NORM_RTOL, PARAM_TOL = 1e-5, 1e-5, 1e-2 * LR
 
 
@@ -61,6 +66,23 @@ def planned(tmp_path_factory):
     for cp in (1, 2, 4):
         write_plan(dataset, f"cp{cp}", [[plan_sequence("flashcp", lens, cp) for lens in rows]], cp)
     return root, {(0, i): (tokens[0][i], rows[i]) for i in range(NUM_SEQS)}
+
+
+@pytest.fixture(scope="module")
+def eval_planned(tmp_path_factory):
+    """The evaluation dataset: 5 packed sequences with plans ``cp1`` and ``cp2``, and its sequences in file order."""
+    from flashcp.planner.registry import plan_sequence
+
+    root = tmp_path_factory.mktemp("hf_trainer_eval") / "eval"
+    rng = np.random.default_rng(11)
+    rows = []
+    for _ in range(NUM_EVAL_SEQS):
+        cuts = np.sort(rng.choice(np.arange(1, CONTEXT), size=int(rng.integers(2, 7)), replace=False))
+        rows.append(np.diff(np.r_[0, cuts, CONTEXT]))
+    dataset, tokens = write_dataset(root, [rows], CONTEXT, rng, row_group_rows=2, vocab_size=64)
+    for cp in (1, 2):
+        write_plan(dataset, f"cp{cp}", [[plan_sequence("flashcp", lens, cp) for lens in rows]], cp)
+    return root, [(tokens[0][i], rows[i]) for i in range(NUM_EVAL_SEQS)]
 
 
 def stream_order(root, count: int, *, shuffle: bool) -> list[tuple[int, int]]:
@@ -96,20 +118,43 @@ class ReferenceData(torch.utils.data.Dataset):
 
 
 def reference_run(planned, tmp_path, arch: str, *, dp: int, ga: int, steps: int, shuffle: bool = True,
-                  document_mask: bool = True, **overrides):
-    """Losses per step and final parameters of a plain single-process Trainer on the same global batches."""
+                  document_mask: bool = True, eval_sequences=None, evaluations: list | None = None, **overrides):
+    """Losses per step and final parameters of a plain single-process Trainer on the same global batches.
+
+    With ``eval_sequences`` it evaluates on them in one batch (``overrides`` say when); ``evaluations`` receives
+    the logged ``(step, eval_loss)`` pairs, then those of an ``evaluate()`` after training.
+    """
     from transformers import Trainer
 
     root, sequences = planned
     order = stream_order(root, steps * ga * dp, shuffle=shuffle)
     model = make_model(arch, attn_implementation="sdpa")
+    if eval_sequences is not None:
+        overrides["per_device_eval_batch_size"] = len(eval_sequences)
     args = training_arguments(str(tmp_path / f"ref-{arch}"), gradient_accumulation_steps=ga * dp, max_steps=steps,
                               train_sampling_strategy="sequential", ddp_backend=None, **overrides)
     trainer = Trainer(model=model, args=args, train_dataset=ReferenceData([sequences[k] for k in order],
-                                                                                 document_mask))
-    trainer.train()
+                                                                                 document_mask),
+                      eval_dataset=None if eval_sequences is None else ReferenceData(eval_sequences))
+    if steps:
+        trainer.train()
+    if evaluations is not None:
+        trainer.evaluate()
+        evaluations += eval_losses(trainer.state.log_history)
     log = [entry for entry in trainer.state.log_history if "loss" in entry]
     return log, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def eval_losses(log_history) -> list[tuple[int, float]]:
+    return [(entry["step"], entry["eval_loss"]) for entry in log_history if "eval_loss" in entry]
+
+
+def check_eval_equal(log_history, reference: list[tuple[int, float]], where: str) -> None:
+    got = eval_losses(log_history)
+    assert [s for s, _ in got] == [s for s, _ in reference], f"{where}: evaluated at {got}, reference {reference}"
+    err = max(abs(a - b) for (_, a), (_, b) in zip(got, reference))
+    print(f"{where}: max |eval_loss err| {err:.2e} over {len(got)} evaluations")
+    assert err < LOSS_TOL, f"{where}: max |eval_loss err| {err:.2e}: {got} != {reference}"
 
 
 def losses_of(log_history) -> list[float]:
@@ -148,8 +193,9 @@ def max_errors(result, reference) -> tuple[float, float, float]:
 
 
 
-def _cases_2(out: Path, data: Path) -> list[dict]:
+def _cases_2(out: Path, data: Path, eval_data: Path) -> list[dict]:
     full = dict(max_steps=5, save_strategy="steps", save_steps=2)
+    evaluating = dict(max_steps=5, eval_strategy="steps", eval_steps=2)
     cases = [
         dict(name="llama", arch="llama", plan="cp2", args=full),
         dict(name="llama-resume-2", arch="llama", plan="cp2", args=full, resume=str(out / "llama" / "checkpoint-2")),
@@ -160,6 +206,11 @@ def _cases_2(out: Path, data: Path) -> list[dict]:
         dict(name="qwen2", arch="qwen2", plan="cp2", args=dict(train_sampling_strategy="sequential"),
              trainer_kwargs=dict(comm="a2a")),
         dict(name="cp4-on-2", arch="llama", plan="cp4"),
+        dict(name="llama-eval", arch="llama", plan="cp2", args=evaluating, evaluate=True,
+             trainer_kwargs=dict(eval_dataset=str(eval_data), eval_plan="cp2")),
+        # DP 2 x CP 1: 5 sequences in 3 rounds, replica 1 past the end in the last
+        dict(name="llama-eval-dp2", arch="llama", plan="cp1", train=False, evaluate=True,
+             trainer_kwargs=dict(eval_dataset=str(eval_data), eval_plan="cp1")),
     ]
     if HAS_TRL:
         cases.append(dict(name="llama-sft", arch="llama", plan="cp2", args=dict(max_steps=5), trainer="sft"))
@@ -178,10 +229,10 @@ def _cases_4() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(planned, tmp_path_factory):
+def two_ranks(planned, eval_planned, tmp_path_factory):
     root, _ = planned
     out = tmp_path_factory.mktemp("w2")
-    return out, launch(2, root, out, _cases_2(out, root))
+    return out, launch(2, root, out, _cases_2(out, root, eval_planned[0]))
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +251,20 @@ def references(planned, tmp_path_factory):
         "llama-dp2": reference_run(planned, tmp, "llama", dp=2, ga=2, steps=3),
         "qwen2": reference_run(planned, tmp, "qwen2", dp=1, ga=2, steps=3),
     }
+
+
+@pytest.fixture(scope="module")
+def eval_references(planned, eval_planned, tmp_path_factory):
+    """(step, eval_loss) of a plain Trainer: evaluating every 2 steps of the ``llama-5`` training, and untrained."""
+    tmp = tmp_path_factory.mktemp("eval_references")
+    _, eval_sequences = eval_planned
+    trained: list = []
+    reference_run(planned, tmp / "trained", "llama", dp=1, ga=2, steps=5, eval_sequences=eval_sequences,
+                  evaluations=trained, eval_strategy="steps", eval_steps=2)
+    untrained: list = []
+    reference_run(planned, tmp / "untrained", "llama", dp=1, ga=2, steps=0, eval_sequences=eval_sequences,
+                  evaluations=untrained)
+    return {"llama-eval": trained, "llama-eval-dp2": untrained}
 
 
 def check_equal(result, reference, where: str, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_NORM_RTOL,
@@ -260,6 +325,16 @@ def test_resume_from_a_checkpoint_is_exact(two_ranks, step):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama-eval", "llama-eval-dp2"])
+def test_two_ranks_evaluate_as_one_process(two_ranks, references, eval_references, name):
+    _, results = two_ranks
+    assert "error" not in results[name], results[name].get("error")
+    check_eval_equal(results[name]["log_history"], eval_references[name], f"2 ranks {name}")
+    if name == "llama-eval":  # evaluating leaves the training as it was
+        check_equal(results[name], references["llama-5"], f"cp 2 {name}")
+
+
+@pytest.mark.slow
 def test_plan_for_another_launch_is_refused(two_ranks):
     _, results = two_ranks
     assert results["cp4-on-2"] == {"error": "plan 'cp4' was made for cp 4 but 2 ranks were launched; launch a "
@@ -275,7 +350,7 @@ def test_example_script_trains_and_saves(two_ranks):
     assert (out / "example" / "checkpoint-2" / "flashcp_loader.json").is_file()
 
 
-def test_the_comparison_can_fail(planned, references, tmp_path):
+def test_the_comparison_can_fail(planned, eval_planned, references, tmp_path):
     # the parameters moved far more than the tolerance, and attending across documents (one causal mask over
     # the whole packed sequence) trains parameters that differ by far more too: equal numbers are not by accident
     log, final = references["llama-5"]
@@ -283,6 +358,16 @@ def test_the_comparison_can_fail(planned, references, tmp_path):
     assert max((final[n] - p).abs().max().item() for n, p in init.items()) > 100 * PARAM_TOL
     causal = reference_run(planned, tmp_path, "llama", dp=1, ga=2, steps=5, document_mask=False)
     assert max((final[n] - p).abs().max().item() for n, p in causal[1].items()) > 100 * PARAM_TOL
+    # and the trained model's eval_loss over the eval set with one causal mask differs by far more than LOSS_TOL
+    from transformers import Trainer
+
+    _, eval_sequences = eval_planned
+    trained = make_model("llama", attn_implementation="sdpa")
+    trained.load_state_dict(final, strict=False)
+    args = training_arguments(str(tmp_path / "eval"), ddp_backend=None, per_device_eval_batch_size=NUM_EVAL_SEQS)
+    losses = [Trainer(model=trained, args=args, eval_dataset=ReferenceData(eval_sequences, document_mask))
+              .evaluate()["eval_loss"] for document_mask in (True, False)]
+    assert abs(losses[0] - losses[1]) > 100 * LOSS_TOL, losses
 
 
 def test_one_process_with_a_cp1_plan_equals_the_plain_trainer(planned, references, tmp_path):
@@ -296,11 +381,45 @@ def test_one_process_with_a_cp1_plan_equals_the_plain_trainer(planned, reference
     check_equal(result, references["qwen2"], "one process, cp 1")
 
 
-def test_refusals_are_one_sentence(planned, tmp_path):
+def test_one_process_evaluation_equals_the_plain_trainer(planned, eval_planned, tmp_path):
+    from flashcp.integrations.hf_trainer import CPTrainer
+
+    root, _ = planned
+    eval_root, eval_sequences = eval_planned
+    schedule = dict(eval_strategy="steps", eval_steps=2)
+    evaluations: list = []
+    reference = reference_run(planned, tmp_path, "llama", dp=1, ga=2, steps=5, eval_sequences=eval_sequences,
+                              evaluations=evaluations, **schedule)
+    assert [step for step, _ in evaluations] == [2, 4, 5, 5]  # the last step evaluates, then evaluate()
+    args = training_arguments(str(tmp_path / "cp1-eval"), ddp_backend=None, max_steps=5, **schedule)
+    trainer = CPTrainer(model=make_model("llama"), args=args, train_dataset=str(root), plan="cp1",
+                        eval_dataset=str(eval_root), eval_plan="cp1")
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert set(metrics) == {"eval_loss", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "epoch"}
+    check_eval_equal(trainer.state.log_history, evaluations, "one process, cp 1")
+    result = {"log_history": trainer.state.log_history, "params": dict(trainer.model.named_parameters())}
+    check_equal(result, reference, "one process, cp 1, evaluating")
+    if HAS_TRL:  # CPSFTTrainer evaluates the same way (SFTTrainer looks at the eval data's columns first)
+        from flashcp.integrations.hf_trainer import CPSFTTrainer
+        from tests.hf_trainer_worker import tiny_tokenizer
+
+        untrained: list = []
+        reference_run(planned, tmp_path / "untrained", "llama", dp=1, ga=2, steps=0, eval_sequences=eval_sequences,
+                      evaluations=untrained)
+        sft = CPSFTTrainer(model=make_model("llama"), args=training_arguments(str(tmp_path / "sft"), ddp_backend=None),
+                           train_dataset=str(root), plan="cp1", eval_dataset=str(eval_root), eval_plan="cp1",
+                           processing_class=tiny_tokenizer())
+        sft.evaluate()
+        check_eval_equal(sft.state.log_history, untrained, "one process, CPSFTTrainer")
+
+
+def test_refusals_are_one_sentence(planned, eval_planned, tmp_path):
     from flashcp.errors import FlashcpError
     from flashcp.integrations.hf_trainer import CPTrainer
 
     root, sequences = planned
+    eval_root = str(eval_planned[0])
     model = make_model("llama")
 
     def build(*, args=None, **kwargs):
@@ -313,8 +432,14 @@ def test_refusals_are_one_sentence(planned, tmp_path):
         (dict(args=dict(auto_find_batch_size=True)), "set auto_find_batch_size=False"),
         (dict(args=dict(label_smoothing_factor=0.1)), "no label smoothing"),
         (dict(args=dict(train_sampling_strategy="group_by_length")), "train_sampling_strategy='group_by_length'"),
-        (dict(args=dict(eval_strategy="steps", eval_steps=1)), "does not evaluate yet"),
-        (dict(eval_dataset=ReferenceData([sequences[0, 0]])), "cannot honour eval_dataset"),
+        (dict(args=dict(eval_strategy="steps", eval_steps=1)),
+         "eval_strategy='steps' needs data to evaluate on: pass CPTrainer(eval_dataset=DATA, eval_plan=PLAN)"),
+        (dict(eval_dataset=ReferenceData([sequences[0, 0]])), "got a ReferenceData as eval_dataset; pass the folder"),
+        (dict(eval_dataset=eval_root), "CPTrainer needs eval_plan, the name of a plan of"),
+        (dict(eval_dataset=eval_root, eval_plan="cp2"), "eval plan 'cp2' was made for cp 2 but plan 'cp1' trains "
+                                                        "with cp 1"),
+        (dict(compute_metrics=lambda p: {}), "cannot honour compute_metrics: each rank holds only its shard"),
+        (dict(preprocess_logits_for_metrics=lambda a, b: a), "cannot honour preprocess_logits_for_metrics"),
         (dict(data_collator=lambda rows: rows), "cannot honour data_collator"),
         (dict(compute_loss_func=lambda *a, **k: 0), "cannot honour compute_loss_func"),
         (dict(train_dataset=ReferenceData([sequences[0, 0]])), "got a ReferenceData; pass the folder's path"),
@@ -327,6 +452,16 @@ def test_refusals_are_one_sentence(planned, tmp_path):
         assert "\n" not in str(refused.value)
     with pytest.raises(FlashcpError, match="plan 'cp9' does not exist"):
         build(plan="cp9")
+    with pytest.raises(FlashcpError, match="plan 'cp9' does not exist"):
+        build(eval_dataset=eval_root, eval_plan="cp9")
+    evaluating = build(eval_dataset=eval_root, eval_plan="cp1")
+    for call, message in [(lambda: evaluating.evaluate(eval_dataset=ReferenceData([sequences[0, 0]])),
+                           "CPTrainer evaluates the flashcp dataset given as CPTrainer(eval_dataset=DATA"),
+                          (lambda: build().evaluate(), "CPTrainer has no data to evaluate on; pass"),
+                          (lambda: evaluating.predict(ReferenceData([sequences[0, 0]])), "CPTrainer cannot predict")]:
+        with pytest.raises(ValueError, match=re.escape(message)) as refused:
+            call()
+        assert "\n" not in str(refused.value)
     for model_type, class_name, overrides, names in [
             ("qwen3_next", "Qwen3NextForCausalLM", {}, "layer 0 is linear_attention"),
             ("llama4_text", "Llama4ForCausalLM", {"no_rope_layers": [1, 0]}, "layer 1 has no RoPE")]:
