@@ -219,9 +219,9 @@ class CPTrainerMixin:
             if eval_cp != plan_cp:
                 raise ValueError(f"eval plan '{eval_plan}' was made for cp {eval_cp} but plan '{plan}' trains with "
                                  f"cp {plan_cp}; run 'flashcp plan {eval_dataset} --cp {plan_cp}'")
-        elif str(getattr(training_args.eval_strategy, "value", training_args.eval_strategy)) != "no":
-            raise ValueError(f"eval_strategy='{getattr(training_args.eval_strategy, 'value', '')}' needs data to "
-                             "evaluate on: pass CPTrainer(eval_dataset=DATA, eval_plan=PLAN) or set eval_strategy='no'")
+        elif (strategy := str(getattr(training_args.eval_strategy, "value", training_args.eval_strategy))) != "no":
+            raise ValueError(f"eval_strategy='{strategy}' needs data to evaluate on: pass CPTrainer("
+                             "eval_dataset=DATA, eval_plan=PLAN) or set eval_strategy='no'")
         self.cp_data, self.cp_plan, self.cp_size = Path(train_dataset), plan, plan_cp
         self.cp_eval_data = None if eval_dataset is None else Path(eval_dataset)
         self.cp_eval_plan = eval_plan
@@ -435,8 +435,8 @@ class CPTrainerMixin:
         finally:
             model.train(was_training)
         totals = torch.stack((loss_sum, torch.tensor(float(labels), dtype=torch.float64, device=device)))
-        if self.cp_groups is not None:
-            dist.all_reduce(totals)  # every rank's loss sum; the label counts of each replica's CP rank 0
+        if self.cp_groups is not None:  # every rank's loss sum; the label counts of each replica's CP rank 0
+            dist.all_reduce(totals, group=self.cp_groups.grad_group)
         total_loss, total_labels = totals.tolist()
         return total_loss / max(total_labels, 1.0), num_sequences, len(stream)
 
