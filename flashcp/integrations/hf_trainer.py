@@ -34,14 +34,13 @@ and replaces the five things CP changes:
   Trainer skips on resume are placeholders that read nothing, so the run continues at the same sequence.
 
 What the Trainer cannot honour under CP is refused with one sentence: a model flashcp cannot train exactly under CP
-(``flashcp.integrations.hf_support``: any layer that is not full attention, an unverified architecture), a
-``per_device_train_batch_size`` other than 1, ``auto_find_batch_size``, a ``train_dataset`` that is not a flashcp
-dataset folder, a plan whose ``cp`` differs from the ``cp`` argument or does not divide the launched world, a
-``data_collator``, an ``eval_dataset`` that is not a planned flashcp dataset folder, ``compute_metrics`` and
-``preprocess_logits_for_metrics`` (a sequence's logits are split over the CP ranks), ``predict``, label smoothing,
-a ``compute_loss_func``, DataParallel (several GPUs in one process),
-DeepSpeed, accelerate's own context / sequence / tensor parallelism, and, in a batch, an ``attention_mask`` with
-padding.
+(``flashcp.integrations.hf_support``: a layer kind cp_attention does not run, an unverified architecture), a
+``per_device_train_batch_size`` other than 1, ``dataloader_num_workers`` above 0, ``auto_find_batch_size``, a
+``train_dataset`` that is not a flashcp dataset folder, a plan whose ``cp`` differs from the ``cp`` argument or does
+not divide the launched world, a ``data_collator``, an ``eval_dataset`` that is not a planned flashcp dataset
+folder, ``compute_metrics`` and ``preprocess_logits_for_metrics`` (a sequence's logits are split over the CP ranks),
+``predict``, label smoothing, a ``compute_loss_func``, DataParallel (several GPUs in one process), DeepSpeed,
+accelerate's own context / sequence / tensor parallelism, and, in a batch, an ``attention_mask`` with padding.
 
 TRL: ``CPSFTTrainer`` (this module's attribute, built on first access; needs ``pip install 'flashcp[trl]'``) is
 the same overrides on ``trl.SFTTrainer``: the SFT configuration, model loading by name, PEFT adapters and
@@ -492,6 +491,10 @@ def _check_arguments(args) -> None:
         raise ValueError(f"CPTrainer trains one packed sequence per rank and micro-batch, got "
                          f"per_device_train_batch_size={args.per_device_train_batch_size}; set it to 1 and raise "
                          "gradient_accumulation_steps instead")
+    if args.dataloader_num_workers:
+        raise ValueError(f"CPTrainer builds each rank's batch in its training process (reading, tokens and the "
+                         f"attention meta, a few ms per batch), so worker processes cannot help, got "
+                         f"dataloader_num_workers={args.dataloader_num_workers}; set it to 0")
     if args.auto_find_batch_size:
         raise ValueError("CPTrainer's batch size is one packed sequence per rank; set auto_find_batch_size=False")
     if args.label_smoothing_factor:

@@ -430,6 +430,7 @@ def test_refusals_are_one_sentence(planned, eval_planned, tmp_path):
     cases = [
         (dict(args=dict(per_device_train_batch_size=2)), "per_device_train_batch_size=2; set it to 1"),
         (dict(args=dict(auto_find_batch_size=True)), "set auto_find_batch_size=False"),
+        (dict(args=dict(dataloader_num_workers=2)), "dataloader_num_workers=2; set it to 0"),
         (dict(args=dict(label_smoothing_factor=0.1)), "no label smoothing"),
         (dict(args=dict(train_sampling_strategy="group_by_length")), "train_sampling_strategy='group_by_length'"),
         (dict(args=dict(eval_strategy="steps", eval_steps=1)),
