@@ -34,12 +34,14 @@ def test_replan_needs_force(dataset, tmp_path):
     result = run("plan", root, "--cp", 2, "--target-imbalance", 1.2)
     assert result.exit_code == 1 and "already exists" in result.output and "--force" in result.output
     assert "--target-imbalance 1.05 there, 1.2 now" in result.output
+    assert sha256_file(root / "plans" / "cp2-flashcp2" / "part-00000.parquet") == first  # refused: untouched
     result = run("plan", root, "--cp", 2, "--force", "--target-imbalance", 1.2)
     assert result.exit_code == 0, result.output
     meta = json.loads((root / "plans" / "cp2-flashcp2" / "plan.json").read_text())
     assert meta["params"]["target_imbalance"] == 1.2
+    # the new plan replaced the old one whole: no staging folder left, plan.json names the file's bytes
     assert sorted(p.name for p in (root / "plans").iterdir()) == ["cp2-flashcp2"]
-    assert first  # the old plan was replaced only once the new one was complete
+    assert meta["plan_files"][0]["sha256"] == sha256_file(root / "plans" / "cp2-flashcp2" / "part-00000.parquet")
 
 
 @pytest.mark.parametrize("args,message", [
