@@ -111,6 +111,16 @@ def _plan_with_strategy(plan_sequence, name, doc_lens, cp):
     return plan_sequence(name, doc_lens, cp)
 
 
+def random_rows(rng: np.random.Generator, num_seqs: int, context_len: int, cuts: tuple[int, int]) -> list[np.ndarray]:
+    """``num_seqs`` rows of document lengths summing to ``context_len``, each cut at ``rng.integers(*cuts)``
+    distinct random points."""
+    rows = []
+    for _ in range(num_seqs):
+        at = np.sort(rng.choice(np.arange(1, context_len), size=int(rng.integers(*cuts)), replace=False))
+        rows.append(np.diff(np.r_[0, at, context_len]))
+    return rows
+
+
 def write_dataset(root: Path, files: list[list[np.ndarray]], context_len: int, rng: np.random.Generator,
                   row_group_rows: int = 2, has_tokens: bool = True,
                   vocab_size: int = 50_000) -> tuple[Dataset, list[list[np.ndarray]]]:

@@ -42,7 +42,7 @@ from flashcp.runtime.loader import IGNORE_INDEX  # noqa: E402
 from tests.dist import free_port  # noqa: E402
 from tests.hf_trainer_worker import LR, SEED, make_model, training_arguments  # noqa: E402
 from tests.integrations.hf_zoo import tiny_model  # noqa: E402
-from tests.plans import write_dataset, write_plan  # noqa: E402
+from tests.plans import random_rows, write_dataset, write_plan  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 HAS_TRL = importlib.util.find_spec("trl") is not None
@@ -57,10 +57,7 @@ def planned(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf_trainer") / "data"
     rng = np.random.default_rng(5)
-    rows = []
-    for _ in range(NUM_SEQS):
-        cuts = np.sort(rng.choice(np.arange(1, CONTEXT), size=int(rng.integers(3, 9)), replace=False))
-        rows.append(np.diff(np.r_[0, cuts, CONTEXT]))
+    rows = random_rows(rng, NUM_SEQS, CONTEXT, (3, 9))
     rows[1] = np.r_[1, 1, 200, 54]  # one-token documents and one long document spread over every rank
     dataset, tokens = write_dataset(root, [rows], CONTEXT, rng, row_group_rows=4, vocab_size=64)
     for cp in (1, 2, 4):
@@ -75,10 +72,7 @@ def eval_planned(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf_trainer_eval") / "eval"
     rng = np.random.default_rng(11)
-    rows = []
-    for _ in range(NUM_EVAL_SEQS):
-        cuts = np.sort(rng.choice(np.arange(1, CONTEXT), size=int(rng.integers(2, 7)), replace=False))
-        rows.append(np.diff(np.r_[0, cuts, CONTEXT]))
+    rows = random_rows(rng, NUM_EVAL_SEQS, CONTEXT, (2, 7))
     dataset, tokens = write_dataset(root, [rows], CONTEXT, rng, row_group_rows=2, vocab_size=64)
     for cp in (1, 2):
         write_plan(dataset, f"cp{cp}", [[plan_sequence("flashcp", lens, cp) for lens in rows]], cp)

@@ -59,7 +59,7 @@ from flashcp.train.loop import TrainOptions, run_training  # noqa: E402
 from flashcp.train.parallel import full_parameters  # noqa: E402
 from tests.dist import spawn  # noqa: E402
 from tests.naive import naive_document_attention, naive_sequence_views  # noqa: E402
-from tests.plans import write_dataset, write_plan  # noqa: E402
+from tests.plans import random_rows, write_dataset, write_plan  # noqa: E402
 
 CONTEXT, NUM_SEQS, STEPS = 512, 4, 3
 VOCAB, DIM, LAYERS, HEADS, KV_HEADS = 64, 32, 2, 4, 2
@@ -120,10 +120,7 @@ def global_batch_training(arch: str, sequences, dp: int) -> tuple[list[float], d
 def planned(tmp_path_factory):
     root = tmp_path_factory.mktemp("titan") / "data"
     rng = np.random.default_rng(8)
-    rows = []
-    for _ in range(NUM_SEQS):
-        cuts = np.sort(rng.choice(np.arange(1, CONTEXT), size=int(rng.integers(2, 7)), replace=False))
-        rows.append(np.diff(np.r_[0, cuts, CONTEXT]))
+    rows = random_rows(rng, NUM_SEQS, CONTEXT, (2, 7))
     rows[1] = np.r_[1, 1, CONTEXT - 3, 1]  # one-token documents and one document over every rank
     dataset, tokens = write_dataset(root, [rows], CONTEXT, rng, row_group_rows=2)
     for strategy in STRATEGIES:

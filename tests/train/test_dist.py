@@ -32,7 +32,7 @@ from flashcp.train.loop import TrainOptions, run_training
 from flashcp.train.loss import tiny_loss_sum
 from tests.dist import free_port, spawn
 from tests.naive import naive_document_attention, naive_training
-from tests.plans import llama3_like_plan, plan_builders, write_dataset, write_plan
+from tests.plans import llama3_like_plan, plan_builders, random_rows, write_dataset, write_plan
 
 REPO = Path(__file__).resolve().parents[2]
 HAS_HF = importlib.util.find_spec("transformers") is not None
@@ -79,10 +79,7 @@ def planned(tmp_path_factory):
     """The dataset, plans ``cp{N}-{builder}`` for N in 2, 4 (and cp8 for the refusal), the sequences."""
     root = tmp_path_factory.mktemp("train") / "data"
     rng = np.random.default_rng(11)
-    rows = []
-    for _ in range(NUM_SEQS):
-        cuts = np.sort(rng.choice(np.arange(1, CONTEXT), size=int(rng.integers(3, 9)), replace=False))
-        rows.append(np.diff(np.r_[0, cuts, CONTEXT]))
+    rows = random_rows(rng, NUM_SEQS, CONTEXT, (3, 9))
     rows[1] = np.r_[1, 1, 200, 54]  # one-token documents and one long document spread over every rank
     dataset, tokens = write_dataset(root, [rows], CONTEXT, rng, row_group_rows=2)
     builders = plan_builders()

@@ -30,7 +30,7 @@ from flashcp.train.loss import tiny_loss_sum
 from flashcp.train.parallel import SHARDING_MODES, ParallelGroups, build_mesh, full_parameters, shard_model
 from tests.dist import spawn
 from tests.naive import naive_document_attention, naive_sequence_views
-from tests.plans import write_dataset, write_plan
+from tests.plans import random_rows, write_dataset, write_plan
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 CONTEXT, NUM_SEQS, STEPS = 64, 6, 3
@@ -84,10 +84,7 @@ def global_batch_training(kind: str, sequences, dp: int) -> tuple[list[float], d
 def planned(tmp_path_factory):
     root = tmp_path_factory.mktemp("mesh") / "data"
     rng = np.random.default_rng(21)
-    rows = []
-    for _ in range(NUM_SEQS):
-        cuts = np.sort(rng.choice(np.arange(1, CONTEXT), size=int(rng.integers(1, 6)), replace=False))
-        rows.append(np.diff(np.r_[0, cuts, CONTEXT]))
+    rows = random_rows(rng, NUM_SEQS, CONTEXT, (1, 6))
     rows[2] = np.array([CONTEXT])  # one document over every rank
     dataset, tokens = write_dataset(root, [rows], CONTEXT, rng, row_group_rows=4)
     for cp in sorted({cp for _, cp in MESHES} | {2}):
