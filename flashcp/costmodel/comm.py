@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from flashcp._numba import njit
-from flashcp.costmodel.sort import _order_of
+from flashcp.costmodel.sort import order_of
 from flashcp.costmodel.workload import (
-    _as_int64,
+    as_int64,
     imbalance_ratio,
     rank_tokens,
     rank_workloads,
@@ -43,7 +43,8 @@ def _allgather_shard_mask(shard_doc, shard_start, shard_rank):
 
 
 @njit(cache=True)
-def _allgather_contributions(shard_doc, shard_start, shard_rank, shard_len, cp):
+def allgather_contributions_kernel(shard_doc, shard_start, shard_rank, shard_len, cp):
+    """``allgather_contributions`` on int64 arrays, callable from other kernels (no checks, no casts)."""
     mask = _allgather_shard_mask(shard_doc, shard_start, shard_rank)
     out = np.zeros(cp, dtype=np.int64)
     for i in range(shard_doc.shape[0]):
@@ -53,10 +54,11 @@ def _allgather_contributions(shard_doc, shard_start, shard_rank, shard_len, cp):
 
 
 @njit(cache=True)
-def _exact_need_received(shard_doc, shard_start, shard_len, shard_rank, cp):
+def exact_need_received_kernel(shard_doc, shard_start, shard_len, shard_rank, cp):
+    """``exact_need_received`` on int64 arrays, callable from other kernels (no checks, no casts)."""
     num_shards = shard_doc.shape[0]
     key = shard_doc * cp + shard_rank
-    order = _order_of(key)
+    order = order_of(key)
     out = np.zeros(cp, dtype=np.int64)
     i = 0
     while i < num_shards:
@@ -100,10 +102,10 @@ def _exact_need_sent(shard_doc, shard_start, shard_len, shard_rank, cp):
 
 def allgather_contributions(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> np.ndarray:
     """Tokens of K/V each rank contributes to the compacted all-gather (paper Eq. 5). Shape (cp,), int64."""
-    shard_doc, shard_start, shard_len, shard_rank = _as_int64(shard_doc, shard_start, shard_len, shard_rank)
+    shard_doc, shard_start, shard_len, shard_rank = as_int64(shard_doc, shard_start, shard_len, shard_rank)
     if shard_doc.size == 0:
         return np.zeros(cp, dtype=np.int64)
-    return _allgather_contributions(shard_doc, shard_start, shard_rank, shard_len, cp)
+    return allgather_contributions_kernel(shard_doc, shard_start, shard_rank, shard_len, cp)
 
 
 def allgather_shard_mask(shard_doc, shard_start, shard_rank) -> np.ndarray:
@@ -112,7 +114,7 @@ def allgather_shard_mask(shard_doc, shard_start, shard_rank) -> np.ndarray:
     A shard contributes when it is not the last shard of its document and its document has shards on more
     than one rank; ``allgather_contributions`` sums these shards' lengths per rank.
     """
-    shard_doc, shard_start, shard_rank = _as_int64(shard_doc, shard_start, shard_rank)
+    shard_doc, shard_start, shard_rank = as_int64(shard_doc, shard_start, shard_rank)
     if shard_doc.size == 0:
         return np.zeros(0, dtype=np.bool_)
     return _allgather_shard_mask(shard_doc, shard_start, shard_rank)
@@ -120,10 +122,10 @@ def allgather_shard_mask(shard_doc, shard_start, shard_rank) -> np.ndarray:
 
 def exact_need_received(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> np.ndarray:
     """Tokens of K/V each rank receives under exact-need exchange. Shape (cp,), int64."""
-    shard_doc, shard_start, shard_len, shard_rank = _as_int64(shard_doc, shard_start, shard_len, shard_rank)
+    shard_doc, shard_start, shard_len, shard_rank = as_int64(shard_doc, shard_start, shard_len, shard_rank)
     if shard_doc.size == 0:
         return np.zeros(cp, dtype=np.int64)
-    return _exact_need_received(shard_doc, shard_start, shard_len, shard_rank, cp)
+    return exact_need_received_kernel(shard_doc, shard_start, shard_len, shard_rank, cp)
 
 
 def exact_need_sent(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> np.ndarray:
@@ -132,7 +134,7 @@ def exact_need_sent(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> n
     Rank b sends rank r the tokens b holds of each document's prefix ``[0, max end of r's shards)``: the
     sending side of ``exact_need_received`` (both sum to the same total).
     """
-    shard_doc, shard_start, shard_len, shard_rank = _as_int64(shard_doc, shard_start, shard_len, shard_rank)
+    shard_doc, shard_start, shard_len, shard_rank = as_int64(shard_doc, shard_start, shard_len, shard_rank)
     if shard_doc.size == 0:
         return np.zeros(cp, dtype=np.int64)
     return _exact_need_sent(shard_doc, shard_start, shard_len, shard_rank, cp)
@@ -263,7 +265,7 @@ def exact_need_node_volumes(shard_doc, shard_start, shard_len, shard_rank, cp: i
 
     Each is (cp,) int64; ``sent`` and ``received`` equal ``exact_need_sent`` and ``exact_need_received``.
     """
-    arrays = _as_int64(shard_doc, shard_start, shard_len, shard_rank)
+    arrays = as_int64(shard_doc, shard_start, shard_len, shard_rank)
     if arrays[0].size == 0:
         out = np.zeros((4, cp), dtype=np.int64)
     else:
@@ -369,7 +371,7 @@ def ring_held_before(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> 
 
     Shape (cp, num_shards), int64. Shard i's own tokens count for its own rank.
     """
-    shard_doc, shard_start, shard_len, shard_rank = _as_int64(shard_doc, shard_start, shard_len, shard_rank)
+    shard_doc, shard_start, shard_len, shard_rank = as_int64(shard_doc, shard_start, shard_len, shard_rank)
     order = np.lexsort((shard_start, shard_doc))
     doc_sorted = shard_doc[order]
     first_of_doc = np.r_[True, doc_sorted[1:] != doc_sorted[:-1]] if order.size else np.zeros(0, bool)
@@ -385,7 +387,7 @@ def ring_held_before(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> 
 
 def ring_step_work(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> RingStepWork:
     """Per rank and ring step: pairs, merged query rows, gathered keys and kernel sequences (RingStepWork)."""
-    shard_doc, shard_start, shard_len, shard_rank = _as_int64(shard_doc, shard_start, shard_len, shard_rank)
+    shard_doc, shard_start, shard_len, shard_rank = as_int64(shard_doc, shard_start, shard_len, shard_rank)
     held = ring_held_before(shard_doc, shard_start, shard_len, shard_rank, cp)
     shape = (cp, cp)
     work = {name: np.zeros(shape, dtype=np.int64) for name in ("pairs", "query_tokens", "key_tokens",

@@ -3,7 +3,7 @@
 The kernels sort with these instead of ``ndarray.sort``/``np.argsort``/``np.searchsorted``: numba builds
 those from closures that every call site compiles again (and links into every kernel above it), which cost
 about a tenth of a first ``flashcp plan``'s compile time; these compile once. Stable orders of keys
-(``cost._order_of``) sort packed ``key << bits | index`` values with ``sort_range``.
+(``cost.order_of``) sort packed ``key << bits | index`` values with ``sort_range``.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def last_at_or_before(offsets, value):
 
 
 @njit(cache=True)
-def _order_of(key):
+def order_of(key):
     """``np.argsort(key, kind="mergesort")`` of int64 keys (stable: equal keys by index).
 
     Sorts ``key << bits | index`` values, which is faster than sorting indices. Keys that are negative or too

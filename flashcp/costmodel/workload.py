@@ -68,27 +68,29 @@ def _rank_sums(values, shard_rank, cp):
 
 
 @njit(cache=True)
-def _rank_workloads(shard_start, shard_len, shard_rank, cp):
+def rank_workloads_kernel(shard_start, shard_len, shard_rank, cp):
+    """``rank_workloads`` on int64 arrays, callable from other kernels (no checks, no casts)."""
     out = np.zeros(cp, dtype=np.int64)
     for i in range(shard_rank.shape[0]):
         out[shard_rank[i]] += workload(shard_start[i], shard_len[i])
     return out
 
 
-def _as_int64(*arrays):
+def as_int64(*arrays):
+    """Each array as a C-contiguous int64 array (a view where it already is one)."""
     return tuple(np.ascontiguousarray(a, dtype=np.int64) for a in arrays)
 
 
 def rank_tokens(shard_len, shard_rank, cp: int) -> np.ndarray:
     """Tokens held by each rank. Shape (cp,), int64."""
-    shard_len, shard_rank = _as_int64(shard_len, shard_rank)
+    shard_len, shard_rank = as_int64(shard_len, shard_rank)
     return _rank_sums(shard_len, shard_rank, cp)
 
 
 def rank_workloads(shard_start, shard_len, shard_rank, cp: int) -> np.ndarray:
     """Attention workload (query-key pairs) of each rank. Shape (cp,), int64."""
-    shard_start, shard_len, shard_rank = _as_int64(shard_start, shard_len, shard_rank)
-    return _rank_workloads(shard_start, shard_len, shard_rank, cp)
+    shard_start, shard_len, shard_rank = as_int64(shard_start, shard_len, shard_rank)
+    return rank_workloads_kernel(shard_start, shard_len, shard_rank, cp)
 
 
 def imbalance_ratio(workloads) -> float:
@@ -99,7 +101,8 @@ def imbalance_ratio(workloads) -> float:
 
 
 @njit(cache=True)
-def _quotas(context_len, cp):
+def token_quotas_kernel(context_len, cp):
+    """``token_quotas`` inside a kernel: rank r holds ``context_len // cp`` tokens, one more for r < the remainder."""
     quotas = np.empty(cp, np.int64)
     for r in range(cp):
         quotas[r] = context_len // cp + (1 if r < context_len % cp else 0)
@@ -107,7 +110,7 @@ def _quotas(context_len, cp):
 
 
 @njit(cache=True)
-def _ratio(max_work, total_work, cp):
+def max_over_mean(max_work, total_work, cp):
     """``max / mean`` as float64, the one way kernels and references compute it (1.0 when all is zero)."""
     if total_work == 0:
         return 1.0
@@ -115,7 +118,8 @@ def _ratio(max_work, total_work, cp):
 
 
 @njit(cache=True)
-def _doc_offsets(lens):
+def offsets_of(lens):
+    """Document start offsets: ``[0, cumsum(lens)]`` as int64 (len(lens) + 1 values)."""
     offsets = np.zeros(lens.shape[0] + 1, np.int64)
     for i in range(lens.shape[0]):
         offsets[i + 1] = offsets[i] + lens[i]

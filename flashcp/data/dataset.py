@@ -33,6 +33,7 @@ __all__ = [
     "FORMAT_VERSION",
     "LENGTHS_SCHEMA",
     "Dataset",
+    "arrow_array",
     "DataFile",
     "DataFileWriter",
     "data_table",
@@ -67,7 +68,8 @@ def data_file_name(index: int) -> str:
 _NUMPY_TYPES = {pa.int16(): np.int16, pa.int32(): np.int32, pa.int64(): np.int64, pa.float64(): np.float64}
 
 
-def _arrow(values: np.ndarray, value_type: pa.DataType) -> pa.Array:
+def arrow_array(values: np.ndarray, value_type: pa.DataType) -> pa.Array:
+    """A numpy array as an Arrow array of ``value_type`` without a copy (and without importing pandas)."""
     # zero-copy, and unlike pa.array() it does not import pandas (half a second) to inspect its argument
     values = np.ascontiguousarray(values, dtype=_NUMPY_TYPES[value_type])
     return pa.Array.from_buffers(value_type, values.size, [None, pa.py_buffer(values)])
@@ -93,7 +95,7 @@ def numpy_values(array: pa.Array) -> np.ndarray:
 
 
 def _list_array(offsets: np.ndarray, values: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
-    return pa.ListArray.from_arrays(_arrow(offsets, pa.int32()), _arrow(values, value_type))
+    return pa.ListArray.from_arrays(arrow_array(offsets, pa.int32()), arrow_array(values, value_type))
 
 
 def data_table(doc_offsets: np.ndarray, doc_lens: np.ndarray, doc_source: np.ndarray, doc_offset: np.ndarray,

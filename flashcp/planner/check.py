@@ -9,9 +9,15 @@ from __future__ import annotations
 import numpy as np
 
 from flashcp._numba import njit
-from flashcp.costmodel.comm import _allgather_contributions, _exact_need_received
-from flashcp.costmodel.sort import _order_of
-from flashcp.costmodel.workload import _doc_offsets, _quotas, _rank_workloads, _ratio, slack_tokens
+from flashcp.costmodel.comm import allgather_contributions_kernel, exact_need_received_kernel
+from flashcp.costmodel.sort import order_of
+from flashcp.costmodel.workload import (
+    max_over_mean,
+    offsets_of,
+    rank_workloads_kernel,
+    slack_tokens,
+    token_quotas_kernel,
+)
 
 # error codes of check_batch; flashcp.planner.pipeline turns them into sentences
 OK, NO_SHARDS, BAD_LENGTH, BAD_RANK, BAD_DOC, BAD_COVERAGE, BAD_QUOTA = range(7)
@@ -31,11 +37,11 @@ def _check_row(lens, doc, start, length, rank, cp):
             return BAD_DOC
         if start[i] < 0 or start[i] + length[i] > lens[doc[i]]:
             return BAD_COVERAGE
-    offsets = _doc_offsets(lens)
+    offsets = offsets_of(lens)
     position = np.empty(num_shards, np.int64)
     for i in range(num_shards):
         position[i] = offsets[doc[i]] + start[i]
-    order = _order_of(position)  # positions are unique in a valid plan; a repeated one fails below either way
+    order = order_of(position)  # positions are unique in a valid plan; a repeated one fails below either way
     expected = 0
     for j in range(num_shards):
         i = order[j]
@@ -44,7 +50,7 @@ def _check_row(lens, doc, start, length, rank, cp):
         expected += length[i]
     if expected != offsets[-1]:
         return BAD_COVERAGE
-    quotas = _quotas(offsets[-1], cp)
+    quotas = token_quotas_kernel(offsets[-1], cp)
     tokens = np.zeros(cp, np.int64)
     for i in range(num_shards):
         tokens[rank[i]] += length[i]
@@ -57,7 +63,7 @@ def _check_row(lens, doc, start, length, rank, cp):
 @njit(cache=True)
 def _check_window(lens, length, rank, cp, window):
     """OK when every rank's tokens are within ``window`` of its quota, else BAD_QUOTA."""
-    quotas = _quotas(lens.sum(), cp)
+    quotas = token_quotas_kernel(lens.sum(), cp)
     tokens = np.zeros(cp, np.int64)
     for i in range(length.shape[0]):
         tokens[rank[i]] += length[i]
@@ -93,8 +99,8 @@ def check_batch(row_offsets, doc_lens, shard_offsets, doc, start, length, rank, 
             errors[row] = _check_window(lens, n, r, cp, slack_tokens(slack, lens.sum(), cp))
         if errors[row] != OK:
             continue
-        work = _rank_workloads(s, n, r, cp)
-        imbalance[row] = _ratio(work.max(), work.sum(), cp)
-        ag[row] = _allgather_contributions(d, s, r, n, cp).max()
-        a2a[row] = _exact_need_received(d, s, n, r, cp).max()
+        work = rank_workloads_kernel(s, n, r, cp)
+        imbalance[row] = max_over_mean(work.max(), work.sum(), cp)
+        ag[row] = allgather_contributions_kernel(d, s, r, n, cp).max()
+        a2a[row] = exact_need_received_kernel(d, s, n, r, cp).max()
     return errors, imbalance, ag, a2a

@@ -36,7 +36,7 @@ from flashcp.costmodel.objective import sequence_flops
 from flashcp.costmodel.profile import HardwareProfile, profile_from_json
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.costmodel.workload import rank_tokens, slack_tokens, token_quotas
-from flashcp.data.dataset import Dataset, _arrow, numpy_values
+from flashcp.data.dataset import Dataset, arrow_array, numpy_values
 from flashcp.errors import FlashcpError, PlanError, StalePlanError
 from flashcp.fileio import (
     PARQUET_COMPRESSION,
@@ -137,7 +137,7 @@ def _arrow_exact(values: np.ndarray, value_type: pa.DataType) -> pa.Array:
         low, high = values.min(), values.max()
         if low < info.min or high > info.max:
             raise pa.ArrowInvalid(f"value {low if low < info.min else high} does not fit {value_type}")
-    return _arrow(values, value_type)
+    return arrow_array(values, value_type)
 
 
 CP_KEY = b"flashcp.cp"

@@ -5,14 +5,14 @@ N contiguous equal-token chunks, chunk i on rank N - 1 - i, each chunk cut into 
 
 
 from flashcp._numba import njit
-from flashcp.costmodel.workload import _doc_offsets, _quotas
-from flashcp.planner.strategies.pieces import _emit_span, _finish, new_pieces
+from flashcp.costmodel.workload import offsets_of, token_quotas_kernel
+from flashcp.planner.strategies.pieces import emit_span, finish_pieces, new_pieces
 
 
 @njit(cache=False)  # outside flashcp: numba's cache would key it by this file alone
 def reversed_ring_kernel(lens, cp, chunk):
-    offsets = _doc_offsets(lens)
-    quotas = _quotas(offsets[-1], cp)
+    offsets = offsets_of(lens)
+    quotas = token_quotas_kernel(offsets[-1], cp)
     capacity = lens.shape[0] + offsets[-1] // chunk + 2 * cp + 2
     pdoc, pstart, plen, prank = new_pieces(capacity)
     count = 0
@@ -22,6 +22,6 @@ def reversed_ring_kernel(lens, cp, chunk):
         end = pos + quotas[i]
         while pos < end:
             step = min(chunk, end - pos)
-            doc, count = _emit_span(offsets, doc, pos, pos + step, cp - 1 - i, pdoc, pstart, plen, prank, count)
+            doc, count = emit_span(offsets, doc, pos, pos + step, cp - 1 - i, pdoc, pstart, plen, prank, count)
             pos += step
-    return _finish(pdoc, pstart, plen, prank, count, lens)
+    return finish_pieces(pdoc, pstart, plen, prank, count, lens)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from flashcp._numba import njit
-from flashcp.costmodel.workload import _doc_offsets, _quotas
+from flashcp.costmodel.workload import offsets_of, token_quotas_kernel
 from flashcp.planner.plan import SequencePlan
-from flashcp.planner.strategies.pieces import _emit_span, _finish, _finish_within, _zigzag_sizes, new_pieces
+from flashcp.planner.strategies.pieces import emit_span, finish_pieces, finish_within, new_pieces, zigzag_sizes
 
 __all__ = ["llama3_kernel", "llama3_within", "perdoc_kernel", "ring_kernel", "ring_plan"]
 
@@ -22,9 +22,9 @@ def llama3_kernel(lens, cp):
 
 @njit(cache=True)
 def llama3_within(lens, cp, limit):
-    """``llama3_kernel``, no shards when it misses imbalance ``limit`` (``_finish_within``)."""
-    offsets = _doc_offsets(lens)
-    quotas = _quotas(offsets[-1], cp)
+    """``llama3_kernel``, no shards when it misses imbalance ``limit`` (``finish_within``)."""
+    offsets = offsets_of(lens)
+    quotas = token_quotas_kernel(offsets[-1], cp)
     capacity = lens.shape[0] + 2 * cp + 1
     pdoc, pstart, plen, prank = new_pieces(capacity)
     count = 0
@@ -33,25 +33,25 @@ def llama3_within(lens, cp, limit):
     for k in range(2 * cp):
         rank = k if k < cp else 2 * cp - 1 - k
         size = quotas[rank] // 2 if k < cp else quotas[rank] - quotas[rank] // 2
-        doc, count = _emit_span(offsets, doc, pos, pos + size, rank, pdoc, pstart, plen, prank, count)
+        doc, count = emit_span(offsets, doc, pos, pos + size, rank, pdoc, pstart, plen, prank, count)
         pos += size
-    return _finish_within(pdoc, pstart, plen, prank, count, lens, cp, limit)
+    return finish_within(pdoc, pstart, plen, prank, count, lens, cp, limit)
 
 
 @njit(cache=True)
 def ring_kernel(lens, cp):
     """Ring-Attn layout: N contiguous chunks of the equal-token quotas, chunk i on rank i."""
-    offsets = _doc_offsets(lens)
-    quotas = _quotas(offsets[-1], cp)
+    offsets = offsets_of(lens)
+    quotas = token_quotas_kernel(offsets[-1], cp)
     capacity = lens.shape[0] + cp + 1
     pdoc, pstart, plen, prank = new_pieces(capacity)
     count = 0
     doc = 0
     pos = 0
     for rank in range(cp):
-        doc, count = _emit_span(offsets, doc, pos, pos + quotas[rank], rank, pdoc, pstart, plen, prank, count)
+        doc, count = emit_span(offsets, doc, pos, pos + quotas[rank], rank, pdoc, pstart, plen, prank, count)
         pos += quotas[rank]
-    return _finish(pdoc, pstart, plen, prank, count, lens)
+    return finish_pieces(pdoc, pstart, plen, prank, count, lens)
 
 
 @njit(cache=True)
@@ -61,7 +61,7 @@ def perdoc_kernel(lens, cp):
     num_docs = lens.shape[0]
     early = np.empty((num_docs, cp), np.int64)
     late = np.empty((num_docs, cp), np.int64)
-    _zigzag_sizes(lens, cp, early, late)
+    zigzag_sizes(lens, cp, early, late)
     early_start = np.empty((num_docs, cp), np.int64)
     late_start = np.empty((num_docs, cp), np.int64)
     for j in range(num_docs):

@@ -9,18 +9,18 @@ import numpy as np
 
 from flashcp._numba import njit
 from flashcp.costmodel.sort import sort_range
-from flashcp.costmodel.workload import _quotas, _ratio, workload
+from flashcp.costmodel.workload import max_over_mean, token_quotas_kernel, workload
 from flashcp.planner.strategies.pieces import (
-    _argmin_work,
-    _descending_order,
-    _emit_zigzag,
-    _finish,
-    _finish_within,
-    _lightest_under,
-    _most_over,
-    _zigzag_sizes,
+    argmin_work,
+    descending_order,
+    emit_zigzag,
+    finish_pieces,
+    finish_within,
+    lightest_under,
+    most_over,
     move_head,
     new_pieces,
+    zigzag_sizes,
 )
 
 __all__ = ["flashcp_bounded", "flashcp_kernel", "flashcp_within"]
@@ -38,7 +38,7 @@ def _alg1_whole_doc(lens, cp, quotas, order, num_perdoc, work, tokens, pdoc, pst
     top = np.full(cp, -1, np.int64)
     for idx in range(num_perdoc, order.shape[0]):
         doc = order[idx]
-        rank = _argmin_work(work, cp)
+        rank = argmin_work(work, cp)
         pdoc[count] = doc
         pstart[count] = 0
         plen[count] = lens[doc]
@@ -49,10 +49,10 @@ def _alg1_whole_doc(lens, cp, quotas, order, num_perdoc, work, tokens, pdoc, pst
         work[rank] += workload(0, lens[doc])
         tokens[rank] += lens[doc]
     while True:
-        over = _most_over(tokens, quotas, cp)
+        over = most_over(tokens, quotas, cp)
         if over < 0:
             break
-        under = _lightest_under(tokens, quotas, work, cp)
+        under = lightest_under(tokens, quotas, work, cp)
         piece = top[over]
         moved = min(tokens[over] - quotas[over], quotas[under] - tokens[under], plen[piece])
         if moved == plen[piece]:
@@ -71,7 +71,7 @@ def flashcp_kernel(lens, cp, target):
 
 @njit(cache=True)
 def flashcp_within(lens, cp, target, limit):
-    """``flashcp_kernel``, no shards when it misses imbalance ``limit`` (``_finish_within``)."""
+    """``flashcp_kernel``, no shards when it misses imbalance ``limit`` (``finish_within``)."""
     return flashcp_bounded(lens, cp, target, limit, lens.shape[0])
 
 
@@ -81,8 +81,8 @@ def flashcp_bounded(lens, cp, target, limit, max_zigzag):
     documents to meet ``target`` or its plan misses imbalance ``limit``.
     """
     num_docs = lens.shape[0]
-    quotas = _quotas(lens.sum(), cp)
-    order = _descending_order(lens)
+    quotas = token_quotas_kernel(lens.sum(), cp)
+    order = descending_order(lens)
     capacity = num_docs * (2 * cp + 1) + 4 * cp + 4
     pdoc, pstart, plen, prank = new_pieces(capacity)
     early = np.empty((num_docs, cp), np.int64)
@@ -90,18 +90,18 @@ def flashcp_bounded(lens, cp, target, limit, max_zigzag):
     for num_perdoc in range(min(num_docs, max_zigzag) + 1):
         perdoc = order[:num_perdoc].copy()
         sort_range(perdoc, 0, num_perdoc)
-        _zigzag_sizes(lens[perdoc], cp, early, late)
+        zigzag_sizes(lens[perdoc], cp, early, late)
         work = np.zeros(cp, np.int64)
         tokens = np.zeros(cp, np.int64)
         count = 0
         for j in range(num_perdoc):
             first = count
-            count = _emit_zigzag(perdoc[j], 0, early[j], late[j], cp, pdoc, pstart, plen, prank, count)
+            count = emit_zigzag(perdoc[j], 0, early[j], late[j], cp, pdoc, pstart, plen, prank, count)
             for i in range(first, count):
                 work[prank[i]] += workload(pstart[i], plen[i])
                 tokens[prank[i]] += plen[i]
         count = _alg1_whole_doc(lens, cp, quotas, order, num_perdoc, work, tokens, pdoc, pstart, plen, prank,
                                 count)
-        if _ratio(work.max(), work.sum(), cp) <= target or num_perdoc == num_docs:
-            return _finish_within(pdoc, pstart, plen, prank, count, lens, cp, limit)
-    return _finish(pdoc, pstart, plen, prank, 0, lens)
+        if max_over_mean(work.max(), work.sum(), cp) <= target or num_perdoc == num_docs:
+            return finish_within(pdoc, pstart, plen, prank, count, lens, cp, limit)
+    return finish_pieces(pdoc, pstart, plen, prank, 0, lens)

@@ -9,15 +9,15 @@ from __future__ import annotations
 import numpy as np
 
 from flashcp._numba import njit
-from flashcp.costmodel.comm import _exact_need_received
+from flashcp.costmodel.comm import exact_need_received_kernel
 from flashcp.costmodel.objective import _NODE, one_shard_seconds, shard_seconds, step_seconds_of
-from flashcp.costmodel.sort import _order_of
-from flashcp.costmodel.workload import _doc_offsets, _quotas, _rank_workloads, slack_tokens, workload
+from flashcp.costmodel.sort import order_of
+from flashcp.costmodel.workload import offsets_of, rank_workloads_kernel, slack_tokens, token_quotas_kernel, workload
 from flashcp.planner.strategies.baselines import llama3_within
 from flashcp.planner.strategies.flashcp import flashcp_bounded
 from flashcp.planner.strategies.flashcp_plus import flashcp_plus_bounded
-from flashcp.planner.strategies.peers import _place, magi_within
-from flashcp.planner.strategies.pieces import _finish, _lightest_under, new_pieces
+from flashcp.planner.strategies.peers import magi_within, place_span
+from flashcp.planner.strategies.pieces import finish_pieces, lightest_under, new_pieces
 from flashcp.planner.strategies.topology import relabel_kernel, traffic_matrix
 
 __all__ = ["affinity_kernel", "flashcp2_kernel", "local_search", "slack_tokens"]
@@ -51,7 +51,7 @@ a bound on their planning time (each further document is one more plan built).""
 
 @njit(cache=True)
 def _imbalance(start, length, rank, cp):
-    return _imbalance_of(_rank_workloads(start, length, rank, cp), cp)
+    return _imbalance_of(rank_workloads_kernel(start, length, rank, cp), cp)
 
 
 @njit(cache=True)
@@ -68,7 +68,7 @@ def _boundaries(doc, start, length):
     n = doc.shape[0]
     if n == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    order = _order_of(doc * (start.max() + 1) + start)  # (doc, start) pairs are unique
+    order = order_of(doc * (start.max() + 1) + start)  # (doc, start) pairs are unique
     left = np.empty(n, np.int64)
     right = np.empty(n, np.int64)
     m = 0
@@ -151,16 +151,16 @@ def _local_search_priced(doc, start, length, rank, cp, model, target, budget, wi
     portfolio has them from pricing its best candidate.
     """
     # every shard's kernel seconds, re-priced only for the shards a move touches
-    work = _rank_workloads(start, length, rank, cp)
+    work = rank_workloads_kernel(start, length, rank, cp)
     best = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, -1)
-    received = _exact_need_received(doc, start, length, rank, cp).max()
+    received = exact_need_received_kernel(doc, start, length, rank, cp).max()
     used = 0
     left, right = _boundaries(doc, start, length)
     nb = left.shape[0]
     tokens = np.zeros(cp, np.int64)
     for i in range(doc.shape[0]):
         tokens[rank[i]] += length[i]
-    quotas = _quotas(tokens.sum(), cp)
+    quotas = token_quotas_kernel(tokens.sum(), cp)
     improved = True
     while improved and used < budget:
         improved = False
@@ -187,7 +187,7 @@ def _local_search_priced(doc, start, length, rank, cp, model, target, budget, wi
                         saved = _reprice(a_l, a_r, -1, -1, start, length, model, sec_f, sec_b)
                         got = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, -1)
                         if got < best:
-                            now = _exact_need_received(doc, start, length, rank, cp).max()
+                            now = exact_need_received_kernel(doc, start, length, rank, cp).max()
                             if now <= received:
                                 best = got
                                 received = now
@@ -229,7 +229,7 @@ def _local_search_priced(doc, start, length, rank, cp, model, target, budget, wi
                             saved = _reprice(a_l, a_r, b_l, b_r, start, length, model, sec_f, sec_b)
                             got = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, -1)
                             if got < best:
-                                now = _exact_need_received(doc, start, length, rank, cp).max()
+                                now = exact_need_received_kernel(doc, start, length, rank, cp).max()
                                 if now <= received:
                                     best = got
                                     received = now
@@ -284,7 +284,7 @@ def _affinity_chunks(lens, chunk):
             end -= take
             k += 1
     # by decreasing workload, ties by index (a stable sort)
-    return cdoc, cstart, clen, cwork, total, _order_of(cwork.max() - cwork if num_chunks else cwork)
+    return cdoc, cstart, clen, cwork, total, order_of(cwork.max() - cwork if num_chunks else cwork)
 
 
 @njit(cache=True)
@@ -295,10 +295,10 @@ def _affinity_assign(lens, cp, chunks, tolerance, limit):
     """
     cdoc, cstart, clen, cwork, total, order = chunks
     num_chunks = cdoc.shape[0]
-    quotas = _quotas(lens.sum(), cp)
+    quotas = token_quotas_kernel(lens.sum(), cp)
     mean = total / cp
     owner = np.full(num_chunks, -1, np.int64)  # rank of each chunk, -1 until placed (or when split)
-    offsets = _doc_offsets(lens)
+    offsets = offsets_of(lens)
     capacity = 2 * num_chunks + 4 * cp + 4
     pdoc, pstart, plen, prank = new_pieces(capacity)
     load = np.zeros(cp, np.int64)
@@ -328,11 +328,11 @@ def _affinity_assign(lens, cp, chunks, tolerance, limit):
             owner[i] = best
             continue
         pos = offsets[cdoc[i]] + cstart[i]  # no rank has room for all of it: split, head first
-        count = _place(offsets, pos, pos + size, _lightest_under(tokens, quotas, load, cp), quotas, tokens, load,
+        count = place_span(offsets, pos, pos + size, lightest_under(tokens, quotas, load, cp), quotas, tokens, load,
                        -1, cp, pdoc, pstart, plen, prank, count)
     if _imbalance_of(load, cp) > limit:
         return pdoc[:0], pstart[:0], plen[:0], prank[:0]
-    return _finish(pdoc, pstart, plen, prank, count, lens)
+    return finish_pieces(pdoc, pstart, plen, prank, count, lens)
 
 
 @njit(cache=True)
@@ -380,7 +380,7 @@ def _on_nodes(lens, doc, start, length, rank, cp, per_node):
     for i in range(doc.shape[0]):
         tokens[rank[i]] += length[i]
     placed = relabel_kernel(rank, tokens, traffic_matrix(doc, start, length, rank, cp), cp, per_node)
-    return _finish(doc.copy(), start.copy(), length.copy(), placed, doc.shape[0], lens)
+    return finish_pieces(doc.copy(), start.copy(), length.copy(), placed, doc.shape[0], lens)
 
 
 @njit(cache=True)
@@ -401,7 +401,7 @@ def flashcp2_kernel(lens, cp, target, effort, model, slack):
     best_imbalance = _imbalance(best_start, best_len, best_rank, cp)
     limit = target
     plus_time = best_time
-    best_received = _exact_need_received(best_doc, best_start, best_len, best_rank, cp).max()
+    best_received = exact_need_received_kernel(best_doc, best_start, best_len, best_rank, cp).max()
     most_shards = lens.shape[0] + MAX_EXTRA_SHARDS * cp
     num = len(AFFINITY) if effort > 0 else FAST
     # FAST uses no split 16 (1 << 40 tokens: one chunk a document, cut for nothing)
@@ -416,14 +416,14 @@ def flashcp2_kernel(lens, cp, target, effort, model, slack):
         doc, start, length, rank = _candidate(lens, cp, c, num, cut, limit, target)
         if doc.shape[0] == 0 or doc.shape[0] > most_shards:  # over the limit, or too many shards
             continue
-        work = _rank_workloads(start, length, rank, cp)
+        work = rank_workloads_kernel(start, length, rank, cp)
         imbalance = _imbalance_of(work, cp)
         if imbalance > limit:  # cheap test first
             continue
         doc, start, length, rank = _on_nodes(lens, doc, start, length, rank, cp, per_node)
         # the busiest rank's own time bounds the step time from below (``rank_floor``): skip what cannot
         # win; its shards' seconds then serve the step time too
-        busiest = np.argmax(_rank_workloads(start, length, rank, cp))
+        busiest = np.argmax(rank_workloads_kernel(start, length, rank, cp))
         sec_f = np.zeros(doc.shape[0], np.float64)
         sec_b = np.zeros(doc.shape[0], np.float64)
         _price_shards(start, length, rank, model, sec_f, sec_b, busiest, True, memo)
@@ -437,7 +437,7 @@ def flashcp2_kernel(lens, cp, target, effort, model, slack):
         t = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, -1)
         if t > plus_time or within and (t >= best_time * (1.0 + RECEIVE_TIE) or c == 0 and t >= best_time):
             continue
-        received = _exact_need_received(doc, start, length, rank, cp).max()
+        received = exact_need_received_kernel(doc, start, length, rank, cp).max()
         if c == 0:
             plus_time = t
         elif within:
@@ -457,7 +457,7 @@ def flashcp2_kernel(lens, cp, target, effort, model, slack):
         length = best_len.copy()
         _local_search_priced(best_doc, start, length, best_rank, cp, model, max(limit, best_imbalance),
                              effort * EVALS_PER_EFFORT, slack_tokens(slack, lens.sum(), cp), best_f, best_b)
-        return _finish(best_doc, start, length, best_rank, best_doc.shape[0], lens)
+        return finish_pieces(best_doc, start, length, best_rank, best_doc.shape[0], lens)
     return best_doc, best_start, best_len, best_rank
 
 

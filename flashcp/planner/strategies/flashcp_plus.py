@@ -9,18 +9,18 @@ from __future__ import annotations
 import numpy as np
 
 from flashcp._numba import njit
-from flashcp.costmodel.sort import _order_of
-from flashcp.costmodel.workload import _quotas, _ratio, workload
+from flashcp.costmodel.sort import order_of
+from flashcp.costmodel.workload import max_over_mean, token_quotas_kernel, workload
 from flashcp.planner.strategies.pieces import (
-    _argmin_work,
-    _descending_order,
-    _emit_zigzag,
-    _finish,
-    _lightest_under,
-    _most_over,
-    _zigzag_sizes,
+    argmin_work,
+    descending_order,
+    emit_zigzag,
+    finish_pieces,
+    lightest_under,
+    most_over,
     move_head,
     new_pieces,
+    zigzag_sizes,
 )
 
 
@@ -58,7 +58,7 @@ def _add_piece(doc, start, length, rank, pdoc, pstart, plen, prank, count, work,
 def _repair_tokens(lens, cp, quotas, work, tokens, pdoc, pstart, plen, prank, count):
     """Equal tokens: whole documents first (best fit), then heads cut from the longest piece."""
     while True:
-        over = _most_over(tokens, quotas, cp)
+        over = most_over(tokens, quotas, cp)
         if over < 0:
             return count
         excess = tokens[over] - quotas[over]
@@ -78,7 +78,7 @@ def _repair_tokens(lens, cp, quotas, work, tokens, pdoc, pstart, plen, prank, co
         if best >= 0:  # a whole document (start 0) moves whole
             count, _ = move_head(best, plen[best], over, best_u, pdoc, pstart, plen, prank, count, work, tokens)
             continue
-        under = _lightest_under(tokens, quotas, work, cp)
+        under = lightest_under(tokens, quotas, work, cp)
         # the longest whole document on `over`, else its longest piece (ties: lower doc, then lower start)
         piece = -1
         piece_whole = False
@@ -174,9 +174,9 @@ def _window_swaps(lens, cp, target, work, tokens, pdoc, pstart, plen, prank, cou
         for r in range(1, cp):
             if work[r] > work[a]:
                 a = r
-        if _ratio(work[a], total, cp) <= target:
+        if max_over_mean(work[a], total, cp) <= target:
             break
-        by_work = _order_of(work)
+        by_work = order_of(work)
         done = False
         for idx in range(cp):
             b = by_work[idx]
@@ -241,7 +241,7 @@ def _build(lens, cp, quotas, order, num_popped, anchored, mean, target, pdoc, ps
         length = lens[doc]
         tail = 0
         if anchored:
-            anchor = _argmin_work(estimate, cp)
+            anchor = argmin_work(estimate, cp)
             tail = _tail_len(length, estimate[anchor], mean, quotas[anchor] - tokens[anchor], cp)
             if tail > 0:
                 count = _add_piece(doc, length - tail, tail, anchor, pdoc, pstart, plen, prank, count, work,
@@ -263,7 +263,7 @@ def _build(lens, cp, quotas, order, num_popped, anchored, mean, target, pdoc, ps
             zig_docs[row_of[doc]] = doc
     early = np.empty((num_rows, cp), np.int64)
     late = np.empty((num_rows, cp), np.int64)
-    _zigzag_sizes(head[zig_docs], cp, early, late)
+    zigzag_sizes(head[zig_docs], cp, early, late)
     for row in range(num_rows):
         start = 0
         for i in range(cp):
@@ -282,7 +282,7 @@ def _build(lens, cp, quotas, order, num_popped, anchored, mean, target, pdoc, ps
             if tokens[r] + lens[doc] <= quotas[r] and (rank < 0 or work[r] < work[rank]):
                 rank = r
         if rank < 0:
-            rank = _argmin_work(work, cp)
+            rank = argmin_work(work, cp)
         count = _add_piece(doc, 0, lens[doc], rank, pdoc, pstart, plen, prank, count, work, tokens)
     count = _repair_tokens(lens, cp, quotas, work, tokens, pdoc, pstart, plen, prank, count)
     for j in range(num_popped):
@@ -291,8 +291,8 @@ def _build(lens, cp, quotas, order, num_popped, anchored, mean, target, pdoc, ps
             _levers(head[order[j]], early[row], late[row], cp, work)
     count = _window_swaps(lens, cp, target, work, tokens, pdoc, pstart, plen, prank, count)
     for row in range(num_rows):
-        count = _emit_zigzag(zig_docs[row], 0, early[row], late[row], cp, pdoc, pstart, plen, prank, count)
-    return _ratio(work.max(), work.sum(), cp), count
+        count = emit_zigzag(zig_docs[row], 0, early[row], late[row], cp, pdoc, pstart, plen, prank, count)
+    return max_over_mean(work.max(), work.sum(), cp), count
 
 
 @njit(cache=True)
@@ -310,8 +310,8 @@ def flashcp_plus_bounded(lens, cp, target, max_zigzag):
     ``flashcp+`` meets the target with at most ``max_zigzag`` documents zigzagged.
     """
     num_docs = lens.shape[0]
-    quotas = _quotas(lens.sum(), cp)
-    order = _descending_order(lens)
+    quotas = token_quotas_kernel(lens.sum(), cp)
+    order = descending_order(lens)
     total = 0
     for doc in range(num_docs):
         total += workload(0, lens[doc])
@@ -323,7 +323,7 @@ def flashcp_plus_bounded(lens, cp, target, max_zigzag):
     capacity = num_docs * (2 * cp + 2) + 16 * cp + 16
     pdoc, pstart, plen, prank = new_pieces(capacity)
     ratio, count = _build(lens, cp, quotas, order, num_heavy, True, mean, target, pdoc, pstart, plen, prank)
-    best = _finish(pdoc, pstart, plen, prank, count, lens)
+    best = finish_pieces(pdoc, pstart, plen, prank, count, lens)
     if ratio <= target:
         return best
     best_ratio = ratio
@@ -332,7 +332,7 @@ def flashcp_plus_bounded(lens, cp, target, max_zigzag):
                               prank)
         if ratio < best_ratio:
             best_ratio = ratio
-            best = _finish(pdoc, pstart, plen, prank, count, lens)
+            best = finish_pieces(pdoc, pstart, plen, prank, count, lens)
         if ratio <= target:
             break
     return best

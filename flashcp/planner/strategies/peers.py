@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from flashcp._numba import njit
-from flashcp.costmodel.sort import _order_of, last_at_or_before
-from flashcp.costmodel.workload import _doc_offsets, _quotas, workload
-from flashcp.planner.strategies.pieces import _emit_span, _finish, _finish_within, _lightest_under, new_pieces
+from flashcp.costmodel.sort import last_at_or_before, order_of
+from flashcp.costmodel.workload import offsets_of, token_quotas_kernel, workload
+from flashcp.planner.strategies.pieces import emit_span, finish_pieces, finish_within, lightest_under, new_pieces
 
 
 @njit(cache=True)
@@ -31,14 +31,14 @@ def _chunk_pieces_workload(offsets, pos, end, doc):
 
 @njit(cache=True)
 def _emit(offsets, pos, end, rank, pdoc, pstart, plen, prank, count):
-    """``_emit_span`` of ``[pos, end)`` from the document holding ``pos``; returns the updated count."""
-    return _emit_span(offsets, last_at_or_before(offsets, pos), pos, end, rank, pdoc, pstart, plen, prank, count)[1]
+    """``emit_span`` of ``[pos, end)`` from the document holding ``pos``; returns the updated count."""
+    return emit_span(offsets, last_at_or_before(offsets, pos), pos, end, rank, pdoc, pstart, plen, prank, count)[1]
 
 
 @njit(cache=True)
 def _chunks(lens, chunk):
     """Chunk starts (num_chunks + 1,) and the workload of every chunk."""
-    offsets = _doc_offsets(lens)
+    offsets = offsets_of(lens)
     context_len = offsets[-1]
     num_chunks = (context_len + chunk - 1) // chunk
     starts = np.empty(num_chunks + 1, np.int64)
@@ -55,7 +55,7 @@ def _chunks(lens, chunk):
 
 
 @njit(cache=True)
-def _place(offsets, pos, end, preferred, quotas, tokens, load, weight, cp, pdoc, pstart, plen, prank, count):
+def place_span(offsets, pos, end, preferred, quotas, tokens, load, weight, cp, pdoc, pstart, plen, prank, count):
     """Give ``[pos, end)`` to ``preferred`` if it has room for all of it; else split it over ranks with room.
 
     A rank short of room takes the head that fits; the rest goes to the rank with room and the least
@@ -75,7 +75,7 @@ def _place(offsets, pos, end, preferred, quotas, tokens, load, weight, cp, pdoc,
                 load[rank] += weight
             pos += take
         if pos < end:
-            rank = _lightest_under(tokens, quotas, load, cp)
+            rank = lightest_under(tokens, quotas, load, cp)
     return count
 
 
@@ -87,12 +87,12 @@ def magi_kernel(lens, cp, chunk):
 
 @njit(cache=True)
 def magi_within(lens, cp, chunk, limit):
-    """``magi_kernel``, no shards when it misses imbalance ``limit`` (``_finish_within``)."""
+    """``magi_kernel``, no shards when it misses imbalance ``limit`` (``finish_within``)."""
     offsets, starts, work = _chunks(lens, chunk)
-    quotas = _quotas(offsets[-1], cp)
+    quotas = token_quotas_kernel(offsets[-1], cp)
     num_chunks = work.shape[0]
     # decreasing workload, ties: the later chunk first (MagiAttention reverses an ascending stable sort)
-    order = _order_of(work)[::-1]
+    order = order_of(work)[::-1]
     capacity = 2 * num_chunks + lens.shape[0] + 2 * cp + 4
     pdoc, pstart, plen, prank = new_pieces(capacity)
     load = np.zeros(cp, np.int64)
@@ -108,9 +108,9 @@ def magi_within(lens, cp, chunk, limit):
             for r in range(cp):  # none: the least-loaded rank with any room takes the chunk's head
                 if tokens[r] < quotas[r] and (best < 0 or load[r] < load[best]):
                     best = r
-        count = _place(offsets, starts[i], starts[i + 1], best, quotas, tokens, load, -1, cp, pdoc, pstart,
+        count = place_span(offsets, starts[i], starts[i + 1], best, quotas, tokens, load, -1, cp, pdoc, pstart,
                        plen, prank, count)
-    return _finish_within(pdoc, pstart, plen, prank, count, lens, cp, limit)
+    return finish_within(pdoc, pstart, plen, prank, count, lens, cp, limit)
 
 
 @njit(cache=True)
@@ -120,7 +120,7 @@ def ptrr_process_times(lens, chunk):
     Query block i covers ``[i b, (i + 1) b)``; its keys run from the start of the document holding its first
     token to its own end, so it reads blocks ``floor(doc start / b) .. i``.
     """
-    offsets = _doc_offsets(lens)
+    offsets = offsets_of(lens)
     num_blocks = (offsets[-1] + chunk - 1) // chunk
     times = np.empty(num_blocks, np.int64)
     doc = 0
@@ -134,13 +134,13 @@ def ptrr_process_times(lens, chunk):
 @njit(cache=True)
 def ptrr_kernel(lens, cp, chunk):
     """PyTorch's PTRR: blocks by decreasing process time, dealt to ranks in snake (boustrophedon) order."""
-    offsets = _doc_offsets(lens)
+    offsets = offsets_of(lens)
     context_len = offsets[-1]
-    quotas = _quotas(context_len, cp)
+    quotas = token_quotas_kernel(context_len, cp)
     times = ptrr_process_times(lens, chunk)
     num_blocks = times.shape[0]
     # decreasing process time, ties: the earlier block first (torch's stable descending sort)
-    order = _order_of(times.max() - times)
+    order = order_of(times.max() - times)
     capacity = 2 * num_blocks + lens.shape[0] + 2 * cp + 4
     pdoc, pstart, plen, prank = new_pieces(capacity)
     load = np.zeros(cp, np.int64)
@@ -150,6 +150,6 @@ def ptrr_kernel(lens, cp, chunk):
         i = order[p]
         col = p % cp
         rank = col if (p // cp) % 2 == 0 else cp - 1 - col
-        count = _place(offsets, i * chunk, min(context_len, (i + 1) * chunk), rank, quotas, tokens, load,
+        count = place_span(offsets, i * chunk, min(context_len, (i + 1) * chunk), rank, quotas, tokens, load,
                        times[i], cp, pdoc, pstart, plen, prank, count)
-    return _finish(pdoc, pstart, plen, prank, count, lens)
+    return finish_pieces(pdoc, pstart, plen, prank, count, lens)

@@ -2,9 +2,9 @@
 
 - a piece buffer: parallel arrays ``pdoc, pstart, plen, prank`` with a count, filled by the strategies
   (``new_pieces``);
-- ``_finish``: drop empty pieces, sort, merge (``_finish_within``: the same, refusing more than
+- ``finish_pieces``: drop empty pieces, sort, merge (``finish_within``: the same, refusing more than
   ``limit`` shards);
-- ``_zigzag_sizes`` / ``_emit_zigzag``: the Per-Doc chunk sizes with the round-robin remainder rule;
+- ``zigzag_sizes`` / ``emit_zigzag``: the Per-Doc chunk sizes with the round-robin remainder rule;
 - the Whole-Doc moves of Algorithm 1 (``move_head`` and the rank choices it uses).
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from flashcp._numba import njit
-from flashcp.costmodel.sort import _order_of, sort_range
-from flashcp.costmodel.workload import _doc_offsets, _ratio, workload
+from flashcp.costmodel.sort import order_of, sort_range
+from flashcp.costmodel.workload import max_over_mean, offsets_of, workload
 
 
 @njit(cache=True)
@@ -25,13 +25,13 @@ def new_pieces(capacity):
 
 
 @njit(cache=True)
-def _finish(pdoc, pstart, plen, prank, count, lens):
+def finish_pieces(pdoc, pstart, plen, prank, count, lens):
     """Sort pieces by (rank, position in the sequence), drop empty ones, merge touching ones of one doc.
 
     Pieces never overlap, so the order is unique: a counting sort by rank, then each rank's pieces sorted by
     position (as ``position << bits | piece`` values, so the piece comes back from the value).
     """
-    offsets = _doc_offsets(lens)
+    offsets = offsets_of(lens)
     keep = 0
     num_ranks = 0
     for i in range(count):
@@ -76,8 +76,8 @@ def _finish(pdoc, pstart, plen, prank, count, lens):
 
 
 @njit(cache=True)
-def _finish_within(pdoc, pstart, plen, prank, count, lens, cp, limit):
-    """``_finish``, or no shards (empty arrays) when the ranks' workloads miss imbalance ``limit``: known
+def finish_within(pdoc, pstart, plen, prank, count, lens, cp, limit):
+    """``finish_pieces``, or no shards (empty arrays) when the ranks' workloads miss imbalance ``limit``: known
     before sorting, as a shard's workload is the sum of its pieces'.
     """
     if limit < np.inf:
@@ -85,13 +85,13 @@ def _finish_within(pdoc, pstart, plen, prank, count, lens, cp, limit):
         for i in range(count):
             if plen[i] > 0:
                 work[prank[i]] += workload(pstart[i], plen[i])
-        if _ratio(work.max(), work.sum(), cp) > limit:
+        if max_over_mean(work.max(), work.sum(), cp) > limit:
             return pdoc[:0], pstart[:0], plen[:0], prank[:0]
-    return _finish(pdoc, pstart, plen, prank, count, lens)
+    return finish_pieces(pdoc, pstart, plen, prank, count, lens)
 
 
 @njit(cache=True)
-def _zigzag_sizes(sizes, cp, early, late):
+def zigzag_sizes(sizes, cp, early, late):
     """Per-Doc chunk sizes of documents of the given ``sizes`` (in order), written into ``early``/``late``.
 
     Document j of length d is cut into 2N chunks of ``d // 2N`` tokens; its ``d % 2N`` remaining tokens are
@@ -115,7 +115,7 @@ def _zigzag_sizes(sizes, cp, early, late):
 
 
 @njit(cache=True)
-def _emit_zigzag(doc, first, early_row, late_row, cp, pdoc, pstart, plen, prank, count):
+def emit_zigzag(doc, first, early_row, late_row, cp, pdoc, pstart, plen, prank, count):
     """Append one zigzag document's 2N chunks (starting at token ``first``) to the piece buffer."""
     start = first
     for i in range(cp):
@@ -136,13 +136,13 @@ def _emit_zigzag(doc, first, early_row, late_row, cp, pdoc, pstart, plen, prank,
 
 
 @njit(cache=True)
-def _descending_order(lens):
+def descending_order(lens):
     """Documents by decreasing length, ties by index."""
-    return _order_of(lens.max() - lens)
+    return order_of(lens.max() - lens)
 
 
 @njit(cache=True)
-def _emit_span(offsets, doc, pos, end, rank, pdoc, pstart, plen, prank, count):
+def emit_span(offsets, doc, pos, end, rank, pdoc, pstart, plen, prank, count):
     """Append the pieces of sequence span ``[pos, end)`` (cut at document bounds) for ``rank``.
 
     ``doc`` is the document holding ``pos`` or an earlier one; returns the updated ``(doc, count)``.
@@ -161,7 +161,7 @@ def _emit_span(offsets, doc, pos, end, rank, pdoc, pstart, plen, prank, count):
 
 
 @njit(cache=True)
-def _argmin_work(work, cp):
+def argmin_work(work, cp):
     best = 0
     for r in range(1, cp):
         if work[r] < work[best]:
@@ -170,7 +170,7 @@ def _argmin_work(work, cp):
 
 
 @njit(cache=True)
-def _most_over(tokens, quotas, cp):
+def most_over(tokens, quotas, cp):
     """The rank most over its token quota (ties: the lower rank), or -1 when none is over."""
     over = -1
     for r in range(cp):
@@ -180,7 +180,7 @@ def _most_over(tokens, quotas, cp):
 
 
 @njit(cache=True)
-def _lightest_under(tokens, quotas, work, cp):
+def lightest_under(tokens, quotas, work, cp):
     """The under-filled rank with the least workload (ties: the lower rank), or -1 when none is under."""
     under = -1
     for r in range(cp):

@@ -74,13 +74,13 @@ def test_candidates_within_a_limit_are_the_kernels_or_empty(case, chunk, limit):
 
 
 def test_order_of_is_a_stable_argsort():
-    from flashcp.costmodel.sort import _order_of
+    from flashcp.costmodel.sort import order_of
 
     rng = np.random.default_rng(0)
     for n in (0, 1, 2, 17, 300):
         for high in (3, 1 << 20, 1 << 61):
             key = rng.integers(-2 if high == 3 else 0, high, n).astype(np.int64)
-            assert np.array_equal(_order_of(key), np.argsort(key, kind="mergesort"))
+            assert np.array_equal(order_of(key), np.argsort(key, kind="mergesort"))
 
 
 @pytest.mark.parametrize("dist", ["wlb", "prolong"])
