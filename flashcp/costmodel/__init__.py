@@ -11,6 +11,7 @@ and nothing in it imports them. Modules:
 - ``limits``: the longest context and largest CP size flashcp plans;
 - ``shape``: ``AttentionShape``, the model a step is priced for;
 - ``profile``: ``HardwareProfile`` and its JSON files (``profiles/``);
+- ``curve``: the attention throughput curve (TFLOP/s by sequence length) the profile and the objective read;
 - ``objective``: the Numba step-time objective the planner minimises;
 - ``projection``: the per-rank and per-step projection ``flashcp bench`` reports, on the same functions.
 A plan is described by four parallel integer arrays, one entry per shard:

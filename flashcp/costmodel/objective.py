@@ -1,10 +1,11 @@
 """The step-time objective: one plan's projected step time, in Numba, for the planner's search.
 
 This module holds the projection's formulas in one place: ``flashcp.costmodel.projection`` (``flashcp bench``)
-and ``flashcp.costmodel.profile`` import the attention curve and the kernel time from here, and
-:func:`step_seconds` assembles them exactly as ``projection.project_step(plan, shape, profile, "auto",
-overlap=True)`` does (``tests/costmodel/test_objective.py`` checks that the two agree). The planner sees the model
-through one float64 vector (:func:`model_vector`), so kernels compile once whatever the profile.
+imports the kernel time from here (the attention curve lives in ``flashcp.costmodel.curve``, the exchange
+volumes in ``flashcp.costmodel.comm``), and :func:`step_seconds` assembles them exactly as
+``projection.project_step(plan, shape, profile, "auto", overlap=True)`` does
+(``tests/costmodel/test_objective.py`` checks that the two agree). The planner sees the model through one
+float64 vector (:func:`model_vector`), so kernels compile once whatever the profile.
 
 Per rank, one layer, forward and backward (docs/DESIGN.md cost model, ``flashcp.costmodel.projection``):
 
@@ -42,10 +43,11 @@ from flashcp.costmodel.comm import (
     kv_bytes_per_token,
     node_busiest,
 )
+from flashcp.costmodel.curve import curve_at_length, curve_on_segment, curve_segment
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.costmodel.workload import workload
 
-__all__ = ["BWD_FLOPS", "batch_step_seconds", "cached_model", "curve_tflops", "exchange_seconds", "model_vector",
+__all__ = ["BWD_FLOPS", "batch_step_seconds", "cached_model", "exchange_seconds", "model_vector",
            "one_shard_seconds", "pair_flops", "pair_seconds", "plan_step_seconds", "rank_floor", "sequence_flops",
            "shard_seconds", "step_seconds", "step_seconds_of", "token_seconds"]
 
@@ -90,64 +92,6 @@ def model_vector(profile, shape: AttentionShape, *, with_tokens: bool = False,
 
 
 @njit(cache=True)
-def _segment(x, knots):
-    """Which piece of the curve ``x`` falls on.
-
-    -1 before the first knot, k - 1 at or after the last, else j with ``knots[j] <= x < knots[j + 1]``.
-    """
-    k = knots.shape[0]
-    if x < knots[0]:
-        return -1
-    if x >= knots[k - 1]:
-        return k - 1
-    j = 0
-    while knots[j + 1] <= x:
-        j += 1
-    return j
-
-
-@njit(cache=True)
-def _curve_on(x, j, knots, values, peak):
-    """The curve at ``x`` on piece ``j`` (``_segment``)."""
-    k = knots.shape[0]
-    if j < 0:
-        if k > 1:
-            y = values[0] + (values[1] - values[0]) / (knots[1] - knots[0]) * (x - knots[0])
-        else:
-            y = values[0]
-    elif j == k - 1:
-        y = values[k - 1]
-    else:
-        # np.interp's own formula (slope times offset plus left value), without its set-up per call
-        y = (values[j + 1] - values[j]) / (knots[j + 1] - knots[j]) * (x - knots[j]) + values[j]
-    return min(math.exp(y), peak)
-
-
-@njit(cache=True)
-def _curve_at(x, knots, values, peak):
-    """The curve at ``x = log(max(length, 1))``."""
-    return _curve_on(x, _segment(x, knots), knots, values, peak)
-
-
-@njit(cache=True)
-def _curve_one(length, knots, values, peak):
-    return _curve_at(math.log(max(length, 1.0)), knots, values, peak)
-
-
-@njit(cache=True)
-def curve_tflops(lengths, knots, values, peak):
-    """Achieved TFLOP/s at each of ``lengths`` (float64 1-D), from the curve's logarithms (knots, values).
-
-    Log-log interpolation; below the first knot the first segment's power law continues, above the last the
-    last value holds; never above ``peak``.
-    """
-    out = np.empty(lengths.shape[0], np.float64)
-    for i in range(lengths.shape[0]):
-        out[i] = _curve_one(lengths[i], knots, values, peak)
-    return out
-
-
-@njit(cache=True)
 def pair_flops(heads, head_dim):
     """Forward FLOPs of one query-key pair of attention, one layer: ``4 H D`` (``QK^T`` and ``PV``)."""
     return 4.0 * heads * head_dim
@@ -177,7 +121,7 @@ def _pair_seconds_one(pairs, eq_len, heads, head_dim, backward, knots, values, p
     if pairs <= 0:
         return 0.0
     flops = pairs * pair_flops(heads, head_dim) * (BWD_FLOPS if backward else 1.0)
-    return flops / (_curve_one(eq_len, knots, values, peak) * 1e12)
+    return flops / (curve_at_length(eq_len, knots, values, peak) * 1e12)
 
 
 @njit(cache=True)
@@ -207,10 +151,11 @@ def _shard_seconds_both(start, length, model, knots, fwd_curve, bwd_curve):
     if pairs <= 0:
         return model[_SEQ] * 1e-6, model[_SEQ] * 1e-6
     x = math.log(max(eq_len, 1.0))
-    j = _segment(x, knots)
+    j = curve_segment(x, knots)
     flops = pairs * pair_flops(model[_H], model[_D])
-    out_f = flops / (_curve_on(x, j, knots, fwd_curve, model[_PEAK]) * 1e12) + model[_SEQ] * 1e-6
-    out_b = flops * BWD_FLOPS / (_curve_on(x, j, knots, bwd_curve, model[_PEAK]) * 1e12) + model[_SEQ] * 1e-6
+    out_f = flops / (curve_on_segment(x, j, knots, fwd_curve, model[_PEAK]) * 1e12) + model[_SEQ] * 1e-6
+    out_b = flops * BWD_FLOPS / (curve_on_segment(x, j, knots, bwd_curve, model[_PEAK]) * 1e12) \
+        + model[_SEQ] * 1e-6
     return out_f, out_b
 
 

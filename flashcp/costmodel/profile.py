@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flashcp.costmodel.curve import curve_tflops
 from flashcp.costmodel.limits import MAX_CONTEXT_LEN
 from flashcp.errors import FlashcpError
 
@@ -127,8 +128,6 @@ class HardwareProfile:
         Log-log interpolation between the curve's points; below the first point the first segment's power
         law continues, above the last point the last value holds; never above ``peak_tflops``.
         """
-        from flashcp.costmodel.objective import curve_tflops
-
         knots, values = self.log_curve(backward)
         length = np.asarray(length, dtype=np.float64)
         flat = np.ascontiguousarray(length.ravel())
