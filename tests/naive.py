@@ -48,6 +48,33 @@ def naive_exact_need_sent(shards: list[tuple[int, int, int, int]], cp: int) -> l
     return sent
 
 
+def naive_exchange_volumes(shards: list[tuple[int, int, int, int]], cp: int,
+                           gpus_per_node: int = 0) -> dict[str, list[int]]:
+    """Every rank's exchange rows, token by token: exact-need ``sent`` and ``received``, their parts between
+    nodes (rank r on node ``r // gpus_per_node``; 0: one node), and the all-gather ``contributed``."""
+    def node(rank: int) -> int:
+        return rank // gpus_per_node if gpus_per_node else 0
+
+    owner = {(d, t): r for d, s, n, r in shards for t in range(s, s + n)}
+    volumes = {name: [0] * cp for name in ("sent", "received", "sent_far", "received_far", "contributed")}
+    for rank in range(cp):
+        for doc in {s[0] for s in shards if s[3] == rank}:
+            end = max(s + n for d, s, n, r in shards if d == doc and r == rank)
+            for t in range(end):
+                sender = owner[(doc, t)]
+                if sender != rank:
+                    volumes["received"][rank] += 1
+                    volumes["sent"][sender] += 1
+                    if node(sender) != node(rank):
+                        volumes["received_far"][rank] += 1
+                        volumes["sent_far"][sender] += 1
+    for doc, start, length, rank in shards:
+        same_doc = [s for s in shards if s[0] == doc]
+        if len({s[3] for s in same_doc}) > 1 and start != max(s[1] for s in same_doc):
+            volumes["contributed"][rank] += length
+    return volumes
+
+
 def naive_document_attention(q, k, v, doc_lens, scale=None, window=None, chunk=None, sinks=None, softcap=None):
     """Dense attention over the whole packed sequence with a document-causal mask (torch, any dtype).
 

@@ -82,7 +82,8 @@ class _SequenceLayout:
         self.local_pos = _ranges(self.shard_local[by_pos], plan.shard_len[by_pos])
 
         # allgather: row of each contributed token in the all-gather output
-        self.contributes = allgather_shard_mask(plan.shard_doc, plan.shard_start, plan.shard_rank)
+        self.contributes = allgather_shard_mask(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank,
+                                                 cp)
         contrib_len = np.where(self.contributes, plan.shard_len, 0)
         contributions = np.bincount(plan.shard_rank, weights=contrib_len, minlength=cp).astype(np.int64)
         assert (contributions == allgather_contributions(plan.shard_doc, plan.shard_start, plan.shard_len,

@@ -7,13 +7,7 @@ import numpy as np
 from rich.text import Text
 
 from flashcp.cli.console import console, emit_json, set_json_output
-from flashcp.costmodel.comm import (
-    allgather_contributions,
-    comm_saving,
-    exact_need_node_volumes,
-    exact_need_received,
-    exact_need_saving,
-)
+from flashcp.costmodel.comm import comm_saving, exact_need_saving, exchange_volumes
 from flashcp.costmodel.workload import rank_workloads
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
@@ -107,12 +101,10 @@ def render(plan: SequencePlan, doc_lens: np.ndarray, title: str, gpus_per_node: 
     """
     cp = plan.cp
     split = 0 < gpus_per_node < cp
-    far = exact_need_node_volumes(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp,
-                                  gpus_per_node)["received_far"]
+    volumes = exchange_volumes(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp, gpus_per_node)
+    far, contrib, received = volumes.received_far, volumes.contributed, volumes.received
     work = rank_workloads(plan.shard_start, plan.shard_len, plan.shard_rank, cp)
     tokens = np.bincount(plan.shard_rank, weights=plan.shard_len, minlength=cp).astype(np.int64)
-    contrib = allgather_contributions(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
-    received = exact_need_received(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
     context_len = int(doc_lens.sum())
     mean = work.mean()
     ranks_of = {int(d): set(plan.shard_rank[plan.shard_doc == d].tolist()) for d in np.unique(plan.shard_doc)}
@@ -185,12 +177,10 @@ def command(data: str, plan_name: str | None, seq: int, as_json: bool) -> None:
 
 def _to_json(plan: SequencePlan, doc_lens: np.ndarray, gpus_per_node: int = 0, **where) -> dict:
     cp = plan.cp
-    far = exact_need_node_volumes(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp,
-                                  gpus_per_node)["received_far"]
+    volumes = exchange_volumes(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp, gpus_per_node)
+    far, contrib, received = volumes.received_far, volumes.contributed, volumes.received
     work = rank_workloads(plan.shard_start, plan.shard_len, plan.shard_rank, cp)
     tokens = np.bincount(plan.shard_rank, weights=plan.shard_len, minlength=cp).astype(np.int64)
-    contrib = allgather_contributions(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
-    received = exact_need_received(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
     return {
         **where, "cp": cp, "doc_lens": doc_lens.tolist(), "imbalance": float(work.max() / work.mean()),
         "ag_comm_tokens": int(contrib.max()), "a2a_comm_tokens": int(received.max()),

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from flashcp._numba import njit
-from flashcp.costmodel.sort import order_of
 from flashcp.costmodel.workload import (
     as_int64,
     imbalance_ratio,
@@ -19,125 +18,187 @@ from flashcp.costmodel.workload import (
     rank_workloads,
 )
 
+SENT, RECEIVED, SENT_FAR, RECEIVED_FAR, CONTRIBUTED = range(5)
+"""Rows of ``exchange_volumes_kernel``'s (5, cp) result: exact-need rows each rank sends and receives, their
+parts that cross a node boundary, and each rank's all-gather contribution."""
 
-@njit(cache=True)
-def _allgather_shard_mask(shard_doc, shard_start, shard_rank):
+
+@njit(cache=True, inline="always")
+def _document_holders(doc, start, length, rank, cp):
+    """What the exchange volumes are made of, in one pass over the shards.
+
+    ``max_end[d, r]``: end of the last token of document d that rank r holds (0: none); ``held[d, r]``: its
+    tokens there; ``last_start[d]``: start of d's last shard; the ranks holding d are
+    ``holders[holder_at[d]:holder_at[d + 1]]`` (a shard's sends then visit them only, not every rank).
+    """
+    num_shards = doc.shape[0]
     num_docs = 0
-    for i in range(shard_doc.shape[0]):
-        num_docs = max(num_docs, shard_doc[i] + 1)
-    last_start = np.full(num_docs, -1, dtype=np.int64)
-    first_rank = np.full(num_docs, -1, dtype=np.int64)
-    on_many_ranks = np.zeros(num_docs, dtype=np.bool_)
-    for i in range(shard_doc.shape[0]):
-        d = shard_doc[i]
-        last_start[d] = max(last_start[d], shard_start[i])
-        if first_rank[d] < 0:
-            first_rank[d] = shard_rank[i]
-        elif first_rank[d] != shard_rank[i]:
-            on_many_ranks[d] = True
-    mask = np.zeros(shard_doc.shape[0], dtype=np.bool_)
-    for i in range(shard_doc.shape[0]):
-        d = shard_doc[i]
-        mask[i] = on_many_ranks[d] and shard_start[i] != last_start[d]
-    return mask
+    for i in range(num_shards):
+        num_docs = max(num_docs, doc[i] + 1)
+    # one allocation for the tables (this runs once per move of the planner's search)
+    table = np.zeros(num_docs * (2 * cp + 2) + 1 + num_shards, np.int64)
+    max_end = table[:num_docs * cp].reshape((num_docs, cp))
+    held = table[num_docs * cp:2 * num_docs * cp].reshape((num_docs, cp))
+    at = 2 * num_docs * cp
+    last_start = table[at:at + num_docs]
+    holder_at = table[at + num_docs:at + 2 * num_docs + 1]
+    holders = table[at + 2 * num_docs + 1:]
+    last_start[:] = -1
+    for i in range(num_shards):
+        d, r = doc[i], rank[i]
+        max_end[d, r] = max(max_end[d, r], start[i] + length[i])
+        held[d, r] += length[i]
+        last_start[d] = max(last_start[d], start[i])
+    for d in range(num_docs):
+        ranks = 0
+        for r in range(cp):
+            if held[d, r] > 0:
+                holders[holder_at[d] + ranks] = r
+                ranks += 1
+        holder_at[d + 1] = holder_at[d] + ranks
+    return max_end, held, last_start, holders, holder_at
+
+
+@njit(cache=True, inline="always")
+def _contributes(i, doc, start, last_start, holder_at):
+    """Whether shard i goes into the compacted all-gather: its document spans ranks and it is not the last."""
+    d = doc[i]
+    return holder_at[d + 1] - holder_at[d] > 1 and start[i] != last_start[d]
 
 
 @njit(cache=True)
-def allgather_contributions_kernel(shard_doc, shard_start, shard_rank, shard_len, cp):
-    """``allgather_contributions`` on int64 arrays, callable from other kernels (no checks, no casts)."""
-    mask = _allgather_shard_mask(shard_doc, shard_start, shard_rank)
-    out = np.zeros(cp, dtype=np.int64)
+def exchange_volumes_kernel(shard_doc, shard_start, shard_len, shard_rank, cp, gpus_per_node):
+    """Every exchange volume of one plan in one pass (``exchange_volumes``), callable from other kernels.
+
+    Returns (5, cp) int64 with rows ``SENT``, ``RECEIVED``, ``SENT_FAR``, ``RECEIVED_FAR``, ``CONTRIBUTED``;
+    takes int64 arrays, no checks, no casts.
+
+    ``gpus_per_node``: ranks per node (rank r on node ``r // gpus_per_node``); 0: one node, nothing is far.
+    """
+    return _exchange_volumes(shard_doc, shard_start, shard_len, shard_rank, cp, gpus_per_node, True)
+
+
+@njit(cache=True, inline="always")
+def _exchange_volumes(shard_doc, shard_start, shard_len, shard_rank, cp, gpus_per_node, with_sends):
+    """``exchange_volumes_kernel``; without ``with_sends`` only the ``RECEIVED`` row is filled."""
+    max_end, held, last_start, holders, holder_at = _document_holders(shard_doc, shard_start, shard_len,
+                                                                      shard_rank, cp)
+    out = np.zeros((5, cp), np.int64)
+    for d in range(held.shape[0]):
+        for h in range(holder_at[d], holder_at[d + 1]):
+            r = holders[h]
+            out[RECEIVED, r] += max_end[d, r] - held[d, r]
+    if not with_sends:
+        return out
+    split = gpus_per_node > 0 and cp > gpus_per_node
     for i in range(shard_doc.shape[0]):
-        if mask[i]:
-            out[shard_rank[i]] += shard_len[i]
+        d, b = shard_doc[i], shard_rank[i]
+        if holder_at[d + 1] - holder_at[d] < 2:  # on one rank: nothing to send
+            continue
+        if _contributes(i, shard_doc, shard_start, last_start, holder_at):
+            out[CONTRIBUTED, b] += shard_len[i]
+        node = b // gpus_per_node if split else 0
+        for h in range(holder_at[d], holder_at[d + 1]):
+            r = holders[h]
+            if r != b:
+                amount = min(shard_len[i], max(0, max_end[d, r] - shard_start[i]))
+                out[SENT, b] += amount
+                if split and r // gpus_per_node != node:
+                    out[SENT_FAR, b] += amount
+                    out[RECEIVED_FAR, r] += amount
     return out
 
 
 @njit(cache=True)
 def exact_need_received_kernel(shard_doc, shard_start, shard_len, shard_rank, cp):
-    """``exact_need_received`` on int64 arrays, callable from other kernels (no checks, no casts)."""
-    num_shards = shard_doc.shape[0]
-    key = shard_doc * cp + shard_rank
-    order = order_of(key)
-    out = np.zeros(cp, dtype=np.int64)
-    i = 0
-    while i < num_shards:
-        group_key = key[order[i]]
-        rank = shard_rank[order[i]]
-        max_end = 0
-        held = 0
-        while i < num_shards and key[order[i]] == group_key:
-            s = order[i]
-            max_end = max(max_end, shard_start[s] + shard_len[s])
-            held += shard_len[s]
-            i += 1
-        out[rank] += max_end - held
-    return out
+    """``exact_need_received`` inside a kernel: the ``RECEIVED`` row of ``exchange_volumes_kernel`` alone."""
+    return _exchange_volumes(shard_doc, shard_start, shard_len, shard_rank, cp, 0, False)[RECEIVED]
 
 
 @njit(cache=True)
-def _max_end_by_doc_rank(shard_doc, shard_start, shard_len, shard_rank, cp):
-    """(num_docs, cp) int64: the end of the last token of document d that rank r holds (0: none)."""
-    num_docs = 0
+def _allgather_shard_mask(shard_doc, shard_start, shard_len, shard_rank, cp):
+    _, _, last_start, _, holder_at = _document_holders(shard_doc, shard_start, shard_len, shard_rank, cp)
+    mask = np.zeros(shard_doc.shape[0], dtype=np.bool_)
     for i in range(shard_doc.shape[0]):
-        num_docs = max(num_docs, shard_doc[i] + 1)
-    max_end = np.zeros((num_docs, cp), dtype=np.int64)
-    for i in range(shard_doc.shape[0]):
-        d, r = shard_doc[i], shard_rank[i]
-        max_end[d, r] = max(max_end[d, r], shard_start[i] + shard_len[i])
-    return max_end
+        mask[i] = _contributes(i, shard_doc, shard_start, last_start, holder_at)
+    return mask
 
 
-@njit(cache=True)
-def _exact_need_sent(shard_doc, shard_start, shard_len, shard_rank, cp):
-    max_end = _max_end_by_doc_rank(shard_doc, shard_start, shard_len, shard_rank, cp)
-    out = np.zeros(cp, dtype=np.int64)
-    for i in range(shard_doc.shape[0]):
-        d, b = shard_doc[i], shard_rank[i]
-        for r in range(cp):
-            if r != b:
-                out[b] += min(shard_len[i], max(0, max_end[d, r] - shard_start[i]))
-    return out
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExchangeVolumes:
+    """Every rank's K/V rows in one plan's exchanges, one forward pass; every array is (cp,) int64."""
+
+    sent: np.ndarray
+    """Exact-need rows each rank sends: to every other rank r, its tokens of each document's prefix
+    ``[0, max end of r's shards)``."""
+    received: np.ndarray
+    """Exact-need rows each rank receives: per document it holds, the tokens of ``[0, max end of its
+    shards)`` it does not hold."""
+    sent_far: np.ndarray
+    """The part of ``sent`` that crosses a node boundary (0 without a topology)."""
+    received_far: np.ndarray
+    """The part of ``received`` that crosses a node boundary (0 without a topology)."""
+    contributed: np.ndarray
+    """Rows each rank contributes to the compacted all-gather (paper Eq. 5): its shards that are not the last
+    of a document spread over several ranks."""
+
+    @property
+    def ag_slot(self) -> int:
+        """Rows every rank puts into the compacted all-gather: the largest contribution."""
+        return int(self.contributed.max())
+
+    @property
+    def a2a_busiest(self) -> int:
+        """Rows the busiest rank moves in the exact-need all-to-all (``busiest_rows``)."""
+        return int(busiest_rows(self.sent, self.received))
+
+
+def exchange_volumes(shard_doc, shard_start, shard_len, shard_rank, cp: int,
+                     gpus_per_node: int = 0) -> ExchangeVolumes:
+    """Every rank's exact-need and all-gather rows of one plan, computed once (``exchange_volumes_kernel``).
+
+    ``gpus_per_node``: ranks per node (rank r on node ``r // gpus_per_node``) for the parts crossing nodes;
+    0: one node.
+    """
+    arrays = as_int64(shard_doc, shard_start, shard_len, shard_rank)
+    out = exchange_volumes_kernel(*arrays, cp, int(gpus_per_node))
+    return ExchangeVolumes(sent=out[SENT], received=out[RECEIVED], sent_far=out[SENT_FAR],
+                           received_far=out[RECEIVED_FAR], contributed=out[CONTRIBUTED])
 
 
 def allgather_contributions(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> np.ndarray:
-    """Tokens of K/V each rank contributes to the compacted all-gather (paper Eq. 5). Shape (cp,), int64."""
-    shard_doc, shard_start, shard_len, shard_rank = as_int64(shard_doc, shard_start, shard_len, shard_rank)
-    if shard_doc.size == 0:
-        return np.zeros(cp, dtype=np.int64)
-    return allgather_contributions_kernel(shard_doc, shard_start, shard_rank, shard_len, cp)
+    """Tokens of K/V each rank contributes to the compacted all-gather (paper Eq. 5). Shape (cp,), int64.
+
+    ``exchange_volumes(...).contributed``.
+    """
+    return exchange_volumes(shard_doc, shard_start, shard_len, shard_rank, cp).contributed
 
 
-def allgather_shard_mask(shard_doc, shard_start, shard_rank) -> np.ndarray:
+def allgather_shard_mask(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> np.ndarray:
     """Which shards are contributed to the compacted all-gather (paper Eq. 5). Shape (num_shards,), bool.
 
     A shard contributes when it is not the last shard of its document and its document has shards on more
     than one rank; ``allgather_contributions`` sums these shards' lengths per rank.
     """
-    shard_doc, shard_start, shard_rank = as_int64(shard_doc, shard_start, shard_rank)
-    if shard_doc.size == 0:
-        return np.zeros(0, dtype=np.bool_)
-    return _allgather_shard_mask(shard_doc, shard_start, shard_rank)
+    arrays = as_int64(shard_doc, shard_start, shard_len, shard_rank)
+    return _allgather_shard_mask(*arrays, cp)
 
 
 def exact_need_received(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> np.ndarray:
-    """Tokens of K/V each rank receives under exact-need exchange. Shape (cp,), int64."""
-    shard_doc, shard_start, shard_len, shard_rank = as_int64(shard_doc, shard_start, shard_len, shard_rank)
-    if shard_doc.size == 0:
-        return np.zeros(cp, dtype=np.int64)
-    return exact_need_received_kernel(shard_doc, shard_start, shard_len, shard_rank, cp)
+    """Tokens of K/V each rank receives under exact-need exchange. Shape (cp,), int64.
+
+    ``exchange_volumes(...).received``.
+    """
+    return exchange_volumes(shard_doc, shard_start, shard_len, shard_rank, cp).received
 
 
 def exact_need_sent(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> np.ndarray:
     """Tokens of K/V each rank sends under exact-need exchange. Shape (cp,), int64.
 
     Rank b sends rank r the tokens b holds of each document's prefix ``[0, max end of r's shards)``: the
-    sending side of ``exact_need_received`` (both sum to the same total).
+    sending side of ``exact_need_received`` (both sum to the same total). ``exchange_volumes(...).sent``.
     """
-    shard_doc, shard_start, shard_len, shard_rank = as_int64(shard_doc, shard_start, shard_len, shard_rank)
-    if shard_doc.size == 0:
-        return np.zeros(cp, dtype=np.int64)
-    return _exact_need_sent(shard_doc, shard_start, shard_len, shard_rank, cp)
+    return exchange_volumes(shard_doc, shard_start, shard_len, shard_rank, cp).sent
 
 
 def comm_saving(comm_tokens: float, context_len: int, cp: int) -> float:
@@ -209,7 +270,7 @@ def node_busiest(sent, received, sent_far, received_far):
     Each is the larger of the rank's sending and receiving side (the links are full duplex).
 
     ``sent``, ``received`` (cp,): every rank's totals; ``sent_far``, ``received_far``: their parts that cross
-    a node boundary (``exact_need_node_volumes``).
+    a node boundary (``exchange_volumes``).
     """
     near = 0
     far = 0
@@ -240,40 +301,6 @@ def allgather_node_rows(slot, cp, gpus_per_node):
 
 
 @njit(cache=True)
-def _exact_need_node_volumes(shard_doc, shard_start, shard_len, shard_rank, cp, gpus_per_node):
-    max_end = _max_end_by_doc_rank(shard_doc, shard_start, shard_len, shard_rank, cp)
-    out = np.zeros((4, cp), dtype=np.int64)  # sent, received, sent across nodes, received across nodes
-    for i in range(shard_doc.shape[0]):
-        d, b = shard_doc[i], shard_rank[i]
-        for r in range(cp):
-            if r != b:
-                amount = min(shard_len[i], max(0, max_end[d, r] - shard_start[i]))
-                out[0, b] += amount
-                out[1, r] += amount
-                if gpus_per_node > 0 and b // gpus_per_node != r // gpus_per_node:
-                    out[2, b] += amount
-                    out[3, r] += amount
-    return out
-
-
-def exact_need_node_volumes(shard_doc, shard_start, shard_len, shard_rank, cp: int,
-                            gpus_per_node: int) -> dict[str, np.ndarray]:
-    """Exact-need rows per rank split by link.
-
-    ``sent``, ``received`` and their parts ``sent_far``, ``received_far`` that cross a node boundary (rank r
-    on node ``r // gpus_per_node``; 0: one node).
-
-    Each is (cp,) int64; ``sent`` and ``received`` equal ``exact_need_sent`` and ``exact_need_received``.
-    """
-    arrays = as_int64(shard_doc, shard_start, shard_len, shard_rank)
-    if arrays[0].size == 0:
-        out = np.zeros((4, cp), dtype=np.int64)
-    else:
-        out = _exact_need_node_volumes(*arrays, cp, int(gpus_per_node))
-    return {"sent": out[0], "received": out[1], "sent_far": out[2], "received_far": out[3]}
-
-
-@njit(cache=True)
 def batch_node_received(shard_offsets, shard_doc, shard_start, shard_len, shard_rank, cp, gpus_per_node):
     """Per row of flat plans: the largest exact-need receive inside a node and across nodes, (rows, 2) int64.
 
@@ -287,10 +314,10 @@ def batch_node_received(shard_offsets, shard_doc, shard_start, shard_len, shard_
         hi = shard_offsets[row + 1]
         if hi == lo:
             continue
-        v = _exact_need_node_volumes(shard_doc[lo:hi], shard_start[lo:hi], shard_len[lo:hi], shard_rank[lo:hi],
-                                     cp, gpus_per_node)
-        out[row, 0] = (v[1] - v[3]).max()
-        out[row, 1] = v[3].max()
+        v = exchange_volumes_kernel(shard_doc[lo:hi], shard_start[lo:hi], shard_len[lo:hi], shard_rank[lo:hi],
+                                    cp, gpus_per_node)
+        out[row, 0] = (v[RECEIVED] - v[RECEIVED_FAR]).max()
+        out[row, 1] = v[RECEIVED_FAR].max()
     return out
 
 
@@ -321,11 +348,9 @@ class PlanMetrics:
 
 def plan_metrics(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> PlanMetrics:
     """Recompute a plan's stored metrics from its shards."""
-    return PlanMetrics(
-        imbalance=imbalance_ratio(rank_workloads(shard_start, shard_len, shard_rank, cp)),
-        ag_comm_tokens=int(allgather_contributions(shard_doc, shard_start, shard_len, shard_rank, cp).max()),
-        a2a_comm_tokens=int(exact_need_received(shard_doc, shard_start, shard_len, shard_rank, cp).max()),
-    )
+    volumes = exchange_volumes(shard_doc, shard_start, shard_len, shard_rank, cp)
+    return PlanMetrics(imbalance=imbalance_ratio(rank_workloads(shard_start, shard_len, shard_rank, cp)),
+                       ag_comm_tokens=volumes.ag_slot, a2a_comm_tokens=int(volumes.received.max()))
 
 
 def ring_comm_tokens(shard_len, shard_rank, cp: int) -> tuple[np.ndarray, np.ndarray]:

@@ -36,9 +36,15 @@ import numpy as np
 
 from flashcp._numba import njit
 from flashcp.costmodel.comm import (
+    CONTRIBUTED,
+    RECEIVED,
+    RECEIVED_FAR,
+    SENT,
+    SENT_FAR,
     allgather_node_rows,
     auto_comm_a2a,
     busiest_rows,
+    exchange_volumes_kernel,
     grad_bytes_per_token,
     kv_bytes_per_token,
     node_busiest,
@@ -57,8 +63,8 @@ BWD_FLOPS = 2.5
 
 # layout of the model vector
 _H, _HKV, _D, _BYTES, _LAYERS, _TILE, _SKIP, _LINK, _HBM, _KERNEL, _SEQ, _COLL, _PEAK, _TOKEN_FLOPS, \
-    _TOKEN_TFLOPS, _NODE, _INTER, _K = range(18)
-
+    _TOKEN_TFLOPS, GPUS_PER_NODE_SLOT, _INTER, _K = range(18)
+# GPUS_PER_NODE_SLOT is public: the planner reads the topology (CP ranks per node, 0: one node) from the vector
 
 _HEADER = 18
 
@@ -82,7 +88,7 @@ def model_vector(profile, shape: AttentionShape, *, with_tokens: bool = False,
     vec[_PEAK] = profile.peak_tflops
     vec[_TOKEN_FLOPS] = shape.token_flops() if with_tokens else 0.0
     vec[_TOKEN_TFLOPS] = profile.peak_tflops
-    vec[_NODE] = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
+    vec[GPUS_PER_NODE_SLOT] = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
     vec[_INTER] = profile.inter_node_gbps
     vec[_K] = k
     vec[_HEADER:_HEADER + k] = np.log(np.asarray(profile.lengths, np.float64))
@@ -236,84 +242,46 @@ def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
     """:func:`step_seconds` given every shard's kernel seconds (``shard_seconds``).
 
     A search that moves a few shards then prices only those. ``only`` >= 0: that rank's forward plus
-    backward time alone (``rank_floor``; only its shards' seconds are read). The exchange volumes are the
-    cost model's (``flashcp.costmodel.comm``: all-gather contributions, exact-need sent and received), computed here in
-    one pass over dense (document, rank) tables.
+    backward time alone (``rank_floor``; only its shards' seconds are read). The exchange volumes are
+    ``comm.exchange_volumes_kernel``'s (all-gather contributions, exact-need sent and received, their parts
+    across nodes).
     """
     kv_row = 1.0 * kv_bytes_per_token(model[_HKV], model[_D], model[_BYTES])
     q_row = model[_H] * model[_D] * model[_BYTES]
     hbm = model[_HBM] * 1e9
+    per_node = np.int64(model[GPUS_PER_NODE_SLOT])
+    volumes = exchange_volumes_kernel(doc, start, length, rank, cp, per_node)
+    sent = volumes[SENT]
+    received = volumes[RECEIVED]
     num_shards = doc.shape[0]
     num_docs = 0
     for i in range(num_shards):
         num_docs = max(num_docs, doc[i] + 1)
+    # a document's prefix is local to its first shard's rank up to the first start of its shards elsewhere
+    # (``projection.local_only_mask``); found in one pass: when a shard on another rank takes the first place,
+    # the old first shard is the earliest elsewhere
     big = np.iinfo(np.int64).max
-    # one allocation for every integer table (this runs once per move of the search)
-    table = np.zeros(6 * cp + num_docs * (2 * cp + 4), np.int64)
-    tokens = table[:cp]
-    received = table[cp:2 * cp]
-    sent = table[2 * cp:3 * cp]
-    contributed = table[3 * cp:4 * cp]
-    # the parts of sent and received that cross a node boundary (topology: model[_NODE] ranks per node)
-    sent_far = table[4 * cp:5 * cp]
-    received_far = table[5 * cp:6 * cp]
-    per_node = np.int64(model[_NODE])
-    split = per_node > 0 and cp > per_node
-    at = 6 * cp
-    max_end = table[at:at + num_docs * cp].reshape((num_docs, cp))
-    held = table[at + num_docs * cp:at + 2 * num_docs * cp].reshape((num_docs, cp))
-    at += 2 * num_docs * cp
-    first_start = table[at:at + num_docs]
-    first_rank = table[at + num_docs:at + 2 * num_docs]
-    last_start = table[at + 2 * num_docs:at + 3 * num_docs]
-    switch = table[at + 3 * num_docs:at + 4 * num_docs]
+    table = np.empty(3 * num_docs, np.int64)
+    first_start = table[:num_docs]
+    first_rank = table[num_docs:2 * num_docs]
+    switch = table[2 * num_docs:]
     first_start[:] = big
     first_rank[:] = -1
-    last_start[:] = -1
     switch[:] = big
     for i in range(num_shards):
         d, r = doc[i], rank[i]
-        tokens[r] += length[i]
-        max_end[d, r] = max(max_end[d, r], start[i] + length[i])
-        held[d, r] += length[i]
-        last_start[d] = max(last_start[d], start[i])
         if start[i] < first_start[d]:
+            if first_rank[d] >= 0 and first_rank[d] != r:
+                switch[d] = first_start[d]
             first_start[d] = start[i]
             first_rank[d] = r
-    on_many = np.zeros(num_docs, np.bool_)
-    # the ranks holding each document, listed (document d's: holders[holder_at[d]:holder_at[d + 1]]), so
-    # that a shard's sends visit them only, not every rank
-    holders = np.empty(num_shards, np.int64)
-    holder_at = np.zeros(num_docs + 1, np.int64)
-    for d in range(num_docs):
-        ranks = 0
-        for r in range(cp):
-            if held[d, r] > 0:
-                holders[holder_at[d] + ranks] = r
-                ranks += 1
-                received[r] += max_end[d, r] - held[d, r]
-        holder_at[d + 1] = holder_at[d] + ranks
-        on_many[d] = ranks > 1
-    for i in range(num_shards):
-        d, b = doc[i], rank[i]
-        if on_many[d]:
-            if start[i] != last_start[d]:
-                contributed[b] += length[i]
-            for h in range(holder_at[d], holder_at[d + 1]):
-                r = holders[h]
-                if r != b:
-                    amount = min(length[i], max(0, max_end[d, r] - start[i]))
-                    sent[b] += amount
-                    if split and b // per_node != r // per_node:
-                        sent_far[b] += amount
-                        received_far[r] += amount
-        if b != first_rank[d]:
+        elif r != first_rank[d]:
             switch[d] = min(switch[d], start[i])
-    slot = contributed.max()
+    slot = volumes[CONTRIBUTED].max()
     busiest = busiest_rows(sent, received)
     use_a2a = auto_comm_a2a(busiest, slot, cp, np.int64(model[_BYTES]))
     if use_a2a:
-        near, far = node_busiest(sent, received, sent_far, received_far)
+        near, far = node_busiest(sent, received, volumes[SENT_FAR], volumes[RECEIVED_FAR])
         grad_row = kv_row
     else:
         near, far = allgather_node_rows(slot, cp, per_node)
@@ -351,11 +319,12 @@ def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
         remote_f = kern_f[1, r] + overhead * busy[1, r]
         local_b = kern_b[0, r] + overhead * busy[0, r]
         remote_b = kern_b[1, r] + overhead * busy[1, r]
+        tokens = rows[0, r] + rows[1, r]  # whole numbers: exact in float64
         local_copy = 2.0 * (rows[0, r] * q_row + keys[0, r] * kv_row) / hbm
         remote_copy = 2.0 * (rows[1, r] * q_row + keys[1, r] * kv_row
-                             + busy[1, r] * (tokens[r] + recv) * kv_row) / hbm
-        other = 2.0 * (send * kv_row + 2.0 * tokens[r] * q_row) / hbm
-        token_time = token_seconds(tokens[r], model[_TOKEN_FLOPS], model[_TOKEN_TFLOPS])
+                             + busy[1, r] * (tokens + recv) * kv_row) / hbm
+        other = 2.0 * (send * kv_row + 2.0 * tokens * q_row) / hbm
+        token_time = token_seconds(tokens, model[_TOKEN_FLOPS], model[_TOKEN_TFLOPS])
         # forward: local first (overlapping the exchange), then remote; backward: remote, then local
         fwd = (local_f + remote_f) + (local_copy + remote_copy + other) \
             + max(comm - (local_f + local_copy), 0.0)

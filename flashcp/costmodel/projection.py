@@ -45,12 +45,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from flashcp.costmodel.comm import (
-    allgather_contributions,
     allgather_node_rows,
     allgather_wire,
     auto_comm_a2a,
     busiest_rows,
-    exact_need_node_volumes,
+    exchange_volumes,
     grad_bytes_per_token,
     node_busiest,
     ring_comm_tokens,
@@ -184,7 +183,7 @@ def comm_volumes(plan: PlanArrays, gpus_per_node: int = 0) -> dict[str, dict[str
     """
     cp = plan.cp
     tokens = rank_tokens(plan.shard_len, plan.shard_rank, cp)
-    slot = int(allgather_contributions(*_arrays(plan), cp).max())
+    volumes = exchange_volumes(*_arrays(plan), cp, gpus_per_node)
     quota = int(tokens.max())
 
     def gathered(rows):
@@ -192,10 +191,9 @@ def comm_volumes(plan: PlanArrays, gpus_per_node: int = 0) -> dict[str, dict[str
         return {"send": np.full(cp, rows), "recv": np.full(cp, cp * rows),
                 "wire": np.full(cp, allgather_wire(rows, cp)), "near": int(near), "far": int(far)}
 
-    need = exact_need_node_volumes(*_arrays(plan), cp, gpus_per_node)
-    near, far = node_busiest(need["sent"], need["received"], need["sent_far"], need["received_far"])
-    return {"full": gathered(quota), "allgather": gathered(slot),
-            "a2a": {"send": need["sent"], "recv": need["received"], "recv_far": need["received_far"],
+    near, far = node_busiest(volumes.sent, volumes.received, volumes.sent_far, volumes.received_far)
+    return {"full": gathered(quota), "allgather": gathered(volumes.ag_slot),
+            "a2a": {"send": volumes.sent, "recv": volumes.received, "recv_far": volumes.received_far,
                     "near": int(near), "far": int(far)}}
 
 

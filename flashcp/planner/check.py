@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashcp._numba import njit
-from flashcp.costmodel.comm import allgather_contributions_kernel, exact_need_received_kernel
+from flashcp.costmodel.comm import CONTRIBUTED, RECEIVED, exchange_volumes_kernel
 from flashcp.costmodel.sort import order_of
 from flashcp.costmodel.workload import (
     max_over_mean,
@@ -101,6 +101,7 @@ def check_batch(row_offsets, doc_lens, shard_offsets, doc, start, length, rank, 
             continue
         work = rank_workloads_kernel(s, n, r, cp)
         imbalance[row] = max_over_mean(work.max(), work.sum(), cp)
-        ag[row] = allgather_contributions_kernel(d, s, r, n, cp).max()
-        a2a[row] = exact_need_received_kernel(d, s, n, r, cp).max()
+        volumes = exchange_volumes_kernel(d, s, n, r, cp, 0)
+        ag[row] = volumes[CONTRIBUTED].max()
+        a2a[row] = volumes[RECEIVED].max()
     return errors, imbalance, ag, a2a

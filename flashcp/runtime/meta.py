@@ -37,15 +37,7 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 import torch
 
-from flashcp.costmodel.comm import (
-    allgather_contributions,
-    allgather_shard_mask,
-    allgather_wire,
-    auto_comm_a2a,
-    busiest_rows,
-    exact_need_received,
-    exact_need_sent,
-)
+from flashcp.costmodel.comm import allgather_shard_mask, allgather_wire, auto_comm_a2a, exchange_volumes
 from flashcp.planner.plan import SequencePlan
 
 __all__ = ["COLLECTIVE_MODES", "COMM_MODES", "CPAttnMeta", "Exchange", "QueryPart", "RingSchedule",
@@ -380,8 +372,9 @@ class _RankLayout:
 
         # allgather: what each shard contributes and where it lands in the all-gather output
         args = (plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
-        self.contributes = allgather_shard_mask(plan.shard_doc, plan.shard_start, plan.shard_rank)
-        self.ag_slot = int(allgather_contributions(*args).max())
+        volumes = exchange_volumes(*args)
+        self.contributes = allgather_shard_mask(*args)
+        self.ag_slot = volumes.ag_slot
         contrib_len = np.where(self.contributes, plan.shard_len, 0)
         self.ag_base = plan.shard_rank * self.ag_slot + _within_rank_offsets(contrib_len, plan.shard_rank)
 
@@ -389,9 +382,8 @@ class _RankLayout:
         self.full_slot = int(self.rank_tokens.max())
 
         # exact need: the plan-wide busiest rank, then this rank's receive runs
-        received = exact_need_received(*args)
-        self.a2a_busiest = int(busiest_rows(exact_need_sent(*args), received))
-        self.a2a_active = bool(received.any())
+        self.a2a_busiest = volumes.a2a_busiest
+        self.a2a_active = bool(volumes.received.any())
         # the rule for 16-bit K/V (what training exchanges), as flashcp bench and the planner price it
         self.auto_comm = "a2a" if auto_comm_a2a(self.a2a_busiest, self.ag_slot, cp, 2) else "allgather"
 

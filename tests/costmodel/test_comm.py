@@ -4,14 +4,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashcp.costmodel.comm import (
+    allgather_shard_mask,
     comm_saving,
-    exact_need_node_volumes,
-    exact_need_received,
+    exchange_volumes,
     kv_bytes_per_token,
     plan_metrics,
 )
 from flashcp.planner import plan_sequence
-from tests.naive import naive_metrics
+from tests.naive import naive_exchange_volumes, naive_metrics
 from tests.plans import packed
 
 
@@ -54,18 +54,30 @@ def test_comm_units():
     assert kv_bytes_per_token(8, 128, 2) == 4096
 
 
-def test_node_volumes_split_the_exact_need_volumes():
-    from flashcp.costmodel.comm import exact_need_sent
+@settings(max_examples=300, deadline=None)
+@given(random_shards(), st.integers(0, 4))
+def test_exchange_volumes_match_naive(case, gpus_per_node):
+    shards, cp = case
+    doc, start, length, rank = (np.array(c) for c in zip(*shards))
+    got = exchange_volumes(doc, start, length, rank, cp, gpus_per_node)
+    want = naive_exchange_volumes(shards, cp, gpus_per_node)
+    for name, values in want.items():
+        assert getattr(got, name).tolist() == values, name
+    assert got.ag_slot == max(want["contributed"])
+    mask = allgather_shard_mask(doc, start, length, rank, cp)
+    assert np.bincount(rank[mask], weights=length[mask], minlength=cp).tolist() == want["contributed"]
 
+
+def test_node_volumes_split_the_exact_need_volumes():
     for lens in packed("wlb", 3, 65536, seed=1):
         plan = plan_sequence("flashcp", lens, 8)
         arrays = (plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank)
+        whole = exchange_volumes(*arrays, 8)
         for per_node in (0, 1, 2, 3, 8):
-            v = exact_need_node_volumes(*arrays, 8, per_node)
-            assert np.array_equal(v["sent"], exact_need_sent(*arrays, 8))
-            assert np.array_equal(v["received"], exact_need_received(*arrays, 8))
-            assert v["sent_far"].sum() == v["received_far"].sum()
+            v = exchange_volumes(*arrays, 8, per_node)
+            assert np.array_equal(v.sent, whole.sent) and np.array_equal(v.received, whole.received)
+            assert v.sent_far.sum() == v.received_far.sum()
             if per_node in (0, 8):
-                assert v["received_far"].sum() == 0
+                assert v.received_far.sum() == 0
             if per_node == 1:
-                assert np.array_equal(v["received_far"], v["received"])
+                assert np.array_equal(v.received_far, v.received)

@@ -10,7 +10,7 @@ import numpy as np
 
 from flashcp._numba import njit
 from flashcp.costmodel.comm import exact_need_received_kernel
-from flashcp.costmodel.objective import _NODE, one_shard_seconds, shard_seconds, step_seconds_of
+from flashcp.costmodel.objective import GPUS_PER_NODE_SLOT, one_shard_seconds, shard_seconds, step_seconds_of
 from flashcp.costmodel.sort import order_of
 from flashcp.costmodel.workload import offsets_of, rank_workloads_kernel, slack_tokens, token_quotas_kernel, workload
 from flashcp.planner.strategies.baselines import llama3_within
@@ -386,7 +386,7 @@ def _on_nodes(lens, doc, start, length, rank, cp, per_node):
 @njit(cache=True)
 def flashcp2_kernel(lens, cp, target, effort, model, slack):
     """Portfolio of candidate plans, the best under the step time, then local search (see strategies.py)."""
-    per_node = np.int64(model[_NODE])
+    per_node = np.int64(model[GPUS_PER_NODE_SLOT])
     best_doc, best_start, best_len, best_rank = flashcp_plus_bounded(lens, cp, min(target, PLUS_TARGET),
                                                                      MAX_ZIGZAG)
     best_doc, best_start, best_len, best_rank = _on_nodes(lens, best_doc, best_start, best_len, best_rank, cp,

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flashcp.costmodel.comm import exact_need_node_volumes
+from flashcp.costmodel.comm import exchange_volumes
 from flashcp.costmodel.objective import cached_model, plan_step_seconds
 from flashcp.costmodel.profile import load_profile
 from flashcp.costmodel.shape import AttentionShape
@@ -77,8 +77,8 @@ def test_topology_cuts_inter_node_receive_on_2x8():
     far, steps = [], []
     for lens in packed("prolong", 8, 131072, seed=2):
         plans = [plan_sequence("flashcp2", lens, 16), plan_sequence("flashcp2", lens, 16, topology="2x8")]
-        far.append([exact_need_node_volumes(p.shard_doc, p.shard_start, p.shard_len, p.shard_rank, 16, 8)
-                    ["received_far"].max() for p in plans])
+        far.append([exchange_volumes(p.shard_doc, p.shard_start, p.shard_len, p.shard_rank, 16, 8)
+                    .received_far.max() for p in plans])
         steps.append([plan_step_seconds(p, model) for p in plans])
     far, steps = np.array(far), np.array(steps)
     assert far[:, 1].mean() < far[:, 0].mean(), far

@@ -5,7 +5,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flashcp.costmodel.comm import exact_need_node_volumes, exact_need_received
+from flashcp.costmodel.comm import exact_need_received, exchange_volumes
 from flashcp.planner.plan import SequencePlan
 from flashcp.planner.registry import plan_sequence
 from flashcp.planner.strategies import flashcp2 as _search
@@ -41,11 +41,11 @@ def test_relabel_cuts_cross_node_rows():
     cuts = 0
     for lens in packed("prolong", 6, 131072, seed=4):
         plan = plan_sequence("flashcp+", lens, 16)
-        before = exact_need_node_volumes(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, 16, 8)
+        before = exchange_volumes(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, 16, 8)
         placed = _search._on_nodes(lens, plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, 16, 8)
-        after = exact_need_node_volumes(*placed, 16, 8)
-        peak = (max(before["sent_far"].max(), before["received_far"].max()),
-                max(after["sent_far"].max(), after["received_far"].max()))
+        after = exchange_volumes(*placed, 16, 8)
+        peak = (max(before.sent_far.max(), before.received_far.max()),
+                max(after.sent_far.max(), after.received_far.max()))
         assert peak[1] <= peak[0]
         cuts += peak[1] < peak[0]
     assert cuts > 0, "no plan's cross-node rows dropped"
