@@ -142,6 +142,31 @@ def test_the_cost_model_imports_only_numpy_numba_and_errors():
     assert not broken, "\n".join(broken)
 
 
+def test_cost_model_modules_import_each_other_in_one_direction():
+    """No two cost-model modules import each other (the attention curve lives in ``curve``, below both the
+    profile and the objective)."""
+    imports = {module_name(path): {name for _, name in imports_of(path.read_text(encoding="utf-8"),
+                                                                   module_name(path))}
+               for path in sorted((PACKAGE / "costmodel").glob("*.py")) if path.name != "__init__.py"}
+    pairs = sorted((a, b) for a in imports for b in imports[a] if a < b and a in imports.get(b, ()))
+    assert not pairs, pairs
+
+
+def test_cost_model_names_others_import_are_in_all():
+    """Every name another module imports from a cost-model module is in that module's ``__all__``."""
+    import importlib
+
+    missing = []
+    for root in ("flashcp", "tests", "bench", "examples"):
+        for path in sorted((PACKAGE.parent / root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("flashcp.costmodel."):
+                    exported = importlib.import_module(node.module).__all__
+                    missing += [f"{path.name}:{node.lineno} {node.module}.{alias.name}" for alias in node.names
+                                if alias.name not in exported and module_name(path) != node.module]
+    assert not missing, "\n".join(missing)
+
+
 def test_importing_the_runtime_loads_no_planning_kernel():
     """A training process reads plans and the cost model; it never imports a strategy kernel or the batch
     planner (nor, through them, compiles or loads their machine code)."""

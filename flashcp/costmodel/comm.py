@@ -18,6 +18,13 @@ from flashcp.costmodel.workload import (
     rank_workloads,
 )
 
+__all__ = ["CONTRIBUTED", "ExchangeVolumes", "PlanMetrics", "RECEIVED", "RECEIVED_FAR", "RingStepWork", "SENT",
+           "SENT_FAR", "allgather_contributions", "allgather_node_rows", "allgather_shard_mask", "allgather_wire",
+           "auto_comm_a2a", "batch_node_received", "busiest_rows", "comm_saving", "exact_need_received",
+           "exact_need_received_kernel", "exact_need_saving", "exact_need_sent", "exchange_volumes",
+           "exchange_volumes_kernel", "grad_bytes_per_token", "kv_bytes_per_token", "node_busiest",
+           "node_receive_summary", "plan_metrics", "ring_comm_tokens", "ring_held_before", "ring_step_work"]
+
 SENT, RECEIVED, SENT_FAR, RECEIVED_FAR, CONTRIBUTED = range(5)
 """Rows of ``exchange_volumes_kernel``'s (5, cp) result: exact-need rows each rank sends and receives, their
 parts that cross a node boundary, and each rank's all-gather contribution."""

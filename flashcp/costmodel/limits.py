@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+__all__ = ["MAX_CONTEXT_LEN", "MAX_CP", "check_context_len"]
+
 MAX_CONTEXT_LEN = 1 << 24
 """Longest sequence the kernels accept: keeps every workload sum times ``cp`` inside int64. The one limit of
 flashcp: ``pack``, ``synth``, ``plan`` and ``bench`` refuse a longer context before any work."""

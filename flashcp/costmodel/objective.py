@@ -53,7 +53,7 @@ from flashcp.costmodel.curve import curve_at_length, curve_on_segment, curve_seg
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.costmodel.workload import workload
 
-__all__ = ["BWD_FLOPS", "batch_step_seconds", "cached_model", "exchange_seconds", "model_vector",
+__all__ = ["BWD_FLOPS", "GPUS_PER_NODE_SLOT", "batch_step_seconds", "cached_model", "exchange_seconds", "model_vector",
            "one_shard_seconds", "pair_flops", "pair_seconds", "plan_step_seconds", "rank_floor", "sequence_flops",
            "shard_seconds", "step_seconds", "step_seconds_of", "token_seconds"]
 

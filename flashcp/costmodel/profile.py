@@ -42,7 +42,7 @@ from flashcp.costmodel.curve import curve_tflops
 from flashcp.costmodel.limits import MAX_CONTEXT_LEN
 from flashcp.errors import FlashcpError
 
-__all__ = ["DEFAULT_PROFILE", "HardwareProfile", "load_profile"]
+__all__ = ["DEFAULT_PROFILE", "HardwareProfile", "load_profile", "profile_from_json"]
 
 DEFAULT_PROFILE = "h100-sxm-nvlink.json"
 """File name of the default profile inside ``flashcp/costmodel/profiles``."""

@@ -60,8 +60,8 @@ from flashcp.costmodel.profile import HardwareProfile
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.costmodel.workload import PlanArrays, rank_tokens, workload
 
-__all__ = ["AttentionShape", "RankWork", "StepLatency", "comm_volumes", "local_only_mask", "project_step",
-           "rank_work", "resolve_comm", "shard_seconds"]
+__all__ = ["COMM_CHOICES", "RankWork", "StepLatency", "comm_volumes", "local_only_mask", "project_step", "rank_work",
+           "resolve_comm", "shard_seconds"]
 
 
 COMM_CHOICES = ("full", "allgather", "a2a", "auto", "ring")

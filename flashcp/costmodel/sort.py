@@ -12,6 +12,8 @@ import numpy as np
 
 from flashcp._numba import njit
 
+__all__ = ["first_at_or_after", "last_at_or_before", "order_of", "sort_range"]
+
 RUN = 32
 """Runs of this many values are insertion-sorted before merging."""
 

@@ -8,6 +8,9 @@ import numpy as np
 
 from flashcp._numba import njit
 
+__all__ = ["PlanArrays", "as_int64", "imbalance_of", "imbalance_ratio", "max_over_mean", "offsets_of", "rank_tokens",
+           "rank_workloads", "rank_workloads_kernel", "slack_tokens", "token_quotas", "token_quotas_kernel", "workload"]
+
 
 class PlanArrays(Protocol):
     """A plan as the cost model reads it: four parallel int64 arrays, one entry per shard, and the CP size.
@@ -94,10 +97,12 @@ def rank_workloads(shard_start, shard_len, shard_rank, cp: int) -> np.ndarray:
 
 
 def imbalance_ratio(workloads) -> float:
-    """``max / mean`` of per-rank workloads; 1.0 for an all-zero vector."""
-    workloads = np.asarray(workloads, dtype=np.float64)
-    mean = workloads.mean()
-    return float(workloads.max() / mean) if mean > 0 else 1.0
+    """``max / mean`` of per-rank workloads (1-D, whole numbers); 1.0 for an all-zero vector (``imbalance_of``)."""
+    (workloads,) = as_int64(workloads)
+    if workloads.ndim != 1 or workloads.size == 0:
+        raise ValueError(f"imbalance_ratio needs one workload per rank (a non-empty 1-D array), got shape "
+                         f"{workloads.shape}")
+    return float(imbalance_of(workloads))
 
 
 @njit(cache=True)
@@ -115,6 +120,12 @@ def max_over_mean(max_work, total_work, cp):
     if total_work == 0:
         return 1.0
     return float(max_work) / (float(total_work) / float(cp))
+
+
+@njit(cache=True)
+def imbalance_of(work):
+    """The imbalance ratio ``max_rank W / mean_rank W`` of per-rank workloads ``work`` (cp,) (``max_over_mean``)."""
+    return max_over_mean(work.max(), work.sum(), work.shape[0])
 
 
 @njit(cache=True)

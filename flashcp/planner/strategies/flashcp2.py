@@ -12,7 +12,14 @@ from flashcp._numba import njit
 from flashcp.costmodel.comm import exact_need_received_kernel
 from flashcp.costmodel.objective import GPUS_PER_NODE_SLOT, one_shard_seconds, shard_seconds, step_seconds_of
 from flashcp.costmodel.sort import order_of
-from flashcp.costmodel.workload import offsets_of, rank_workloads_kernel, slack_tokens, token_quotas_kernel, workload
+from flashcp.costmodel.workload import (
+    imbalance_of,
+    offsets_of,
+    rank_workloads_kernel,
+    slack_tokens,
+    token_quotas_kernel,
+    workload,
+)
 from flashcp.planner.strategies.baselines import llama3_within
 from flashcp.planner.strategies.flashcp import flashcp_bounded
 from flashcp.planner.strategies.flashcp_plus import flashcp_plus_bounded
@@ -51,15 +58,7 @@ a bound on their planning time (each further document is one more plan built).""
 
 @njit(cache=True)
 def _imbalance(start, length, rank, cp):
-    return _imbalance_of(rank_workloads_kernel(start, length, rank, cp), cp)
-
-
-@njit(cache=True)
-def _imbalance_of(work, cp):
-    total = work.sum()
-    if total == 0:
-        return 1.0
-    return float(work.max()) / (float(total) / float(cp))
+    return imbalance_of(rank_workloads_kernel(start, length, rank, cp))
 
 
 @njit(cache=True)
@@ -183,7 +182,7 @@ def _local_search_priced(doc, start, length, rank, cp, model, target, budget, wi
                     _shift(a_l, a_r, d_i, start, length)
                     _add_work(a_l, a_r, -1, -1, start, length, rank, work, 1)
                     used += 1
-                    if _imbalance_of(work, cp) <= target:
+                    if imbalance_of(work) <= target:
                         saved = _reprice(a_l, a_r, -1, -1, start, length, model, sec_f, sec_b)
                         got = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, -1)
                         if got < best:
@@ -225,7 +224,7 @@ def _local_search_priced(doc, start, length, rank, cp, model, target, budget, wi
                         _shift(b_l, b_r, d_j, start, length)
                         _add_work(a_l, a_r, b_l, b_r, start, length, rank, work, 1)
                         used += 1
-                        if _imbalance_of(work, cp) <= target:
+                        if imbalance_of(work) <= target:
                             saved = _reprice(a_l, a_r, b_l, b_r, start, length, model, sec_f, sec_b)
                             got = step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, -1)
                             if got < best:
@@ -330,7 +329,7 @@ def _affinity_assign(lens, cp, chunks, tolerance, limit):
         pos = offsets[cdoc[i]] + cstart[i]  # no rank has room for all of it: split, head first
         count = place_span(offsets, pos, pos + size, lightest_under(tokens, quotas, load, cp), quotas, tokens, load,
                        -1, cp, pdoc, pstart, plen, prank, count)
-    if _imbalance_of(load, cp) > limit:
+    if imbalance_of(load) > limit:
         return pdoc[:0], pstart[:0], plen[:0], prank[:0]
     return finish_pieces(pdoc, pstart, plen, prank, count, lens)
 
@@ -417,7 +416,7 @@ def flashcp2_kernel(lens, cp, target, effort, model, slack):
         if doc.shape[0] == 0 or doc.shape[0] > most_shards:  # over the limit, or too many shards
             continue
         work = rank_workloads_kernel(start, length, rank, cp)
-        imbalance = _imbalance_of(work, cp)
+        imbalance = imbalance_of(work)
         if imbalance > limit:  # cheap test first
             continue
         doc, start, length, rank = _on_nodes(lens, doc, start, length, rank, cp, per_node)
