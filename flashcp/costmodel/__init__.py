@@ -5,8 +5,9 @@ It imports only numpy, numba and flashcp's errors; the planner, the runtime, the
 and nothing in it imports them. Modules:
 
 - ``workload``: workload of a shard, equal-token quotas, per-rank sums, imbalance, the token-slack window;
-- ``comm``: all-gather contributions, exact-need send and receive, savings, bytes per token, the ``auto`` comm
-  rule, rows inside and across nodes, the ring baseline's traffic;
+- ``comm``: every exchange volume of a plan in one kernel (``exchange_volumes``: exact-need send and receive,
+  their parts across nodes, all-gather contributions), savings, bytes per token, the ``auto`` comm rule, rows
+  of the busiest rank inside and across nodes, the ring baseline's traffic;
 - ``sort``: the sorting and search helpers the kernels share;
 - ``limits``: the longest context and largest CP size flashcp plans;
 - ``shape``: ``AttentionShape``, the model a step is priced for;

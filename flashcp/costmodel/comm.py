@@ -1,7 +1,11 @@
 """Communication volume of a plan (definitions in flashcp.costmodel).
 
-All-gather contributions, exact-need send and receive, wire rows, the busiest rank, bytes per K/V token, the
-``auto`` comm rule, rows inside and across nodes, the ring.
+Every exchange volume of a plan comes from one kernel, ``exchange_volumes_kernel`` (``exchange_volumes`` in
+Python): exact-need send and receive, their parts across nodes, all-gather contributions, in one pass over
+dense (document, rank) tables. The objective, the projection, the runtime meta, the plan check and the
+metrics read it; ``exact_need_received``, ``exact_need_sent`` and ``allgather_contributions`` are its rows.
+Also here: wire rows, the busiest rank, bytes per K/V token, the ``auto`` comm rule, rows inside and across
+nodes, the ring.
 """
 
 from __future__ import annotations
