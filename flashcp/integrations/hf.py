@@ -111,7 +111,7 @@ def flashcp_attention_forward(module: nn.Module | None, query: torch.Tensor, key
         config = getattr(module, "config", None)
         if config is not None:
             check_hf_config(config)
-        module._flashcp_checked = True  # a plain attribute: not in the state dict
+        object.__setattr__(module, "_flashcp_checked", True)  # a plain attribute: not in the state dict
     kind = {"window": kwargs.pop("sliding_window", None), "softcap": kwargs.pop("softcap", None),
             "chunk": layer_chunk(module)}
     sinks = kwargs.pop("s_aux", None)
@@ -146,7 +146,7 @@ def hf_loss_sum(model: nn.Module, batch: Batch, attn: CPAttention) -> torch.Tens
     """
     if not getattr(model, "_flashcp_checked", False):
         check_hf_model(model)
-        model._flashcp_checked = True  # a plain attribute: not in the state dict
+        object.__setattr__(model, "_flashcp_checked", True)  # a plain attribute: not in the state dict
     out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], use_cache=False,
                 **hf_attention_kwargs(attn.meta, group=attn.group, comm=attn.comm, backend=attn.backend,
                                       stats=attn.stats))

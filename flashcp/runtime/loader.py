@@ -358,13 +358,18 @@ class CPLoader:
         i = int(rows[index - starts[at]])
         lens = doc_lens[doc_offsets[i]:doc_offsets[i + 1]]
         seq_tokens = tokens[i * self.context_len:(i + 1) * self.context_len]
-        plan = plans[i].plan if plans is not None else self._online.plan(lens, unit.file_index, unit.first_row + i)
+        if plans is not None:
+            plan = plans[i].plan
+        else:
+            assert self._online is not None, "a loader without stored plans plans online"
+            plan = self._online.plan(lens, unit.file_index, unit.first_row + i)
         return self._batch(seq_tokens, lens, plan, unit.file_index, unit.first_row + i)
 
     def _seq_costs(self, index: int) -> np.ndarray:
         """(rows,) float64: the price of every sequence of the ``index``-th data file (DP balance)."""
         if self.store is not None:
             return self.store.seq_costs(index)
+        assert self._online is not None, "a loader without stored plans plans online"
         return sequence_flops(*self.dataset.read_doc_lens(index), self._online.shape)
 
     def _read_unit(self, unit: _Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
