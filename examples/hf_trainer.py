@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from flashcp.integrations.hf import CPTrainer
+from flashcp.integrations.hf_trainer import CPTrainer
 
 data, plan, output_dir = sys.argv[1:4]
 torch.manual_seed(0)  # the same initial weights on every rank

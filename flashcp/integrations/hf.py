@@ -20,7 +20,7 @@ The document mask comes from the plan, never from an ``attention_mask``: transfo
 attention implementation it has no mask function for, and the attention function refuses one passed in.
 
 The Hugging Face ``Trainer`` with flashcp CP is ``CPTrainer`` (and TRL's ``SFTTrainer``, ``CPSFTTrainer``), in
-``flashcp.integrations.hf_trainer`` and importable from here too.
+``flashcp.integrations.hf_trainer`` (which builds on this module, not the other way round).
 
 Shape legend: ``B`` batch (always 1: one packed sequence per rank), ``T`` this rank's tokens, ``H`` query
 heads, ``K`` key/value heads, ``D`` head dim, ``V`` vocabulary.
@@ -181,14 +181,3 @@ def tiny_hf_model(arch: str, *, vocab_size: int, dim: int, num_layers: int, num_
         raise ValueError(f"unknown architecture '{arch}' (choose from {', '.join(HF_ARCHITECTURES)})")
     return model.train()
 
-
-def __getattr__(name: str) -> Any:
-    """``CPTrainer`` and ``CPSFTTrainer`` from ``flashcp.integrations.hf_trainer``, imported on first use.
-
-    (The Trainer pulls in accelerate; this module stays light.)
-    """
-    if name in ("CPTrainer", "CPSFTTrainer"):
-        from flashcp.integrations import hf_trainer
-
-        return getattr(hf_trainer, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
