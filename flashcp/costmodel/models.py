@@ -300,6 +300,14 @@ _TOKEN_LOCAL_ENTRIES = frozenset({"mlp", "moe"})  # Nemotron-H blocks without to
 _HYBRID_SYMBOLS = {"*": "attention", "-": "mlp", "E": "moe", "M": "mamba"}  # Nemotron-H's hybrid_override_pattern
 
 
+_READ_FIELDS = frozenset({
+    "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size", "intermediate_size", "vocab_size",
+    "sliding_window", "attention_chunk_size", "attn_logit_softcapping", "num_experts_per_tok", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "intermediate_size_mlp"})
+"""Config fields a layer of a heterogeneous config (``per_layer_config``) may not override (one ModelSpec
+shape for every layer)."""
+
+
 def model_from_config(source: str | Path | Mapping[str, Any], *, name: str | None = None) -> ModelSpec:
     """The ``ModelSpec`` of a Hugging Face ``config.json``: a path to it, to a folder holding it, or its dict.
 
@@ -316,7 +324,8 @@ def model_from_config(source: str | Path | Mapping[str, Any], *, name: str | Non
     a kind flashcp cannot price (linear attention, Mamba, latent attention, an unknown ``layer_types`` entry).
     """
     data, where, default_name = _load_config(source)
-    text = data.get("text_config") if isinstance(data.get("text_config"), Mapping) else data
+    nested = data.get("text_config")
+    text: Mapping[str, Any] = nested if isinstance(nested, Mapping) else data
     model_type = str(text.get("model_type") or data.get("model_type") or "")
     config = _Config(text, model_type, where)
     _refuse_unpriceable(config)
@@ -405,6 +414,11 @@ def _refuse_unpriceable(config: _Config) -> None:
             layer = _first_recurrent_layer(config)
             raise config.refuse(layer if layer is not None else f"a layer its {field} sets",
                                 f"recurrent (its config sets {field}={config.get(field)!r})", why)
+    for layer, overrides in sorted((config.get("per_layer_config") or {}).items(), key=lambda item: int(item[0])):
+        read = sorted(set(overrides or ()) & _READ_FIELDS)
+        if read:  # transformers' heterogeneous configs: one shape per layer
+            raise ModelError(f"{config.where}: layer {layer} overrides {', '.join(read)} (per_layer_config), and "
+                             "flashcp prices models whose layers share one shape, window and chunk size")
     if config.get("use_bidirectional_attention"):
         raise config.refuse(0, "bidirectional attention (use_bidirectional_attention)", "it is not causal")
 
