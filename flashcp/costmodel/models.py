@@ -287,6 +287,10 @@ _WINDOW_PATTERNS: dict[str, int] = {"gemma2": 2, "gpt_oss": 2, "cohere2": 4, "ol
 ``layer_types`` (transformers' own fallback); ``sliding_window_pattern`` overrides it, Gemma 3's default is
 in ``_CLASS_DEFAULTS``. Any other family with a window has it on every layer (Mistral, Mixtral, Phi-3)."""
 
+_FIELD_ALIASES: dict[str, tuple[str, ...]] = {"hidden_size": ("n_embd",), "num_attention_heads": ("n_head",),
+                                              "num_hidden_layers": ("n_layer",), "intermediate_size": ("n_inner",)}
+"""GPT-2-style names (GPT-BigCode) of the fields transformers reaches through its ``attribute_map``."""
+
 _SINK_MODEL_TYPES = frozenset({"gpt_oss"})
 """Families with learned attention sinks on every layer (no config field says so)."""
 
@@ -336,9 +340,10 @@ def model_from_config(source: str | Path | Mapping[str, Any], *, name: str | Non
     softcap = config.get("attn_logit_softcapping")
     layers = tuple(LayerKind(kind=kind, size=size, sinks=sinks, softcap=softcap) for kind, size in _layer_kinds(config))
     mlp_width = _mlp_width(config, len(layers))
+    kv_heads = config.get("num_key_value_heads") or (1 if config.get("multi_query") else heads)  # GPT-BigCode: MQA
     try:
         return ModelSpec(name=name or default_name or str(data.get("_name_or_path") or "") or model_type or "model",
-                         num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
+                         num_heads=heads, num_kv_heads=kv_heads,
                          head_dim=config.get("head_dim") or hidden // heads, hidden_size=hidden, mlp_width=mlp_width,
                          vocab_size=vocab, layers=layers, gated_mlp=model_type not in _PLAIN_MLP_MODEL_TYPES)
     except ModelError as error:
@@ -367,8 +372,13 @@ class _Config:
         self.text, self.model_type, self.where = text, model_type, where
 
     def get(self, field: str, default: Any = None) -> Any:
-        if field in self.text:
-            return self.text[field]
+        for name in (field, *_FIELD_ALIASES.get(field, ())):
+            if name in self.text:
+                value = self.text[name]
+                if value is None and name == "n_inner":  # GPT-2 style: an MLP of 4 x the width
+                    hidden = self.get("hidden_size")
+                    return 4 * hidden if isinstance(hidden, int) else None
+                return value
         return _CLASS_DEFAULTS.get(self.model_type, {}).get(field, default)
 
     def required(self, field: str, meaning: str) -> int:
@@ -497,27 +507,52 @@ def _layer_size(config: _Config, kind: str, layer: int) -> int:
     return size
 
 
+_EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "moe_k")
+_ROUTED_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_SHARED_EXPERTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+"""The names families give the experts a token is routed to, the routed experts and the shared experts."""
+
+
 def _mlp_width(config: _Config, count: int) -> int:
-    """The active MLP width per token, averaged over the layers where dense and expert layers mix."""
-    dense = config.required("intermediate_size", "the MLP width")
-    per_token = config.get("num_experts_per_tok")
-    experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
+    """The active MLP width per token, averaged over the layers where dense and expert layers mix.
+
+    An expert layer: experts per token x expert width (``moe_intermediate_size``, else ``intermediate_size``)
+    plus the shared experts (``shared_expert_intermediate_size``, or their count x the expert width; Llama 4:
+    one of the routed width); a dense layer: ``intermediate_size`` (Llama 4: ``intermediate_size_mlp``).
+    """
+    per_token, experts = _first(config, _EXPERTS_PER_TOKEN), _first(config, _ROUTED_EXPERTS)
     if not per_token or not experts:
-        return dense
-    expert = config.get("moe_intermediate_size") or dense
-    shared = config.get("shared_expert_intermediate_size") or (config.get("n_shared_experts") or 0) * expert
-    if config.model_type == "llama4_text":  # one shared expert as wide as a routed one; dense layers are wider
-        shared, dense = expert, config.get("intermediate_size_mlp") or dense
+        return config.required("intermediate_size", "the MLP width")
+    if not isinstance(per_token, int) or not isinstance(experts, int):  # Hunyuan allows one count per layer
+        raise ModelError(f"{config.where}: experts per token {per_token!r} and routed experts {experts!r} must be "
+                         "one whole number each; flashcp prices models whose layers share one MLP width")
+    expert = config.get("moe_intermediate_size") or config.required("intermediate_size", "the expert width")
+    shared = config.get("shared_expert_intermediate_size") or (_first(config, _SHARED_EXPERTS) or 0) * expert
+    dense_field = "intermediate_size"
+    if config.model_type == "llama4_text":
+        shared, dense_field = expert, "intermediate_size_mlp"
+    expert_layers = [_is_expert_layer(config, layer, count) for layer in range(count)]
+    dense = 0 if all(expert_layers) else config.required(dense_field, "the dense layers' MLP width")
     moe = per_token * expert + shared
-    widths = [moe if _is_expert_layer(config, layer, count) else dense for layer in range(count)]
-    return round(sum(widths) / count)
+    return round(sum(moe if is_expert else dense for is_expert in expert_layers) / count)
+
+
+def _first(config: _Config, names: tuple[str, ...]) -> Any:
+    return next((config.get(name) for name in names if config.get(name) is not None), None)
 
 
 def _is_expert_layer(config: _Config, layer: int, count: int) -> bool:
+    kinds = config.get("mlp_layer_types")  # transformers' per-layer list where a family has one
+    if kinds:
+        return kinds[layer] == "sparse"
     if config.model_type == "llama4_text":
         step = config.get("interleave_moe_layer_step", 1)
         moe_layers = config.get("moe_layers")
         return layer in (moe_layers if moe_layers is not None else range(step - 1, count, step))
+    if config.get("moe_layer_start_index") is not None:  # Ernie 4.5
+        end = config.get("moe_layer_end_index")
+        return (layer + 1) % (config.get("moe_layer_interval") or 1) == 0 and \
+            config.get("moe_layer_start_index") <= layer <= (count - 1 if end is None or end < 0 else end)
     if config.get("first_k_dense_replace") is not None:  # DeepSeek, GLM-4 MoE: the first k layers dense
         return layer >= config.get("first_k_dense_replace") and layer % (config.get("moe_layer_freq") or 1) == 0
     if layer in (config.get("mlp_only_layers") or ()):  # Qwen MoE

@@ -253,6 +253,22 @@ def test_kinds_match_the_built_model(family):
         assert hasattr(layer.self_attn, "sinks") == kind.sinks
 
 
+def verified_model_types() -> list[str]:
+    from flashcp.integrations.hf_support import VERIFIED_MODEL_TYPES
+
+    return sorted(VERIFIED_MODEL_TYPES & set(transformers.CONFIG_MAPPING))
+
+
+@pytest.mark.parametrize("model_type", verified_model_types())
+def test_every_architecture_flashcp_trains_is_priced(model_type):
+    # the default config of every architecture hf_support lets train: read to transformers' own kinds per layer
+    config = transformers.CONFIG_MAPPING[model_type]()
+    spec = model_from_config(config.to_dict())
+    assert list(spec.layers) == transformers_kinds(config)
+    text = config.get_text_config()
+    assert spec.num_heads == text.num_attention_heads and spec.num_layers == text.num_hidden_layers
+
+
 def test_head_dim_defaults_to_width_over_heads():
     data = transformers.LlamaConfig(hidden_size=64, num_attention_heads=8, num_hidden_layers=1).to_dict()
     del data["head_dim"], data["num_key_value_heads"]
@@ -276,6 +292,30 @@ def test_mixture_of_experts_widths():
     maverick_like = transformers.Llama4TextConfig(**TINY, num_hidden_layers=4, interleave_moe_layer_step=2,
                                                   intermediate_size_mlp=300, num_experts_per_tok=1)
     assert model_from_config(maverick_like.to_dict()).mlp_width == round((300 + 2 * 96) / 2)
+
+
+def expert_width(config) -> float:
+    """Mean active MLP width per token over the layers, from the numbers of a family's default config."""
+    if config.model_type == "hy_v3":  # mlp_layer_types: dense or sparse per layer; num_shared_experts
+        moe = (config.num_experts_per_tok + config.num_shared_experts) * config.moe_intermediate_size
+        widths = [moe if kind == "sparse" else config.intermediate_size for kind in config.mlp_layer_types]
+    elif config.model_type == "aria_text":  # moe_topk experts and moe_num_shared_experts of intermediate_size
+        widths = [(config.moe_topk + config.moe_num_shared_experts) * config.intermediate_size]
+    elif config.model_type == "ernie4_5_moe":  # moe_k experts on the layers start..end, moe_num_shared_experts
+        moe = (config.moe_k + config.moe_num_shared_experts) * config.moe_intermediate_size
+        widths = [moe if config.moe_layer_start_index <= i <= config.moe_layer_end_index else config.intermediate_size
+                  for i in range(config.num_hidden_layers)]
+    else:  # solar_open, glm4_moe: the first first_k_dense_replace layers dense, n_shared_experts
+        moe = (config.num_experts_per_tok + config.n_shared_experts) * config.moe_intermediate_size
+        dense = getattr(config, "first_k_dense_replace", 0) or 0
+        widths = [getattr(config, "intermediate_size", None)] * dense + [moe] * (config.num_hidden_layers - dense)
+    return sum(widths) / len(widths)
+
+
+@pytest.mark.parametrize("model_type", ["hy_v3", "aria_text", "ernie4_5_moe", "solar_open", "glm4_moe"])
+def test_expert_widths_by_family(model_type):
+    config = transformers.CONFIG_MAPPING[model_type]()
+    assert model_from_config(config.to_dict()).mlp_width == round(expert_width(config))
 
 
 def test_plain_mlp_is_priced_with_two_matrices():
