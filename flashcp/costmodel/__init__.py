@@ -10,6 +10,7 @@ and nothing in it imports them. Modules:
 - ``sort``: the sorting and search helpers the kernels share;
 - ``limits``: the longest context and largest CP size flashcp plans;
 - ``shape``: ``AttentionShape``, the model a step is priced for;
+- ``models``: ``ModelSpec``, a model's shape and per-layer attention kinds, the built-in table, config.json;
 - ``profile``: ``HardwareProfile`` and its JSON files (``profiles/``);
 - ``objective``: the Numba step-time objective the planner minimises;
 - ``projection``: the per-rank and per-step projection ``flashcp bench`` reports, on the same functions.
