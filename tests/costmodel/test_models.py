@@ -163,7 +163,7 @@ def test_builtin_equals_its_published_config(name, tmp_path):
     folder = tmp_path / name
     folder.mkdir()
     write(config, folder)
-    assert resolve_model(str(folder)) == ModelSpec.from_dict({**BUILTIN_MODELS[name].as_dict(), "name": name})
+    assert resolve_model(str(folder)) == BUILTIN_MODELS[name]  # named after its folder
 
 
 def test_sparse_published_gemma3_config_reads_with_class_defaults():
@@ -244,7 +244,6 @@ def test_kinds_match_the_built_model(family):
     # transformers' attention modules: sliding_window per layer, sinks on gpt-oss's
     torch = pytest.importorskip("torch")
     config = FAMILIES[family][0]()
-    config.num_local_experts = min(getattr(config, "num_local_experts", 2), 4)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     spec = model_from_config(config.to_dict())
