@@ -25,8 +25,6 @@ config classes).
 from __future__ import annotations
 
 import json
-from collections import Counter
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -169,7 +167,10 @@ class ModelSpec:
 
     def kind_counts(self) -> dict[LayerKind, int]:
         """Each distinct layer kind and how many layers have it, in order of first appearance."""
-        return dict(Counter(self.layers))
+        counts: dict[LayerKind, int] = {}
+        for layer in self.layers:
+            counts[layer] = counts.get(layer, 0) + 1
+        return counts
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict for plan.json; layers as runs ``{"kind", "size", "sinks", "softcap", "count"}``."""
@@ -185,9 +186,9 @@ class ModelSpec:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
+    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
         """The model ``as_dict`` wrote (plan.json's ``model``); ModelError naming a missing or unknown field."""
-        if not isinstance(data, Mapping):
+        if not isinstance(data, dict):
             raise ModelError(f"a model description must be a JSON object, got {type(data).__name__}")
         expected = set(_SCALAR_FIELDS) | {"layers"}
         if set(data) != expected:
@@ -200,7 +201,7 @@ class ModelSpec:
         layers: list[LayerKind] = []
         run_fields = {"kind", "size", "sinks", "softcap", "count"}
         for index, run in enumerate(runs):
-            if not isinstance(run, Mapping) or set(run) != run_fields:
+            if not isinstance(run, dict) or set(run) != run_fields:
                 raise ModelError(f"model {data['name']}: layer run {index} must have exactly the fields "
                                  f"{', '.join(sorted(run_fields))}, got {run!r:.80}")
             count = run["count"]
@@ -312,7 +313,7 @@ _READ_FIELDS = frozenset({
 shape for every layer)."""
 
 
-def model_from_config(source: str | Path | Mapping[str, Any], *, name: str | None = None) -> ModelSpec:
+def model_from_config(source: str | Path | dict[str, Any], *, name: str | None = None) -> ModelSpec:
     """The ``ModelSpec`` of a Hugging Face ``config.json``: a path to it, to a folder holding it, or its dict.
 
     A multimodal config's ``text_config`` (Gemma 3, Llama 4) is the model read. Fields: heads, K/V heads
@@ -329,7 +330,7 @@ def model_from_config(source: str | Path | Mapping[str, Any], *, name: str | Non
     """
     data, where, default_name = _load_config(source)
     nested = data.get("text_config")
-    text: Mapping[str, Any] = nested if isinstance(nested, Mapping) else data
+    text: dict[str, Any] = nested if isinstance(nested, dict) else data
     model_type = str(text.get("model_type") or data.get("model_type") or "")
     config = _Config(text, model_type, where)
     _refuse_unpriceable(config)
@@ -368,7 +369,7 @@ def resolve_model(text: str) -> ModelSpec:
 class _Config:
     """A config dict read the way its transformers class would: an absent field takes the class default."""
 
-    def __init__(self, text: Mapping[str, Any], model_type: str, where: str):
+    def __init__(self, text: dict[str, Any], model_type: str, where: str):
         self.text, self.model_type, self.where = text, model_type, where
 
     def get(self, field: str, default: Any = None) -> Any:
@@ -393,8 +394,8 @@ class _Config:
                           "full, sliding-window and chunked causal attention only")
 
 
-def _load_config(source: str | Path | Mapping[str, Any]) -> tuple[Mapping[str, Any], str, str | None]:
-    if isinstance(source, Mapping):
+def _load_config(source: str | Path | dict[str, Any]) -> tuple[dict[str, Any], str, str | None]:
+    if isinstance(source, dict):
         model_type = source.get("model_type") or "?"
         return source, f"the {model_type} config", None
     path = Path(source).expanduser()
