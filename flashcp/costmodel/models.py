@@ -249,8 +249,8 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (
     _builtin("qwen3-8b", 32, 8, 128, 4096, 12288, 151936, _full(36)),
     # mistralai/Mistral-7B-v0.1 config.json: sliding_window 4096 on every layer (v0.2 and later have none)
     _builtin("mistral-7b-v0.1", 32, 8, 128, 4096, 14336, 32000, _full(32, kind="window", size=4096)),
-    # google/gemma-3-12b-pt config.json text_config (head_dim 256 and vocab 262208 are Gemma3TextConfig's
-    # defaults, which that file leaves out): sliding_window 1024, sliding_window_pattern 6
+    # google/gemma-3-12b-pt config.json text_config (head_dim 256 and vocab 262208: Gemma3TextConfig's
+    # defaults where that file leaves them out): sliding_window 1024, sliding_window_pattern 6
     _builtin("gemma-3-12b", 16, 8, 256, 3840, 15360, 262208,
              _every(6, LayerKind(kind="window", size=1024), 48)),
     # openai/gpt-oss-20b config.json: layer_types sliding (window 128) and full alternating, sinks on every
@@ -278,6 +278,11 @@ _CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt_oss": {"sliding_window": 128},
     "llama4_text": {"attention_chunk_size": 8192},
     "mistral": {"sliding_window": 4096},
+    "qwen2": {"use_sliding_window": False, "max_window_layers": 28},
+    "qwen3": {"use_sliding_window": False, "max_window_layers": 28},
+    "qwen2_moe": {"use_sliding_window": False},
+    "qwen3_moe": {"use_sliding_window": False},
+    "smollm3": {"use_sliding_window": False},
 }
 """What transformers' config class assumes for a field a ``config.json`` leaves out, where that differs from
 the generic rule (head_dim = hidden / heads, no window, no chunk, no soft-cap): published files rely on these
@@ -287,6 +292,10 @@ _WINDOW_PATTERNS: dict[str, int] = {"gemma2": 2, "gpt_oss": 2, "cohere2": 4, "ol
 """Families whose ``sliding_window`` applies to ``period - 1`` of every ``period`` layers when a config has no
 ``layer_types`` (transformers' own fallback); ``sliding_window_pattern`` overrides it, Gemma 3's default is
 in ``_CLASS_DEFAULTS``. Any other family with a window has it on every layer (Mistral, Mixtral, Phi-3)."""
+
+_QWEN_WINDOW_RULES = {"qwen2": True, "qwen3": True, "qwen3_moe": False}
+"""Families where ``use_sliding_window`` windows the layers from ``max_window_layers`` on (True) or every layer
+(False), as transformers decides when a config has no ``layer_types``."""
 
 _FIELD_ALIASES: dict[str, tuple[str, ...]] = {"hidden_size": ("n_embd",), "num_attention_heads": ("n_head",),
                                               "num_hidden_layers": ("n_layer",), "intermediate_size": ("n_inner",)}
@@ -471,10 +480,15 @@ def _layer_kinds(config: _Config) -> list[tuple[str, int | None]]:
         return [("chunk", _layer_size(config, "chunk", i)) if uses_rope[i] else ("full", None) for i in range(count)]
     if window is None:
         return [("full", None)] * count
-    if "use_sliding_window" in config.text:  # Qwen: the window on the layers from max_window_layers on
+    if config.get("use_sliding_window") is not None:  # Qwen: a window only when use_sliding_window is set
         if not config.get("use_sliding_window"):
             return [("full", None)] * count
-        first = config.get("max_window_layers", 28)
+        if config.model_type not in _QWEN_WINDOW_RULES:
+            raise ModelError(f"{config.where} sets use_sliding_window without layer_types, and which layers of a "
+                             f"{config.model_type or 'model'} that windows is known to flashcp for "
+                             f"{', '.join(_QWEN_WINDOW_RULES)} only; give the config its layer_types (transformers "
+                             "writes them when it saves a config)")
+        first = config.get("max_window_layers") if _QWEN_WINDOW_RULES[config.model_type] else 0
         return [("window", _layer_size(config, "window", i)) if i >= first else ("full", None) for i in range(count)]
     pattern = config.get("sliding_window_pattern") or _WINDOW_PATTERNS.get(config.model_type)
     if isinstance(pattern, str):  # Exaone 4: "LLLG", L local, G global

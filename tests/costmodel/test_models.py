@@ -199,6 +199,9 @@ FAMILIES = {
     "qwen3-window": (lambda: transformers.Qwen3Config(**TINY, num_hidden_layers=4, use_sliding_window=True,
                                                       sliding_window=32, max_window_layers=2),
                      ("layer_types",), None, [FULL, FULL, window(32), window(32)]),
+    "qwen3-moe-window": (lambda: transformers.Qwen3MoeConfig(**TINY, num_hidden_layers=2, use_sliding_window=True,
+                                                             sliding_window=32), ("layer_types",), None,
+                         [window(32)] * 2),
     "gemma2": (lambda: transformers.Gemma2Config(**TINY, num_hidden_layers=4, sliding_window=32), ("layer_types",),
                None, [window(32, softcap=50.0), LayerKind(softcap=50.0)] * 2),
     "gemma3": (lambda: transformers.Gemma3TextConfig(**TINY, num_hidden_layers=13, sliding_window=32),
@@ -371,6 +374,11 @@ def test_missing_and_contradictory_fields_are_named(tmp_path):
         model_from_config({**qwen, "num_hidden_layers": 3})
     with pytest.raises(ModelError, match="num_kv_heads must divide num_heads"):
         model_from_config({**qwen, "num_key_value_heads": 3})
+    qwen2_moe = transformers.Qwen2MoeConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=8,
+                                            intermediate_size=8, use_sliding_window=True).to_dict()
+    del qwen2_moe["layer_types"]
+    with pytest.raises(ModelError, match="use_sliding_window without layer_types.*give the config its layer_types"):
+        model_from_config(qwen2_moe)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelError, match="cannot read .*config.json as a Hugging Face config.json"):
         model_from_config(tmp_path)
