@@ -368,8 +368,8 @@ def resolve_model(text: str) -> ModelSpec:
     spec = BUILTIN_MODELS.get(text.strip().lower())
     if spec is not None:
         return spec
-    path = Path(text).expanduser()
-    if path.is_dir() or path.is_file():
+    path = Path(text.strip()).expanduser()
+    if text.strip() and (path.is_dir() or path.is_file()):  # an empty name is not the current folder
         return model_from_config(path)
     raise ModelError(f"unknown model {text!r}: name a built-in model ({', '.join(BUILTIN_MODELS)}) or a Hugging Face "
                      "config.json (or a folder holding one)")

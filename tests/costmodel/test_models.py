@@ -405,6 +405,8 @@ def test_resolve_model_lists_the_builtin_names(tmp_path):
         assert name in str(caught.value)
     with pytest.raises(ModelError, match="no Hugging Face config at"):
         resolve_model(str(tmp_path))  # a folder without config.json
+    with pytest.raises(ModelError, match="unknown model ''"):
+        resolve_model("")
 
 
 # ---- validation --------------------------------------------------------------------------------------------------
