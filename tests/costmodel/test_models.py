@@ -117,6 +117,16 @@ def test_builtin_layer_order():
     assert [layer.kind for layer in BUILTIN_MODELS["llama-4-scout"].layers[:8]] == (["chunk"] * 3 + ["full"]) * 2
 
 
+def test_describe_is_one_line_by_kind():
+    assert BUILTIN_MODELS["gpt-oss-20b"].describe() == (
+        "gpt-oss-20b: 24 layers (12 window 128 + sinks, 12 full + sinks), 64 heads / 8 K/V x 64, hidden 2880, "
+        "MLP 11520, vocab 201088")
+    softcapped = ModelSpec.from_dict({**BUILTIN_MODELS["llama-3-8b"].as_dict(), "layers": [
+        {"kind": "window", "size": 4096, "sinks": False, "softcap": 50, "count": 2}]})
+    assert softcapped.describe().startswith("llama-3-8b: 2 layers (2 window 4096 softcap 50), 32 heads / 8 K/V")
+    assert softcapped.layers[0].softcap == 50.0 and isinstance(softcapped.layers[0].softcap, float)
+
+
 def test_token_flops_by_hand():
     # Llama-3-8B: Q, O 4096x4096, K, V 4096x1024, gate/up/down 4096x14336; hidden_mult = 1.5 * 14336 / 4096
     spec = BUILTIN_MODELS["llama-3-8b"]
