@@ -1,6 +1,8 @@
 """The paper's Algorithm 1 (``flashcp``; rules in flashcp.planner.strategies), and ``flashcp_bounded``, the
 same search stopped at ``max_zigzag`` Per-Doc documents (a ``flashcp2`` candidate: exactly the plan of
 Algorithm 1 whenever it needs no more).
+
+Arrays as flashcp.planner.strategies describes them (the piece buffer and ``early``/``late`` as in ``pieces``).
 """
 
 from __future__ import annotations

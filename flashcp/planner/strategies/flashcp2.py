@@ -3,13 +3,10 @@ objective.
 
 Rules in flashcp.planner.strategies; ``tests/naive.py`` holds the plain-Python reference of the search.
 
-Arrays, all C-contiguous: ``lens`` (num_docs,) int64, the document lengths of one packed sequence; a plan is
-four (num_shards,) int64 arrays ``doc, start, length, rank`` (shard i holds tokens ``[start[i], start[i] +
-length[i])`` of document ``doc[i]`` on rank ``rank[i]``), sorted by (rank, position) and merged as
-``pieces.finish_pieces`` leaves them; ``sec_f, sec_b`` (num_shards,) float64, every shard's forward and
-backward kernel seconds (``objective.shard_seconds``); ``work``, ``tokens``, ``quotas`` (cp,) int64 per-rank
-workloads (query-key pairs), tokens and equal-token quotas; ``model`` (num_params,) float64, the step-time
-model (``objective.model_vector``).
+Arrays as flashcp.planner.strategies describes them (a plan: ``doc, start, length, rank``, (num_shards,) int64
+each, sorted by (rank, position) and merged as ``pieces.finish_pieces`` leaves them); besides, ``sec_f, sec_b``
+(num_shards,) float64, every shard's forward and backward kernel seconds (``objective.shard_seconds``), and
+``model`` (num_params,) float64, the step-time model (``objective.model_vector``).
 """
 
 from __future__ import annotations

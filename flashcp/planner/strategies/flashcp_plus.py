@@ -1,7 +1,8 @@
 """Numba kernel of ``flashcp+``, the improved strategy (rules in flashcp.planner.strategies).
 
 Non-zigzag pieces live in a buffer ``pdoc, pstart, plen, prank`` (count); zigzag documents (the heads of the
-popped documents) live in ``early``/``late`` (rows in document order) and are emitted at the end.
+popped documents) live in ``early``/``late`` ((num_rows, cp) int64, rows in document order) and are emitted
+at the end. Other arrays as flashcp.planner.strategies describes them.
 """
 
 from __future__ import annotations

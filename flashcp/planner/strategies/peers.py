@@ -3,7 +3,7 @@
 Both cut the packed sequence into equal chunks of ``chunk`` tokens (the last one shorter), give every chunk
 a rank, and emit the chunk's pieces cut at document bounds. ``tests/naive.py`` holds plain-Python references
 that must produce identical plans; ``tests/planner/strategies/test_peers.py`` checks ``ptrr`` against torch's
-own scheduler.
+own scheduler. Arrays as flashcp.planner.strategies describes them.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@
   ``limit`` shards);
 - ``zigzag_sizes`` / ``emit_zigzag``: the Per-Doc chunk sizes with the round-robin remainder rule;
 - the Whole-Doc moves of Algorithm 1 (``move_head`` and the rank choices it uses).
+
+Arrays as flashcp.planner.strategies describes them; besides, ``early``/``late`` (num_rows, cp) int64 and
+their rows ``early_row``/``late_row`` (cp,) int64: a zigzag document's chunk sizes, rank i's early and late
+chunk.
 """
 
 from __future__ import annotations
