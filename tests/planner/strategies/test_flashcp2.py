@@ -1,4 +1,4 @@
-"""magi, ptrr, the step-time objective and flashcp2: kernels against plain-Python references and torch."""
+"""flashcp2: its kernels against the plain-Python references, its plans against flashcp+, its parameters."""
 
 import json
 
@@ -8,7 +8,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flashcp.costmodel.objective import cached_model, plan_step_seconds
-from flashcp.costmodel.shape import AttentionShape
 from flashcp.costmodel.workload import max_over_mean, rank_workloads_kernel
 from flashcp.planner import batch
 from flashcp.planner.plan import SequencePlan
@@ -22,16 +21,6 @@ from tests.naive import (
 from tests.plans import as_tuples, examples, sequences
 
 MODEL = cached_model(None, 32, 32, 128, 1)
-SHAPE = AttentionShape(num_heads=32, num_kv_heads=32, head_dim=128)
-
-
-# --- magi and ptrr
-
-
-# --- the objective
-
-
-# --- flashcp2
 
 
 @examples(40)
