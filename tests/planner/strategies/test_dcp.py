@@ -45,8 +45,8 @@ def test_connectivity_objective_is_the_exact_need_volume():
     for _ in range(4):
         lens = rng.integers(1, 5000, rng.integers(2, 20)).astype(np.int64)
         cp = int(rng.integers(2, 6))
-        doc, start, length = hypergraph._blocks(lens, 256)
-        part = hypergraph._partition(doc, start, length, cp)
+        doc, start, length = hypergraph.dcp_blocks(lens, 256)
+        part = hypergraph.partition_blocks(doc, start, length, cp)
         km1 = 0
         for b in range(doc.size):
             later = np.flatnonzero((doc == doc[b]) & (start >= start[b]))
@@ -74,10 +74,10 @@ def test_plans_are_valid_with_exact_quotas(cp):
 
 def test_vertex_weights_fit_the_partitioners_32_bits():
     small = np.array([1, 5, 1000], np.int64)
-    assert np.array_equal(hypergraph._vertex_weights(small), small)  # unchanged while they fit
-    work = workload(*hypergraph._blocks(np.array([1048576, 3], np.int64), 1024)[1:])
+    assert np.array_equal(hypergraph.vertex_weights(small), small)  # unchanged while they fit
+    work = workload(*hypergraph.dcp_blocks(np.array([1048576, 3], np.int64), 1024)[1:])
     assert int(work.sum()) > 2**31  # one 1M document: 5.5e11 query-key pairs
-    got = hypergraph._vertex_weights(work)
+    got = hypergraph.vertex_weights(work)
     assert int(got.sum()) < 2**31 - 1 and got.min() >= 1
     scale = work.sum() / got.sum()
     assert np.all(np.abs(got * scale - work) <= np.maximum(scale, 1e-3 * work))  # proportional, rounded

@@ -1,4 +1,4 @@
-"""magi, ptrr, the step-time objective and flashcp2: kernels against plain-Python references and torch."""
+"""flashcp2: its kernels against the plain-Python references, its plans against flashcp+, its parameters."""
 
 import json
 
@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flashcp.costmodel.objective import cached_model, plan_step_seconds
-from flashcp.costmodel.shape import AttentionShape
+from flashcp.costmodel.workload import max_over_mean, rank_workloads_kernel
 from flashcp.planner import batch
 from flashcp.planner.plan import SequencePlan
 from flashcp.planner.registry import plan_sequence
@@ -21,16 +21,6 @@ from tests.naive import (
 from tests.plans import as_tuples, examples, sequences
 
 MODEL = cached_model(None, 32, 32, 128, 1)
-SHAPE = AttentionShape(num_heads=32, num_kv_heads=32, head_dim=128)
-
-
-# --- magi and ptrr
-
-
-# --- the objective
-
-
-# --- flashcp2
 
 
 @examples(40)
@@ -65,9 +55,10 @@ def test_candidates_within_a_limit_are_the_kernels_or_empty(case, chunk, limit):
              (magi_kernel(lens, cp, chunk), magi_within(lens, cp, chunk, limit)),
              (llama3_kernel(lens, cp), llama3_within(lens, cp, limit)),
              (_search.affinity_kernel(lens, cp, chunk, 0.03),
-              _search._affinity_assign(lens, cp, _search._affinity_chunks(lens, chunk), 0.03, limit))]
+              _search.affinity_assign(lens, cp, _search.affinity_chunks(lens, chunk), 0.03, limit))]
     for plain, within in pairs:
-        if _search._imbalance(plain[1], plain[2], plain[3], cp) <= limit:
+        work = rank_workloads_kernel(plain[1], plain[2], plain[3], cp)
+        if max_over_mean(work.max(), work.sum(), cp) <= limit:
             assert all(np.array_equal(a, b) for a, b in zip(plain, within, strict=True))
         else:
             assert all(a.size == 0 for a in within)
