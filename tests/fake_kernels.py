@@ -37,6 +37,7 @@ import types
 import torch
 
 from flashcp.runtime import kernels
+from flashcp.runtime.kernels import library
 
 FAKES = ("flash_attn-2.5", "flash_attn-2.6", "flash_attn-2.8", "fa3", "fa3-2025-04", "fa4", "torch_varlen")
 """Every emulated library."""
@@ -697,11 +698,9 @@ def install(*names: str, capability: tuple[int, int] = (9, 0), broken: dict | No
 
 
 def _reset_caches():
-    for name in ("_load", "_parameters"):
-        cached = getattr(kernels, name, None)
-        if hasattr(cached, "cache_clear"):
-            cached.cache_clear()
-    getattr(kernels, "_warned", set()).clear()
+    kernels._load.cache_clear()
+    library.parameters.cache_clear()
+    kernels._warned.clear()
 
 
 class _Broken(importlib.abc.MetaPathFinder):

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from flashcp.runtime import cp_attention, kernels
+from flashcp.runtime import cp_attention
 from flashcp.runtime.emulate import emulate_cp_attention, random_plan
 from flashcp.runtime.kernels import (
     BackendFallbackWarning,
     BackendUnavailableError,
+    library,
     resolve_backend,
     varlen_attention,
     varlen_attention_backward,
@@ -224,7 +225,7 @@ def test_custom_op_parameters_come_from_the_schema(installed):
     from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
     assert str(inspect.signature(_flash_attn_varlen_backward)) == "(*args, **kwargs)"  # what finding 1 read
-    params = kernels._parameters(_flash_attn_varlen_backward)
+    params = library.parameters(_flash_attn_varlen_backward)
     assert list(params)[:6] == ["dout", "q", "k", "v", "out", "softmax_lse"]
     assert params["dq"] and params["window_size_left"] and not params["zero_tensors"]
 
@@ -232,7 +233,7 @@ def test_custom_op_parameters_come_from_the_schema(installed):
         return None
 
     with pytest.raises(BackendUnavailableError, match="declares no parameter names"):
-        kernels._parameters(opaque)
+        library.parameters(opaque)
 
 
 # ---------------------------------------------------------------- how auto chooses, and what it says
