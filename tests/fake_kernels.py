@@ -104,13 +104,7 @@ def attend64(q, k, v, cu_q, cu_k, scale, causal, window=(-1, -1), softcap=0.0):
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)
-        diag = torch.arange(nq)[:, None] + nk - nq
-        keys = torch.arange(nk)[None, :]
-        keep = torch.ones(nq, nk, dtype=torch.bool)
-        if right >= 0:
-            keep &= keys <= diag + right
-        if left >= 0:
-            keep &= keys >= diag - left
+        keep = _window_keep(nq, nk, left, right)
         scores = scores.masked_fill(~keep, -math.inf)
         row_lse = torch.logsumexp(scores, -1)  # -inf for a row without keys
         probs = torch.exp(scores - row_lse[..., None]).nan_to_num(0.0)
@@ -136,13 +130,7 @@ def attend_backward64(dout, q, k, v, out, lse_HT, cu_q, cu_k, scale, causal, win
         if softcap > 0:
             tanh = torch.tanh(scores / softcap)
             scores, cap_grad = softcap * tanh, 1 - tanh * tanh
-        diag = torch.arange(nq)[:, None] + nk - nq
-        keys = torch.arange(nk)[None, :]
-        keep = torch.ones(nq, nk, dtype=torch.bool)
-        if right >= 0:
-            keep &= keys <= diag + right
-        if left >= 0:
-            keep &= keys >= diag - left
+        keep = _window_keep(nq, nk, left, right)
         probs = torch.exp(scores - lse_HT[:, qa:qb].double()[..., None]).masked_fill(~keep, 0.0)
         dprobs = torch.einsum("qhd,khd->hqk", do, vs)
         delta = (do * os).sum(-1).T[..., None]
@@ -151,6 +139,18 @@ def attend_backward64(dout, q, k, v, out, lse_HT, cu_q, cu_k, scale, causal, win
         dk[ka:kb] = torch.einsum("hqk,qhd->khd", dscores, qs).view(nk, num_kv, group, -1).sum(2)
         dv[ka:kb] = torch.einsum("hqk,qhd->khd", probs, do).view(nk, num_kv, group, -1).sum(2)
     return dq, dk, dv
+
+
+def _window_keep(num_q, num_k, left, right):
+    """(Q, Kn) bool: the keys each query sees, ``left``/``right`` keys around its bottom-right diagonal (-1: all)."""
+    diag = torch.arange(num_q)[:, None] + num_k - num_q
+    keys = torch.arange(num_k)[None, :]
+    keep = torch.ones(num_q, num_k, dtype=torch.bool)
+    if right >= 0:
+        keep &= keys <= diag + right
+    if left >= 0:
+        keep &= keys >= diag - left
+    return keep
 
 
 def _pairs(cu):

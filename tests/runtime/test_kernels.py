@@ -7,7 +7,6 @@ dtype, head dim, a broken or old install) and what it says. The gloo runs of ``c
 fake are in test_kernel_backends_dist.py.
 """
 
-import math
 import warnings
 
 import numpy as np
@@ -29,7 +28,7 @@ from flashcp.runtime.meta import rank_token_positions
 from tests import fake_kernels
 from tests.fake_kernels import BACKEND_OF, FAKES
 from tests.naive import naive_document_attention
-from tests.runtime import TOL, qkv
+from tests.runtime import TOL, dense, qkv
 
 BLOCKWISE_FAKES = tuple(f for f in FAKES if f != "flash_attn-2.5")
 
@@ -53,17 +52,6 @@ def cu(lengths):
 
 def bf16(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-
-
-def dense(q, k, v, causal):
-    """One sequence, any dtype: (out (n, H, D), lse (n, H)); bottom-right causal or none."""
-    group = q.shape[1] // k.shape[1]
-    kf, vf = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, kf) / math.sqrt(q.shape[-1])
-    if causal:
-        keep = torch.arange(k.shape[0])[None] <= torch.arange(q.shape[0])[:, None] + k.shape[0] - q.shape[0]
-        scores = scores.masked_fill(~keep, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vf), torch.logsumexp(scores, -1).T
 
 
 def packed_dense(q, k, v, q_lens, k_lens, causal):

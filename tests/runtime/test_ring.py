@@ -3,7 +3,6 @@
 The gloo runs of ``comm="ring"`` (2-4 ranks, bytes moved per step) are in test_runtime_dist.py.
 """
 
-import math
 
 import numpy as np
 import pytest
@@ -27,6 +26,7 @@ from flashcp.runtime.meta import build_rank_metas, rank_token_positions
 from flashcp.runtime.ring import merge_partial
 from tests.naive import naive_document_attention, naive_ring_comm, naive_ring_plan, naive_ring_step_work
 from tests.plans import llama3_like_plan, perdoc_like_plan
+from tests.runtime import dense
 
 TOL = 1e-10
 
@@ -152,17 +152,6 @@ def test_ring_layout_steps_read_slices_not_copies():
 
 
 # ---------------------------------------------------------------- kernels and merge
-
-def dense(q, k, v, causal):
-    """Plain attention of one sequence (bottom-right causal or none), (n, H, D), and its lse (n, H)."""
-    group = q.shape[1] // k.shape[1]
-    kf, vf = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, kf) / math.sqrt(q.shape[-1])
-    if causal:
-        keep = torch.arange(k.shape[0])[None] <= torch.arange(q.shape[0])[:, None] + k.shape[0] - q.shape[0]
-        scores = scores.masked_fill(~keep, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vf), torch.logsumexp(scores, -1).T
-
 
 @pytest.mark.parametrize("formulas", [False, True], ids=["cpu-flash-ops", "written-out"])
 @pytest.mark.parametrize("causal", [True, False])

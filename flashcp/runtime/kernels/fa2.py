@@ -10,47 +10,33 @@ from __future__ import annotations
 
 import torch
 
-from flashcp.runtime.kernels.library import (
-    HALF_DTYPES,
-    Api,
-    Library,
-    Unavailable,
-    attribute,
-    call,
-    flash_attention,
-    import_module,
-    pad_attention,
-    pad_backward,
-    pad_forward,
-    probs_forward,
-    up_to_256,
-    version_of,
-)
+from flashcp.runtime.kernels import library
+from flashcp.runtime.kernels.library import Api, Library, Unavailable
 
 __all__ = ["FLASH_ATTN"]
 
 
 def _load() -> Api:
-    package = import_module("flash_attn", "flash-attn")
+    package = library.import_module("flash_attn", "flash-attn")
     if getattr(package, "__file__", None) is None:  # a namespace package: only flash-attn-4 is installed
         raise Unavailable("flash-attn (FlashAttention-2) is not installed", installed=False)
-    interface = import_module("flash_attn.flash_attn_interface", "flash-attn")
+    interface = library.import_module("flash_attn.flash_attn_interface", "flash-attn")
     version = str(getattr(package, "__version__", "0"))
     why = None
-    if version_of(version) < (2, 6):
+    if library.version_of(version) < (2, 6):
         why = (f"flash-attn {version} returns the padded (B, H, max_seqlen) log-sum-exp; block-wise attention "
                f"needs 2.6 or newer (pip install -U flash-attn)")
     backward = getattr(interface, "_flash_attn_varlen_backward", None)
     if backward is None and why is None:
         why = f"flash-attn {version} has no flash_attn_interface._flash_attn_varlen_backward"
-    varlen = attribute(package, "flash_attn_varlen_func")
+    varlen = library.attribute(package, "flash_attn_varlen_func")
     return Api(attention=varlen, forward=varlen, backward=backward, why_not_blockwise=why)
 
 
 def _backward(api: Api, dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               causal, scale, left, softcap):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    call(api.backward, [], {
+    library.call(api.backward, [], {
         "dout": dout, "q": q, "k": k, "v": v, "out": out, "softmax_lse": lse_HT, "dq": dq, "dk": dk, "dv": dv,
         "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
         "max_seqlen_k": max_seqlen_k, "dropout_p": 0.0, "softmax_scale": scale, "causal": causal,
@@ -61,8 +47,9 @@ def _backward(api: Api, dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, 
 
 
 FLASH_ATTN = Library(
-    name="flash_attn", load=_load, min_capability=(8, 0), dtypes=HALF_DTYPES, head_dims=up_to_256,
+    name="flash_attn", load=_load, min_capability=(8, 0), dtypes=library.HALF_DTYPES, head_dims=library.up_to_256,
     kinds=frozenset({"window", "softcap"}), kinds_declared=True, auto_majors=(0, None),
-    attention=pad_attention(flash_attention), forward=pad_forward("flash_attn", probs_forward("flash_attn")),
-    backward=pad_backward(_backward))
+    attention=library.pad_attention(library.flash_attention),
+    forward=library.pad_forward("flash_attn", library.probs_forward("flash_attn")),
+    backward=library.pad_backward(_backward))
 """FlashAttention-2; windows and soft-caps from 2.6 on."""

@@ -9,41 +9,27 @@ from __future__ import annotations
 
 import torch
 
-from flashcp.runtime.kernels.library import (
-    HALF_DTYPES,
-    Api,
-    BackendUnavailableError,
-    Library,
-    attribute,
-    call,
-    flash_attention,
-    import_module,
-    pad_attention,
-    pad_backward,
-    pad_forward,
-    parameters,
-    probs_forward,
-    up_to_256,
-)
+from flashcp.runtime.kernels import library
+from flashcp.runtime.kernels.library import Api, BackendUnavailableError, Library
 
 __all__ = ["FA3"]
 
 
 def _load() -> Api:
-    interface = import_module("flash_attn_interface", "FlashAttention-3 (built from flash-attention's hopper/)")
+    interface = library.import_module("flash_attn_interface", "FlashAttention-3 (built from flash-attention's hopper/)")
     backward = getattr(interface, "_flash_attn_backward", None)
-    varlen = attribute(interface, "flash_attn_varlen_func")
+    varlen = library.attribute(interface, "flash_attn_varlen_func")
     return Api(attention=varlen, forward=varlen, backward=backward,
                why_not_blockwise=None if backward is not None else "flash_attn_interface has no _flash_attn_backward")
 
 
 def _backward(api: Api, dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               causal, scale, left, softcap):
-    if not {"dq", "dk", "dv"} <= set(parameters(api.backward)):
+    if not {"dq", "dk", "dv"} <= set(library.parameters(api.backward)):
         raise BackendUnavailableError("flash_attn_interface._flash_attn_backward takes no dq, dk, dv buffers")
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     # the custom op (2025-07 on) says is_causal and window_size_left/right; earlier builds causal, window_size
-    call(api.backward, [], {
+    library.call(api.backward, [], {
         "dout": dout, "q": q, "k": k, "v": v, "out": out, "softmax_lse": lse_HT, "cu_seqlens_q": cu_seqlens_q,
         "cu_seqlens_k": cu_seqlens_k, "sequed_q": None, "sequed_k": None, "max_seqlen_q": max_seqlen_q,
         "max_seqlen_k": max_seqlen_k, "dq": dq, "dk": dk, "dv": dv, "softmax_scale": scale, "causal": causal,
@@ -53,8 +39,8 @@ def _backward(api: Api, dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, 
 
 
 FA3 = Library(
-    name="fa3", load=_load, min_capability=(8, 0), dtypes=HALF_DTYPES, head_dims=up_to_256,
+    name="fa3", load=_load, min_capability=(8, 0), dtypes=library.HALF_DTYPES, head_dims=library.up_to_256,
     kinds=frozenset({"window"}), kinds_declared=True, auto_majors=(9, 9),
-    attention=pad_attention(flash_attention), forward=pad_forward("fa3", probs_forward("fa3")),
-    backward=pad_backward(_backward))
+    attention=library.pad_attention(library.flash_attention),
+    forward=library.pad_forward("fa3", library.probs_forward("fa3")), backward=library.pad_backward(_backward))
 """FlashAttention-3; ``"auto"`` tries it on Hopper (9.x) only."""

@@ -9,28 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from flashcp.runtime.kernels.library import (
-    HALF_DTYPES,
-    Api,
-    Library,
-    attribute,
-    call,
-    flash_attention,
-    import_module,
-    pad_attention,
-    pad_backward,
-    pad_forward,
-    up_to_256,
-)
+from flashcp.runtime.kernels import library
+from flashcp.runtime.kernels.library import Api, Library
 
 __all__ = ["FA4"]
 
 
 def _load() -> Api:
-    cute = import_module("flash_attn.cute", "flash-attn-4")
-    interface = import_module("flash_attn.cute.interface", "flash-attn-4")
+    cute = library.import_module("flash_attn.cute", "flash-attn-4")
+    interface = library.import_module("flash_attn.cute.interface", "flash-attn-4")
     backward = getattr(interface, "_flash_attn_bwd", None)
-    varlen = attribute(cute, "flash_attn_varlen_func")
+    varlen = library.attribute(cute, "flash_attn_varlen_func")
     return Api(attention=varlen, forward=varlen, backward=backward,
                why_not_blockwise=None if backward is not None else "flash_attn.cute.interface has no _flash_attn_bwd")
 
@@ -38,7 +27,7 @@ def _load() -> Api:
 def _head_dims(capability: tuple[int, int] | None, head_dim: int) -> bool:
     if capability is not None and capability[0] in (10, 11):  # Blackwell: up to 128, or exactly 256
         return head_dim <= 128 or head_dim == 256
-    return up_to_256(capability, head_dim)
+    return library.up_to_256(capability, head_dim)
 
 
 def _forward(api: Api, q_TPH, k_SKP, v_SKP, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
@@ -55,7 +44,7 @@ def _backward(api: Api, dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, 
               causal, scale, left, softcap):
     # FA4 spells an infinite window None and derives the causal one from ``causal``
     window = {} if left < 0 else {"window_size_left": left, "window_size_right": 0}
-    grads = call(api.backward, [], {
+    grads = library.call(api.backward, [], {
         **window, "q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse_HT, "softmax_scale": scale,
         "causal": causal, "softcap": softcap, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
         "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k, "deterministic": False})
@@ -63,7 +52,8 @@ def _backward(api: Api, dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, 
 
 
 FA4 = Library(
-    name="fa4", load=_load, min_capability=(9, 0), dtypes=HALF_DTYPES, head_dims=_head_dims,
+    name="fa4", load=_load, min_capability=(9, 0), dtypes=library.HALF_DTYPES, head_dims=_head_dims,
     kinds=frozenset({"window"}), kinds_declared=True, auto_majors=(9, None),
-    attention=pad_attention(flash_attention), forward=pad_forward("fa4", _forward), backward=pad_backward(_backward))
+    attention=library.pad_attention(library.flash_attention), forward=library.pad_forward("fa4", _forward),
+    backward=library.pad_backward(_backward))
 """FlashAttention-4; ``"auto"`` tries it on Hopper after FA3, first on Blackwell and newer."""

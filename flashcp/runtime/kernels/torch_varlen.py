@@ -14,27 +14,15 @@ from typing import Any
 
 import torch
 
-from flashcp.runtime.kernels.library import (
-    HALF_DTYPES,
-    Api,
-    Library,
-    Unavailable,
-    attribute,
-    call,
-    import_module,
-    pad_attention,
-    pad_backward,
-    pad_forward,
-    parameters,
-    up_to_256,
-)
+from flashcp.runtime.kernels import library
+from flashcp.runtime.kernels.library import Api, Library, Unavailable
 
 __all__ = ["TORCH_VARLEN"]
 
 
 def _load() -> Api:
-    varlen = import_module("torch.nn.attention.varlen", f"torch {torch.__version__} varlen attention")
-    varlen_attn = attribute(varlen, "varlen_attn")
+    varlen = library.import_module("torch.nn.attention.varlen", f"torch {torch.__version__} varlen attention")
+    varlen_attn = library.attribute(varlen, "varlen_attn")
     ops = torch.ops.torch_attn
     why = None
     if not (hasattr(ops, "_varlen_attn") and hasattr(ops, "_varlen_attn_backward")):
@@ -52,7 +40,7 @@ def _load() -> Api:
 
 def _attend(api: Api, q_TPH, k_SKP, v_SKP, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             scale: float) -> torch.Tensor:
-    params = parameters(api.attention)
+    params = library.parameters(api.attention)
     kwargs: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     if k_SKP.shape[1] != q_TPH.shape[1] and "enable_gqa" in params:
         kwargs["enable_gqa"] = True
@@ -65,24 +53,25 @@ def _attend(api: Api, q_TPH, k_SKP, v_SKP, cu_seqlens_q, cu_seqlens_k, max_seqle
 
 def _forward(api: Api, q_TPH, k_SKP, v_SKP, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
              left, softcap):
-    out, lse, _ = call(api.forward, [q_TPH, k_SKP, v_SKP, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k],
-                       {"is_causal": causal, "scale": scale, "window_size": [left, 0] if causal else [-1, -1],
-                        "enable_gqa": k_SKP.shape[1] != q_TPH.shape[1],
-                        "softcap": 0.0 if softcap is None else float(softcap)})
+    lengths = [cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k]
+    out, lse, _ = library.call(api.forward, [q_TPH, k_SKP, v_SKP, *lengths],
+                               {"is_causal": causal, "scale": scale, "window_size": [left, 0] if causal else [-1, -1],
+                                "enable_gqa": k_SKP.shape[1] != q_TPH.shape[1],
+                                "softcap": 0.0 if softcap is None else float(softcap)})
     return out, lse
 
 
 def _backward(api: Api, dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               causal, scale, left, softcap):
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout
-    return call(api.backward,
+    return library.call(api.backward,
                 [dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                  rng_state], {"scale": scale, "window_size": [left, 0] if causal else [-1, -1], "softcap": softcap})
 
 
 TORCH_VARLEN = Library(
-    name="torch_varlen", load=_load, min_capability=(8, 0), dtypes=HALF_DTYPES, head_dims=up_to_256,
+    name="torch_varlen", load=_load, min_capability=(8, 0), dtypes=library.HALF_DTYPES, head_dims=library.up_to_256,
     kinds=frozenset({"window", "softcap"}), kinds_declared=True, auto_majors=(0, None),
-    attention=pad_attention(_attend), forward=pad_forward("torch_varlen", _forward),
-    backward=pad_backward(_backward))
+    attention=library.pad_attention(_attend), forward=library.pad_forward("torch_varlen", _forward),
+    backward=library.pad_backward(_backward))
 """torch's varlen attention; windows, and soft-caps once its ops declare them (no release does yet)."""
