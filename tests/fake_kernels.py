@@ -26,6 +26,9 @@ keys as flash-attn does) and rounds to the input dtype; backwards use the out an
 ``install(name, capability)`` puts one fake in ``sys.modules`` (the other libraries read as not installed)
 and makes ``flashcp.runtime.kernels._device_capability`` report ``capability`` for every device: the one
 place flashcp looks at the device. The returned function undoes it.
+
+A new library in ``flashcp.runtime.kernels`` (one ``Library`` record) comes with its fake here: a ``_make_*``
+written from its source, its name in ``FAKES`` and ``BACKEND_OF``, its modules in ``LIBRARY_MODULES``.
 """
 
 import importlib.abc

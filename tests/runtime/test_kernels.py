@@ -4,7 +4,7 @@ The fakes enforce what the real kernels enforce and compute in float64; flashcp'
 compared with a float64 dense reference on the same bf16 inputs, the error bounded by twice that of a plain
 bf16 implementation (as flash-attention's own tests do). Also: how ``auto`` chooses (compute capability,
 dtype, head dim, a broken or old install) and what it says. The gloo runs of ``cp_attention`` through each
-fake are in test_kernel_backends_dist.py.
+fake are in test_kernels_dist.py.
 """
 
 import warnings

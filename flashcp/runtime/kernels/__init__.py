@@ -89,7 +89,8 @@ __all__ = ["BACKENDS", "GPU_BACKENDS", "LIBRARIES", "BackendFallbackWarning", "B
            "varlen_attention", "varlen_attention_backward", "varlen_attention_forward"]
 
 LIBRARIES: dict[str, Library] = {library.name: library for library in (FA3, FA4, FLASH_ATTN, TORCH_VARLEN, REFERENCE)}
-"""Every kernel backend by name, in the order ``"auto"`` tries them."""
+"""Every kernel backend by name, best first: ``"auto"`` tries the GPU ones in this order (each on the compute
+capabilities its ``auto_majors`` name) and falls back to the reference kernel."""
 BACKENDS = tuple(LIBRARIES)
 """Every kernel backend; ``"auto"`` tries the GPU ones in the order ``_auto_order`` gives for the device."""
 GPU_BACKENDS = tuple(name for name, library in LIBRARIES.items() if library.min_capability is not None)
@@ -166,11 +167,12 @@ def _why_unavailable(backend: str, q: torch.Tensor, blockwise: bool = False, *, 
     api = _load(backend)
     if isinstance(api, Unavailable):
         return str(api)
-    if library.min_capability is not None and capability < library.min_capability:
+    if library.min_capability is not None and capability is not None and capability < library.min_capability:
         need = ".".join(map(str, library.min_capability))
         return f"{backend} needs compute capability {need} or newer, the device has {capability[0]}.{capability[1]}"
     if not library.head_dims(capability, padded_head_dim(q.shape[-1])):
-        return f"{backend} does not support head dim {q.shape[-1]} on compute capability {capability[0]}.x"
+        device = "this device" if capability is None else f"compute capability {capability[0]}.x"
+        return f"{backend} does not support head dim {q.shape[-1]} on {device}"
     kind = {"window": window, "chunk": chunk, "softcap": softcap}
     kinds = any(value is not None for value in kind.values())
     if (blockwise or kinds) and api.why_not_blockwise is not None:

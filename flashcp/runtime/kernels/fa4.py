@@ -35,9 +35,9 @@ def _forward(api: Api, q_TPH, k_SKP, v_SKP, cu_seqlens_q, cu_seqlens_k, max_seql
     options: dict[str, Any] = {} if softcap is None else {"softcap": float(softcap)}
     if left >= 0:
         options["window_size"] = (left, 0)
-    return api.forward(q_TPH, k_SKP, v_SKP, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=scale, causal=causal,
-                       return_lse=True, **options)
+    return api.attention(q_TPH, k_SKP, v_SKP, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=scale, causal=causal,
+                         return_lse=True, **options)
 
 
 def _backward(api: Api, dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

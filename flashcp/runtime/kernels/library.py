@@ -53,7 +53,8 @@ class Api:
     attention: Callable
     """The differentiable varlen attention function."""
     forward: Callable | None
-    """The entry point that returns the log-sum-exp too (None when this release has none)."""
+    """The entry point that returns the log-sum-exp (flash-attn's: ``attention`` itself; None when this release
+    has none); its parameters say which layer kinds it takes."""
     backward: Callable | None
     """The block-wise backward entry point (None when this release has none)."""
     why_not_blockwise: str | None
@@ -285,15 +286,18 @@ def flash_attention(api: Api, q_TPH, k_SKP, v_SKP, cu_seqlens_q, cu_seqlens_k, m
 
 
 def probs_forward(name: str) -> Callable:
-    """FA2 and FA3's forward with the log-sum-exp: ``flash_attn_varlen_func(..., return_attn_probs=True)``."""
+    """FA2 and FA3's forward with the log-sum-exp: ``flash_attn_varlen_func(..., return_attn_probs=True)``.
+
+    The differentiable function returns the log-sum-exp when asked (``Api.forward`` is that same function).
+    """
     def forward(api: Api, q_TPH, k_SKP, v_SKP, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                 scale, left, softcap):
         options: dict[str, Any] = {} if softcap is None else {"softcap": float(softcap)}
         if left >= 0:
             options["window_size"] = (left, 0)
-        result = api.forward(q_TPH, k_SKP, v_SKP, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=scale, causal=causal,
-                             return_attn_probs=True, **options)
+        result = api.attention(q_TPH, k_SKP, v_SKP, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=scale,
+                               causal=causal, return_attn_probs=True, **options)
         if not isinstance(result, tuple):  # FA3 builds of mid-2025 ignore return_attn_probs
             raise BackendUnavailableError(f"attention backend '{name}' returned no log-sum-exp; "
                                           f"block-wise attention needs a newer build")
