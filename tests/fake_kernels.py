@@ -40,7 +40,7 @@ import types
 import torch
 
 from flashcp.runtime import kernels
-from flashcp.runtime.kernels import library
+from flashcp.runtime.kernels.library import parameters
 
 FAKES = ("flash_attn-2.5", "flash_attn-2.6", "flash_attn-2.8", "fa3", "fa3-2025-04", "fa4", "torch_varlen")
 """Every emulated library."""
@@ -702,7 +702,7 @@ def install(*names: str, capability: tuple[int, int] = (9, 0), broken: dict | No
 
 def _reset_caches():
     kernels._load.cache_clear()
-    library.parameters.cache_clear()
+    parameters.cache_clear()
     kernels._warned.clear()
 
 
