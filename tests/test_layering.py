@@ -142,6 +142,22 @@ def test_the_cost_model_imports_only_numpy_numba_and_errors():
     assert not broken, "\n".join(broken)
 
 
+KERNEL_LIBRARIES = {"flash_attn": "flashcp.runtime.kernels.fa2", "flash_attn.cute": "flashcp.runtime.kernels.fa4",
+                    "flash_attn_interface": "flashcp.runtime.kernels.fa3"}
+"""Each attention library (flash-attn-4 installs as ``flash_attn.cute``) and the one module that imports it."""
+
+
+def test_each_attention_library_is_imported_in_its_one_module():
+    broken = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = module_name(path)
+        for line, name in imports_of(path.read_text(encoding="utf-8"), module, path.name == "__init__.py"):
+            library = max((lib for lib in KERNEL_LIBRARIES if _within(name, lib)), key=len, default=None)
+            if library is not None and module != KERNEL_LIBRARIES[library]:
+                broken.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
+    assert not broken, "only the library's own module may import it:\n" + "\n".join(broken)
+
+
 def test_importing_the_runtime_loads_no_planning_kernel():
     """A training process reads plans and the cost model; it never imports a strategy kernel or the batch
     planner (nor, through them, compiles or loads their machine code)."""

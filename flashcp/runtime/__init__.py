@@ -1,7 +1,7 @@
 """Runtime: the per-rank loader (plan -> batch + CPAttnMeta), context-parallel attention, and ``CPAttention``
 (that attention bound to one batch, what a model attends with).
 
-``flashcp.runtime.kernels`` is the only module that imports ``flash_attn``, lazily.
+``flashcp.runtime.kernels`` is the only package that imports ``flash_attn``, lazily, one module per library.
 """
 
 from flashcp.runtime.attention import cp_attention
