@@ -310,7 +310,7 @@ def test_malformed_plan_json(ws, content):
 
 
 def test_plan_on_a_full_disk(ws, monkeypatch):
-    import flashcp.planner.store as store
+    import flashcp.planner.plan_writer as store
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

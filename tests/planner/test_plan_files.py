@@ -1,4 +1,4 @@
-"""Plan files (flashcp.planner.store): written a row group at a time, read back as the planner made them."""
+"""Plan files (planner.plan_writer, plan_reader): written a row group at a time, read back as the planner made them."""
 
 import json
 
@@ -15,7 +15,8 @@ from flashcp.errors import PlanError
 from flashcp.fileio import sha256_file
 from flashcp.planner import plan_sequence
 from flashcp.planner.pipeline import plan_dataset
-from flashcp.planner.store import CP_KEY, PLAN_SCHEMA, SEQ_COST, PlanFileWriter, PlanStore, plan_table
+from flashcp.planner.plan_reader import CP_KEY, PLAN_SCHEMA, SEQ_COST, PlanStore
+from flashcp.planner.plan_writer import PlanFileWriter, plan_table
 from tests.plans import write_plan
 
 
