@@ -148,7 +148,7 @@ def write_plan(dataset: Dataset, name: str, plans: list[list[SequencePlan]], cp:
     ``seq_cost``: write each sequence's price under the default shape (False: a plan file made before the
     column, which readers price themselves).
     """
-    import flashcp.planner.plan_writer as store
+    import flashcp.planner.plan_writer as plan_writer
 
     plan_dir = dataset.root / "plans" / name
     entries = []
@@ -164,12 +164,12 @@ def write_plan(dataset: Dataset, name: str, plans: list[list[SequencePlan]], cp:
                            np.array([m.ag_comm_tokens for m in metrics]),
                            np.array([m.a2a_comm_tokens for m in metrics]),
                            np.array([plan_seq_cost(p) for p in rows]) if seq_cost else None)
-        saved = store.PLAN_ROW_GROUP_ROWS
-        store.PLAN_ROW_GROUP_ROWS = row_group_rows or saved
+        saved = plan_writer.PLAN_ROW_GROUP_ROWS
+        plan_writer.PLAN_ROW_GROUP_ROWS = row_group_rows or saved
         try:
             entries.append(write_plan_file(plan_dir, index, table))
         finally:
-            store.PLAN_ROW_GROUP_ROWS = saved
+            plan_writer.PLAN_ROW_GROUP_ROWS = saved
     write_plan_json(plan_dir, dataset=dataset, strategy="test", params={}, cp=cp, plan_files=entries,
                     summary={})
 
