@@ -39,7 +39,6 @@ _ERROR_TEXT = {
 }
 
 
-
 def plan_flat(strategy: Strategy, row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, params: dict, *,
               polish: bool = True):
     """Plan every row of flat contiguous int64 ``(row_offsets, doc_lens)``: the one planning path.

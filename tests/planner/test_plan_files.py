@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
@@ -44,6 +45,17 @@ def test_row_groups_round_trip_with_cp_in_the_footer(tmp_path):
     for row, plan in enumerate(plans):
         assert table.column("shard_rank")[row].as_py() == plan.shard_rank.tolist()
         assert table.column("shard_start")[row].as_py() == plan.shard_start.tolist()
+
+
+def test_a_value_that_does_not_fit_its_column_is_refused():
+    """A rank of 2^15 in the int16 column, a document index of 2^31 in the int32 one: ArrowInvalid, not a wrap."""
+    plan = plan_sequence("llama3", [5, 9], 2)
+    for name, value in (("shard_rank", 1 << 15), ("shard_doc", 1 << 31)):
+        arrays = {n: getattr(plan, n).copy() for n in ("shard_doc", "shard_start", "shard_len", "shard_rank")}
+        arrays[name][0] = value
+        with pytest.raises(pa.ArrowInvalid, match=f"value {value} does not fit"):
+            plan_table(np.array([0, plan.num_shards]), *arrays.values(), np.ones(1), np.zeros(1, np.int64),
+                       np.zeros(1, np.int64), np.ones(1))
 
 
 def test_an_aborted_writer_leaves_what_was_there(tmp_path):
