@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from flashcp.errors import FlashcpError
 from flashcp.outputs import check_output, json_report, write_json_output
-from flashcp.planner.registry import plan_sequence
+from flashcp.planner.planning import plan_sequence
 from flashcp.runtime import CommStats, CPAttnMeta, cp_attention
 from flashcp.runtime.meta import rank_token_positions
 

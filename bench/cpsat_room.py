@@ -30,6 +30,7 @@ from flashcp.bench.sequences import open_source  # noqa: E402
 from flashcp.costmodel.objective import cached_model, plan_step_seconds  # noqa: E402
 from flashcp.outputs import check_script_output, json_report, write_json_output  # noqa: E402
 from flashcp.planner.ilp.receive import minimise_receive  # noqa: E402
+from flashcp.planner.planning import plan_sequence  # noqa: E402
 from flashcp.planner.registry import get_strategy  # noqa: E402
 
 REPORT = json_report("flashcp-cpsat-room", "a bench/cpsat_room.py report",
@@ -63,7 +64,7 @@ def main(argv=None) -> None:
             full = (cp - 1) * args.context_len / cp
             per_seq = []
             for i, lens in enumerate(sequences):
-                plan = strategy.plan(lens, cp, **params)
+                plan = plan_sequence(strategy, lens, cp, **params)
                 got = minimise_receive(lens, plan, granularity=args.granularity, time_limit_s=args.time_limit,
                                        quota_slack=args.quota_slack, num_workers=args.workers)
                 per_seq.append({

@@ -11,7 +11,8 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from flashcp.planner import batch
-from flashcp.planner.registry import get_strategy, kernel_args, resolve_params
+from flashcp.planner.params import kernel_args, resolve_params
+from flashcp.planner.registry import get_strategy
 
 
 def main() -> None:
@@ -28,10 +29,10 @@ def main() -> None:
         column = data_file.read_row_group(g, columns=["doc_lens"]).column("doc_lens").combine_chunks()
         offsets = np.asarray(column.offsets, np.int64)
         groups.append((offsets - offsets[0], np.asarray(column.values, np.int64)))
-    batch.plan_batch(groups[0][0][:2], groups[0][1], args.cp, strategy.name, **kernel)  # load, not timed
+    batch.plan_batch(groups[0][0][:2], groups[0][1], args.cp, strategy, **kernel)  # load, not timed
     began = time.process_time()
     for offsets, lens in groups:
-        batch.plan_batch(offsets, lens, args.cp, strategy.name, **kernel)
+        batch.plan_batch(offsets, lens, args.cp, strategy, **kernel)
     own = time.process_time() - began
     rows = sum(offsets.size - 1 for offsets, _ in groups)
     print(f"{strategy.name}: {own:.2f} s CPU for {rows} rows ({1000 * own / rows:.3f} s per 1,000)")

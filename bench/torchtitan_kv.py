@@ -30,7 +30,8 @@ import numpy as np
 from flashcp.bench.sequences import open_source
 from flashcp.costmodel import comm
 from flashcp.outputs import check_script_output, json_report, write_json_output
-from flashcp.planner.registry import DEFAULT_STRATEGY, plan_sequence
+from flashcp.planner.planning import plan_sequence
+from flashcp.planner.registry import DEFAULT_STRATEGY
 from flashcp.runtime.meta import build_rank_metas
 
 MIB = 1 << 20

@@ -22,6 +22,11 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("flashcp.data", ("flashcp.cli",)),
     ("flashcp.planner", ("flashcp.cli",)),
     ("flashcp.models", ("flashcp.train",)),  # a model knows nothing of its training loss
+    # a trainer reads plans (planner.plan_reader) and may plan online (planner.planning); it never writes one
+    ("flashcp.runtime", ("flashcp.planner.plan_writer", "flashcp.planner.pipeline", "flashcp.planner.compare")),
+    ("flashcp.train", ("flashcp.planner.plan_writer", "flashcp.planner.pipeline", "flashcp.planner.compare")),
+    ("flashcp.integrations", ("flashcp.planner.plan_writer", "flashcp.planner.pipeline",
+                              "flashcp.planner.compare")),
 ]
 """``(package, forbidden)``: modules of ``package`` import nothing in ``forbidden``."""
 
@@ -168,8 +173,34 @@ def test_importing_the_runtime_loads_no_planning_kernel():
             "print('\\n'.join(m for m in sys.modules if m.startswith('flashcp.planner')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=PACKAGE.parent).stdout.split()
-    assert "flashcp.planner.plan" in loaded and "flashcp.planner.store" in loaded
+    assert "flashcp.planner.plan" in loaded and "flashcp.planner.plan_reader" in loaded
     kernels = [m for m in loaded if m.startswith(("flashcp.planner.strategies", "flashcp.planner.batch",
                                                   "flashcp.planner.check", "flashcp.planner.registry",
                                                   "flashcp.planner.ilp", "flashcp.planner.pipeline"))]
     assert not kernels, kernels
+
+
+def test_no_planner_modules_import_each_other():
+    """The planner's modules import one another in one direction only (no circle, of any length): params and
+    batch below the registry, the registry below planning, planning below compare and the pipeline."""
+    modules = {module_name(path): path for path in sorted((PACKAGE / "planner").rglob("*.py"))}
+    edges = {module: {name for _, name in imports_of(path.read_text(encoding="utf-8"), module,
+                                                     path.name == "__init__.py")
+                      if name in modules and name != module and not module.startswith(name + ".")}
+             for module, path in modules.items()}
+    done: set[str] = set()
+
+    def circle_from(module: str, path: list[str]) -> list[str] | None:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return None
+        for name in sorted(edges[module]):
+            found = circle_from(name, path + [module])
+            if found:
+                return found
+        done.add(module)
+        return None
+
+    circles = [c for c in (circle_from(module, []) for module in sorted(modules)) if c]
+    assert not circles, "planner modules that import each other: " + " -> ".join(circles[0])

@@ -53,7 +53,7 @@ LOSS_TOL, GRAD_NORM_RTOL, PARAM_TOL = 1e-5, 1e-5, 1e-2 * LR
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
     """The dataset with plans ``cp1``, ``cp2``, ``cp4`` (flashcp strategy) and its sequences by (file, row)."""
-    from flashcp.planner.registry import plan_sequence
+    from flashcp.planner.planning import plan_sequence
 
     root = tmp_path_factory.mktemp("hf_trainer") / "data"
     rng = np.random.default_rng(5)
@@ -68,7 +68,7 @@ def planned(tmp_path_factory):
 @pytest.fixture(scope="module")
 def eval_planned(tmp_path_factory):
     """The evaluation dataset: 5 packed sequences with plans ``cp1`` and ``cp2``, and its sequences in file order."""
-    from flashcp.planner.registry import plan_sequence
+    from flashcp.planner.planning import plan_sequence
 
     root = tmp_path_factory.mktemp("hf_trainer_eval") / "eval"
     rng = np.random.default_rng(11)

@@ -52,7 +52,7 @@ from flashcp.integrations.torchtitan import (  # noqa: E402
     titan_loss_sum,
     titan_model_config,
 )
-from flashcp.planner.registry import plan_sequence  # noqa: E402
+from flashcp.planner.planning import plan_sequence  # noqa: E402
 from flashcp.runtime import CPAttention, CPAttnMeta, CPLoader  # noqa: E402
 from flashcp.train import fold_vocab, train_step  # noqa: E402
 from flashcp.train.loop import TrainOptions, run_training  # noqa: E402

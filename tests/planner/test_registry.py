@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given
 
 from flashcp.costmodel.workload import token_quotas
-from flashcp.planner.pipeline import plan_rows, strategy_metrics
 from flashcp.planner.plan import check_metrics
+from flashcp.planner.planning import plan_rows, plan_sequence, strategy_metrics
 from flashcp.planner.registry import STRATEGIES as REGISTRY
-from flashcp.planner.registry import get_strategy, plan_sequence
+from flashcp.planner.registry import get_strategy
 from tests.naive import (
     naive_workload,
 )

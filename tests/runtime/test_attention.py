@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from flashcp.costmodel.comm import allgather_contributions, exact_need_received, kv_bytes_per_token, ring_comm_tokens
 from flashcp.costmodel.workload import token_quotas
-from flashcp.planner.registry import plan_sequence
+from flashcp.planner.planning import plan_sequence
 from flashcp.planner.strategies.baselines import ring_plan
 from flashcp.runtime import CommStats, CPAttnMeta, cp_attention
 from flashcp.runtime.emulate import random_plan

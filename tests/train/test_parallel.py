@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from flashcp.errors import FlashcpError
 from flashcp.models.tiny import TinyConfig, TinyDecoder
-from flashcp.planner.registry import plan_sequence
+from flashcp.planner.planning import plan_sequence
 from flashcp.runtime import CPLoader
 from flashcp.train import fold_vocab, train_step
 from flashcp.train.loop import TrainOptions, run_training

@@ -22,15 +22,10 @@ from flashcp.costmodel.workload import rank_workloads
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
 from flashcp.planner.ilp.model import IlpOptions, IlpResult, solve_sequence
-from flashcp.planner.pipeline import summarize as summarize_plans
 from flashcp.planner.plan import SequencePlan
-from flashcp.planner.store import (
-    PlanSlot,
-    PlanStore,
-    plan_table,
-    write_plan_file,
-    write_plan_json,
-)
+from flashcp.planner.plan_reader import PlanStore
+from flashcp.planner.plan_writer import PlanSlot, plan_table, write_plan_file, write_plan_json
+from flashcp.planner.planning import summarize as summarize_plans
 
 __all__ = ["SequenceAudit", "audit_plan", "sample_rows", "summarize", "write_audit_plan"]
 

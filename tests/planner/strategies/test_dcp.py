@@ -6,7 +6,7 @@ import pytest
 from flashcp.costmodel.comm import exact_need_sent
 from flashcp.costmodel.workload import token_quotas, workload
 from flashcp.planner.plan import SequencePlan
-from flashcp.planner.registry import plan_sequence
+from flashcp.planner.planning import plan_sequence
 from flashcp.planner.strategies import dcp as hypergraph
 
 
@@ -15,10 +15,11 @@ def test_refuses_in_one_sentence_without_the_package(monkeypatch, tmp_path):
 
     import flashcp.planner.registry as strategies
     from flashcp.cli import cli
+    from flashcp.planner.params import kernel_args
 
     entry = _without_package(strategies.STRATEGIES["dcp"])
     with pytest.raises(ValueError, match="needs the hypergraph partitioner mtkahypar"):
-        strategies.kernel_args(entry, {"chunk_size": 512})
+        kernel_args(entry, {"chunk_size": 512})
     root = tmp_path / "d"
     assert CliRunner().invoke(cli, ["synth", str(root), "--dist", "wlb", "--num-seqs", "2", "--context-len", "4096",
                                     "--no-tokens"]).exit_code == 0

@@ -11,7 +11,8 @@ from flashcp.costmodel.objective import cached_model, plan_step_seconds
 from flashcp.costmodel.workload import max_over_mean, rank_workloads_kernel
 from flashcp.planner import batch
 from flashcp.planner.plan import SequencePlan
-from flashcp.planner.registry import plan_sequence
+from flashcp.planner.planning import plan_sequence
+from flashcp.planner.registry import get_strategy
 from flashcp.planner.strategies import flashcp2 as _search
 from tests.naive import (
     naive_affinity,
@@ -179,7 +180,7 @@ def test_local_search_equals_reference_and_moves():
 
 def test_needs_compile_is_false_once_compiled():
     plan_sequence("magi", [5, 6, 7], 2)
-    assert not batch.needs_compile("magi")
+    assert not batch.needs_compile(get_strategy("magi"))
 
 
 # --- token slack

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from flashcp.costmodel.comm import exact_need_node_volumes
 from flashcp.costmodel.objective import cached_model, plan_step_seconds
 from flashcp.costmodel.profile import load_profile
-from flashcp.planner.registry import parse_topology, plan_sequence
+from flashcp.planner.params import parse_topology
+from flashcp.planner.planning import plan_sequence
 from flashcp.planner.strategies import flashcp2 as _search
 from flashcp.planner.strategies.flashcp import flashcp_bounded
 from flashcp.planner.strategies.flashcp_plus import flashcp_plus_bounded

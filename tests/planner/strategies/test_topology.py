@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from flashcp.costmodel.comm import exact_need_node_volumes, exact_need_received
 from flashcp.planner.plan import SequencePlan
-from flashcp.planner.registry import plan_sequence
+from flashcp.planner.planning import plan_sequence
 from flashcp.planner.strategies import flashcp2 as _search
 from flashcp.planner.strategies import topology as _topology
 from tests.naive import (

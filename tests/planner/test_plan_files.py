@@ -1,8 +1,9 @@
-"""Plan files (flashcp.planner.store): written a row group at a time, read back as the planner made them."""
+"""Plan files (planner.plan_writer, plan_reader): written a row group at a time, read back as the planner made them."""
 
 import json
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
@@ -15,7 +16,8 @@ from flashcp.errors import PlanError
 from flashcp.fileio import sha256_file
 from flashcp.planner import plan_sequence
 from flashcp.planner.pipeline import plan_dataset
-from flashcp.planner.store import CP_KEY, PLAN_SCHEMA, SEQ_COST, PlanFileWriter, PlanStore, plan_table
+from flashcp.planner.plan_reader import CP_KEY, PLAN_SCHEMA, SEQ_COST, PlanStore
+from flashcp.planner.plan_writer import PlanFileWriter, plan_table
 from tests.plans import write_plan
 
 
@@ -43,6 +45,17 @@ def test_row_groups_round_trip_with_cp_in_the_footer(tmp_path):
     for row, plan in enumerate(plans):
         assert table.column("shard_rank")[row].as_py() == plan.shard_rank.tolist()
         assert table.column("shard_start")[row].as_py() == plan.shard_start.tolist()
+
+
+def test_a_value_that_does_not_fit_its_column_is_refused():
+    """A rank of 2^15 in the int16 column, a document index of 2^31 in the int32 one: ArrowInvalid, not a wrap."""
+    plan = plan_sequence("llama3", [5, 9], 2)
+    for name, value in (("shard_rank", 1 << 15), ("shard_doc", 1 << 31)):
+        arrays = {n: getattr(plan, n).copy() for n in ("shard_doc", "shard_start", "shard_len", "shard_rank")}
+        arrays[name][0] = value
+        with pytest.raises(pa.ArrowInvalid, match=f"value {value} does not fit"):
+            plan_table(np.array([0, plan.num_shards]), *arrays.values(), np.ones(1), np.zeros(1, np.int64),
+                       np.zeros(1, np.int64), np.ones(1))
 
 
 def test_an_aborted_writer_leaves_what_was_there(tmp_path):
