@@ -919,18 +919,16 @@ def naive_causal_conv1d(x, weight, bias, doc_lens, activation="silu"):
     import torch
 
     width = weight.shape[1]
-    out = []
-    start = 0
+    out, start = [], 0
     for n in doc_lens:
-        for t in range(start, start + int(n)):
-            y = torch.zeros_like(x[0]) if bias is None else bias.clone()
-            for j in range(width):
-                src = t - (width - 1) + j
-                if src >= start:
-                    y = y + weight[:, j] * x[src]
-            out.append(torch.nn.functional.silu(y) if activation == "silu" else y)
+        doc = x[start:start + int(n)]
+        y = torch.zeros_like(doc) if bias is None else bias.expand_as(doc).clone()
+        for j in range(width):  # tap j reads the token (W-1-j) places back; none before the document's first
+            back = width - 1 - j
+            y[back:] = y[back:] + weight[:, j] * doc[:doc.shape[0] - back]
+        out.append(torch.nn.functional.silu(y) if activation == "silu" else y)
         start += int(n)
-    return torch.stack(out)
+    return torch.cat(out)
 
 
 def naive_gated_delta_rule(q, k, v, g, beta, doc_lens, scale=None, use_qk_l2norm=True, initial_states=None):

@@ -262,9 +262,12 @@ def causal_conv1d(x_TF: torch.Tensor, weight_FW: torch.Tensor, bias_F: torch.Ten
         order += [tokens + i * (width - 1) + j for j in range(width - 1)]
         token_rows += range(len(order), len(order) + b - a)
         order += range(a, b)
+    dtype = torch.promote_types(x_TF.dtype, weight_FW.dtype)
+    if not token_rows:  # no tokens: an empty output, still in the graph of the filters
+        y = x_TF.to(dtype) * weight_FW[:, 0].to(dtype)
+        return (y if bias_F is None else y + bias_F.to(dtype)).to(x_TF.dtype)
     extended = torch.cat((x_TF, tails.reshape(-1, x_TF.shape[1]).to(x_TF.dtype)))
     extended = extended.index_select(0, torch.tensor(order, dtype=torch.int64, device=x_TF.device))
-    dtype = torch.promote_types(x_TF.dtype, weight_FW.dtype)
     y = F.conv1d(extended.to(dtype).T[None], weight_FW.to(dtype)[:, None, :],
                  None if bias_F is None else bias_F.to(dtype), groups=x_TF.shape[1])[0].T
     rows = torch.tensor(token_rows, dtype=torch.int64, device=x_TF.device) - (width - 1)
