@@ -194,7 +194,7 @@ def chunk_ssd(x_THP: torch.Tensor, dt_TH: torch.Tensor, A_H: torch.Tensor, B_TGS
     state = _initial(initial_state_NHPS, (padding.num_segments, num_heads, x.shape[2], B.shape[2]), x)
     if padding.num_segments == 0:
         return x_THP, state
-    y, state = _ssd_chunks(*(padding.pad(t) for t in (x, dt, B, C)), A, state, chunk_size)
+    y, state = _ssd_chunks(padding.pad(x), padding.pad(dt), padding.pad(B), padding.pad(C), A, state, chunk_size)
     y = padding.unpad(y)
     if D_H is not None:
         y = y + D_H.to(dtype)[:, None] * x
@@ -257,7 +257,8 @@ def causal_conv1d(x_TF: torch.Tensor, weight_FW: torch.Tensor, bias_F: torch.Ten
     # one sequence [tail 0, segment 0, tail 1, segment 1, ...]: a valid convolution over it reads, for each
     # token, only its own segment and tail
     tokens = x_TF.shape[0]
-    order, token_rows = [], []
+    order: list[int] = []
+    token_rows: list[int] = []
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
         order += [tokens + i * (width - 1) + j for j in range(width - 1)]
         token_rows += range(len(order), len(order) + b - a)

@@ -183,8 +183,8 @@ def cp_gated_delta_rule(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV: torch.T
     augmented = torch.cat((v.new_zeros(index.shape[0], num_heads, head_k), v.index_select(0, index)), dim=2)
     eye = torch.eye(head_k, dtype=v.dtype, device=v.device).expand(len(mapped), num_heads, head_k, head_k)
     start = torch.cat((eye, v.new_zeros(len(mapped), num_heads, head_k, head_v)), dim=3)
-    out, maps = gated_delta_segments(*(x.index_select(0, index) for x in (q, k)), augmented,
-                                     *(x.index_select(0, index) for x in (g, beta)), cu, start, chunk_size)
+    q_p, k_p, g_p, beta_p = (x.index_select(0, index) for x in (q, k, g, beta))
+    out, maps = gated_delta_segments(q_p, k_p, augmented, g_p, beta_p, cu, start, chunk_size)
     first = np.repeat(meta.piece_start[mapped] == 0, meta.piece_len[mapped])
     keep = torch.from_numpy(np.flatnonzero(first)).to(v.device)
     parts.append((index.index_select(0, keep), out.index_select(0, keep)[..., head_k:]))
@@ -195,7 +195,8 @@ def cp_gated_delta_rule(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV: torch.T
                            v.new_zeros(num_heads, head_k, head_v))
     index, cu = meta.piece_tokens(rerun)
     index = index.to(v.device)
-    out, _ = gated_delta_segments(*(x.index_select(0, index) for x in (q, k, v, g, beta)), cu, states, chunk_size)
+    q_p, k_p, v_p, g_p, beta_p = (x.index_select(0, index) for x in (q, k, v, g, beta))
+    out, _ = gated_delta_segments(q_p, k_p, v_p, g_p, beta_p, cu, states, chunk_size)
     parts.append((index, out))
     return _Tie.apply(_assemble(parts, meta.num_tokens).to(q_TGK.dtype), gathered)
 
@@ -213,17 +214,16 @@ def cp_ssd(x_THP: torch.Tensor, dt_TH: torch.Tensor, A_H: torch.Tensor, B_TGS: t
         return chunk_ssd(x_THP, dt_TH, A_H, B_TGS, C_TGS, meta.cu_seqlens, D_H=D_H, chunk_size=chunk_size)[0]
     dtype = compute_dtype(x_THP.dtype)
     num_heads, head_p, state_size = x_THP.shape[1], x_THP.shape[2], B_TGS.shape[2]
-    inputs = (x_THP, dt_TH, B_TGS, C_TGS)
     mapped, rerun = _split_runs(meta)
     parts = []
     # 1. (T_p, U_p): the decay over the piece and its final state from zero
     index, cu = meta.piece_tokens(mapped)
     index = index.to(x_THP.device)
-    out, final = chunk_ssd(*(t.index_select(0, index) for t in inputs[:2]), A_H,
-                           *(t.index_select(0, index) for t in inputs[2:]), cu, chunk_size=chunk_size)
+    x_p, dt_p, B_p, C_p = (t.index_select(0, index) for t in (x_THP, dt_TH, B_TGS, C_TGS))
+    out, final = chunk_ssd(x_p, dt_p, A_H, B_p, C_p, cu, chunk_size=chunk_size)
     piece_of = torch.from_numpy(np.repeat(np.arange(len(mapped)), meta.piece_len[mapped])).to(x_THP.device)
     dt_sum = torch.zeros(len(mapped), num_heads, dtype=dtype, device=x_THP.device).index_add(
-        0, piece_of, dt_TH.index_select(0, index).to(dtype))
+        0, piece_of, dt_p.to(dtype))
     decay = torch.exp(A_H.to(dtype) * dt_sum)
     first = np.repeat(meta.piece_start[mapped] == 0, meta.piece_len[mapped])
     keep = torch.from_numpy(np.flatnonzero(first)).to(x_THP.device)
@@ -237,8 +237,8 @@ def cp_ssd(x_THP: torch.Tensor, dt_TH: torch.Tensor, A_H: torch.Tensor, B_TGS: t
                            x_THP.new_zeros(num_heads, head_p, state_size, dtype=dtype))
     index, cu = meta.piece_tokens(rerun)
     index = index.to(x_THP.device)
-    out, _ = chunk_ssd(*(t.index_select(0, index) for t in inputs[:2]), A_H,
-                       *(t.index_select(0, index) for t in inputs[2:]), cu, states, chunk_size=chunk_size)
+    x_p, dt_p, B_p, C_p = (t.index_select(0, index) for t in (x_THP, dt_TH, B_TGS, C_TGS))
+    out, _ = chunk_ssd(x_p, dt_p, A_H, B_p, C_p, cu, states, chunk_size=chunk_size)
     parts.append((index, out.to(dtype)))
     y = _assemble(parts, meta.num_tokens)
     if D_H is not None:

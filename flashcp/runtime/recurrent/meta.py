@@ -140,15 +140,16 @@ class RecurrentMeta:
         tail = width - 1
         send = np.full((self.slot, tail), self.num_tokens, dtype=np.int64)
         ends = np.asarray(self.cu_seqlens[1:], dtype=np.int64)
-        for position, piece in enumerate(np.flatnonzero(self.contributes)):
-            last = ends[piece] - tail + np.arange(tail)
-            send[position] = np.where(last >= ends[piece] - self.piece_len[piece], last, self.num_tokens)
+        for position, sent in enumerate(np.flatnonzero(self.contributes)):
+            last = ends[sent] - tail + np.arange(tail)
+            send[position] = np.where(last >= ends[sent] - self.piece_len[sent], last, self.num_tokens)
         zero_row = self.cp * self.slot * tail
         recv = np.full((self.num_pieces, tail), zero_row, dtype=np.int64)
         for piece in range(self.num_pieces):
             entries = slice(self.pred_ptr[piece], self.pred_ptr[piece + 1])
             rows, pred_ends = self.pred_row[entries], self.pred_end[entries]
-            for j, pos in enumerate(range(self.piece_start[piece] - tail, self.piece_start[piece])):
+            start = int(self.piece_start[piece])
+            for j, pos in enumerate(range(start - tail, start)):
                 if pos < 0:
                     continue
                 k = int(np.searchsorted(pred_ends, pos, side="right"))  # the predecessor holding pos
