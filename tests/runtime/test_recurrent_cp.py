@@ -4,6 +4,10 @@ Every rank builds the same cases from the same seed and runs a small layer: the 
 mixed projections, then the recurrence (Gated DeltaNet as Qwen3-Next, Mamba-2 SSD as Nemotron-H), forward and
 backward. Each rank compares its slice of the output and of the inputs' gradients, and the parameters'
 gradients summed over the ranks, with the reference run on the whole packed sequence, documents kept apart.
+It also counts the collectives and their bytes: per layer one all-gather of ``slot`` state maps and one of
+``slot`` convolution tails forward, the reduce-scatters backward, none at all when no document is cut. In
+float32 and bf16, the CP layers' error against float64 is bounded by the error of one process running the same
+chunked kernels on the whole sequence.
 """
 
 import numpy as np
@@ -15,7 +19,16 @@ import torch.nn.functional as F
 from flashcp.planner.registry import plan_sequence
 from flashcp.runtime.emulate import random_plan
 from flashcp.runtime.meta import rank_token_positions
-from flashcp.runtime.recurrent import RecurrentMeta, cp_causal_conv1d, cp_gated_delta_rule, cp_ssd
+from flashcp.runtime.recurrent import (
+    RecurrentMeta,
+    causal_conv1d,
+    chunk_gated_delta_rule,
+    chunk_ssd,
+    cp_causal_conv1d,
+    cp_gated_delta_rule,
+    cp_ssd,
+)
+from flashcp.runtime.recurrent import cp as cp_module
 from tests.dist import spawn
 from tests.naive import naive_causal_conv1d, naive_gated_delta_rule, naive_ssd
 from tests.plans import llama3_like_plan, whole_docs_case
@@ -121,8 +134,11 @@ def run_case(name, plan, doc_lens, ref, rank, group, failures, seed=0):
         where = f"{name} {kind} rank {rank} (pieces {meta.num_pieces}, slot {meta.slot})"
         local = [t[pos].requires_grad_() for t in data]
         local_params = [t.requires_grad_() for t in params]
+        calls.clear()
         out = layer(*local, *local_params, conv, recurrence)
+        forward = list(calls)
         out.backward(grad_out[pos])
+        check_collectives(where, kind, meta, forward, calls[len(forward):], failures)
         for p in local_params:
             dist.all_reduce(p.grad, group=group)
         checks = [("out", out, want_out[pos])]
@@ -139,6 +155,63 @@ def run_case(name, plan, doc_lens, ref, rank, group, failures, seed=0):
                 failures.append(f"{where}: {what} max |err| {err.max().item():.3g}, mean {err.mean().item():.3g}")
 
 
+calls: list[tuple[str, int, int]] = []
+"""(collective, rows sent or received, bytes per row) of every collective the layers issued, in order."""
+
+
+def _recording(name, collective):
+    def record(out, inp, group=None, **kwargs):
+        rows = inp.shape[0] if name == "all_gather" else out.shape[0]
+        calls.append((name, rows, inp[0].numel() * inp.element_size() if inp.shape[0] else 0))
+        return collective(out, inp, group=group, **kwargs)
+    return record
+
+
+def check_collectives(where, kind, meta, forward, backward, failures):
+    """Two all-gathers forward (conv tails, then state maps) of ``slot`` rows each, their reverse backward."""
+    if not meta.active:
+        if forward or backward:
+            failures.append(f"{where}: no document is cut, yet it issued {forward + backward}")
+        return
+    features = 2 * GDN["key_heads"] * GDN["dk"] + GDN["heads"] * GDN["dv"] if kind == "gdn" else \
+        SSD["heads"] * SSD["p"] + 2 * SSD["groups"] * SSD["s"]
+    if kind == "gdn":  # per head a K x K transition and a K x V state
+        state_map = GDN["heads"] * GDN["dk"] * (GDN["dk"] + GDN["dv"])
+    else:  # per head a scalar decay and a P x S state
+        state_map = SSD["heads"] * (1 + SSD["p"] * SSD["s"])
+    want = [("all_gather", meta.slot, 8 * (WIDTH - 1) * features), ("all_gather", meta.slot, 8 * state_map)]
+    if meta.slot == 0 or forward != want:
+        failures.append(f"{where}: forward collectives {forward}, expected {want}")
+    reverse = [("reduce_scatter", rows, row_bytes) for _, rows, row_bytes in reversed(want)]
+    if backward != reverse:
+        failures.append(f"{where}: backward collectives {backward}, expected {reverse}")
+
+
+def check_low_precision(plan, doc_lens, ref, rank, failures):
+    """CP in float32 and bf16: error against float64 at most twice one process's (plus a rounding floor)."""
+    pos = torch.from_numpy(rank_token_positions(plan, doc_lens, rank)[0])
+    meta = RecurrentMeta.from_plan(plan, doc_lens, rank)
+    cu = np.concatenate([[0], np.cumsum(doc_lens)]).tolist()
+    single = {"gdn": (gdn_layer, lambda x, w, b: causal_conv1d(x, w, b, cu),
+                      lambda *a: chunk_gated_delta_rule(*a, cu, chunk_size=4)[0]),
+              "ssd": (ssd_layer, lambda x, w, b: causal_conv1d(x, w, b, cu),
+                      lambda x, dt, A, B, C, D: chunk_ssd(x, dt, A, B, C, cu, D_H=D, chunk_size=4)[0])}
+    for dtype, floor in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        for kind, (data, params) in make_inputs(int(np.sum(doc_lens)), 0).items():
+            want = ref[kind][0][pos]
+            data, params = [t.to(dtype) for t in data], [t.to(dtype) for t in params]
+            layer, conv, recurrence = single[kind]
+            one = layer(*data, *params, conv, recurrence)[pos].double()
+            layer, conv, recurrence = layers(doc_lens, meta)[kind]
+            got = layer(*(t[pos] for t in data), *params, conv, recurrence).double()
+            if want.numel() == 0:
+                continue
+            cp_err, one_err = (got - want).abs().max().item(), (one - want).abs().max().item()
+            if cp_err > 2 * one_err + floor:
+                failures.append(f"{kind} {dtype} rank {rank}: CP max |err| {cp_err:.3g} against float64, one "
+                                f"process {one_err:.3g}")
+
+
 def subgroup_case(index):
     rng = np.random.default_rng(88 + index)
     doc_lens = rng.integers(3, 12, size=3)
@@ -146,9 +219,14 @@ def subgroup_case(index):
 
 
 def _worker(rank, world_size, refs):
+    cp_module._all_gather = _recording("all_gather", cp_module._all_gather)
+    cp_module._reduce_scatter = _recording("reduce_scatter", cp_module._reduce_scatter)
     failures = []
     for case, ref in zip(build_cases(world_size), refs):
         run_case(*case, ref, rank=rank, group=None, failures=failures)
+    if world_size == 2:
+        name, plan, doc_lens = build_cases(world_size)[3]  # one document over both ranks
+        check_low_precision(plan, doc_lens, refs[3], rank, failures)
     if world_size == 4:
         # two CP groups of 2 inside the world: the exchanges use the group they are given
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
