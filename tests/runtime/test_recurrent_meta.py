@@ -84,3 +84,29 @@ def test_conv_tails_are_the_inputs_before_each_piece(cp, width):
                 token = int(pos[first])
                 want = [t + 1.0 if t >= doc_start[token] else 0.0 for t in range(token - width + 1, token)]
                 assert tails[piece].tolist() == want, (meta.rank, piece, tails[piece].tolist(), want)
+
+
+def test_refusals_name_what_was_got():
+    from flashcp.runtime.recurrent import chunk_gated_delta_rule, chunk_ssd, cp_causal_conv1d, cp_ssd
+
+    plan = random_plan(np.array([5, 4]), 2, np.random.default_rng(1), max_pieces=2)
+    meta = RecurrentMeta.from_plan(plan, np.array([5, 4]), 0)
+    x = torch.zeros(meta.num_tokens + 1, 3)
+    with pytest.raises(ValueError, match=f"rank 0 holds {meta.num_tokens} tokens but the inputs have"):
+        cp_causal_conv1d(x, torch.zeros(3, 4), None, meta)
+    with pytest.raises(ValueError, match="rank 0 holds"):
+        cp_ssd(x[:, None], x[:, :1], torch.zeros(1), x[:, None], x[:, None], meta)
+    with pytest.raises(ValueError, match="rank 5 is outside"):
+        RecurrentMeta.from_plan(plan, np.array([5, 4]), 5)
+    q = torch.zeros(6, 3, 4)
+    with pytest.raises(ValueError, match="H % Hk == 0"):
+        chunk_gated_delta_rule(q, q, torch.zeros(6, 4, 2), torch.zeros(6, 4), torch.zeros(6, 4), [0, 6])
+    with pytest.raises(ValueError, match="the initial state has shape"):
+        chunk_ssd(torch.zeros(6, 2, 3), torch.zeros(6, 2), torch.zeros(2), torch.zeros(6, 1, 4),
+                  torch.zeros(6, 1, 4), [0, 6], torch.zeros(2, 2, 3, 4))
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+        chunk_ssd(torch.zeros(6, 2, 3), torch.zeros(6, 2), torch.zeros(2), torch.zeros(6, 1, 4),
+                  torch.zeros(6, 1, 4), [1, 6])
+    with pytest.raises(ValueError, match="cu_seqlens ends at 5, but the inputs have 6 tokens"):
+        chunk_ssd(torch.zeros(6, 2, 3), torch.zeros(6, 2), torch.zeros(2), torch.zeros(6, 1, 4),
+                  torch.zeros(6, 1, 4), [0, 5])

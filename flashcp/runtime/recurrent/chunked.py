@@ -38,10 +38,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _segments(cu_seqlens) -> list[int]:
+def _segments(cu_seqlens, num_tokens: int) -> list[int]:
     bounds = [int(c) for c in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
     if not bounds or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {bounds[:8]}...")
+    if bounds[-1] != num_tokens:
+        raise ValueError(f"cu_seqlens ends at {bounds[-1]}, but the inputs have {num_tokens} tokens")
     return bounds
 
 
@@ -122,7 +124,7 @@ def gated_delta_segments(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, initial
 
     ``v_THV``'s last dim may be anything (the CP layer runs ``[I | 0]`` states with ``[0 | v]`` values).
     """
-    bounds = _segments(cu_seqlens)
+    bounds = _segments(cu_seqlens, v_THV.shape[0])
     num_heads, head_k, head_v = v_THV.shape[1], k_THK.shape[2], v_THV.shape[2]
     padding = _Padding(bounds, chunk_size, v_THV.device)
     state = _initial(initial_state_NHKV, (padding.num_segments, num_heads, head_k, head_v), v_THV)
@@ -189,7 +191,7 @@ def chunk_ssd(x_THP: torch.Tensor, dt_TH: torch.Tensor, A_H: torch.Tensor, B_TGS
     group = num_heads // B_TGS.shape[1]
     B, C = (t.to(dtype).repeat_interleave(group, dim=1) for t in (B_TGS, C_TGS))
     x, dt, A = x_THP.to(dtype), dt_TH.to(dtype), A_H.to(dtype)
-    bounds = _segments(cu_seqlens)
+    bounds = _segments(cu_seqlens, x.shape[0])
     padding = _Padding(bounds, chunk_size, x.device)
     state = _initial(initial_state_NHPS, (padding.num_segments, num_heads, x.shape[2], B.shape[2]), x)
     if padding.num_segments == 0:
@@ -249,7 +251,7 @@ def causal_conv1d(x_TF: torch.Tensor, weight_FW: torch.Tensor, bias_F: torch.Ten
     """
     if activation not in ("silu", None):
         raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
-    bounds = _segments(cu_seqlens)
+    bounds = _segments(cu_seqlens, x_TF.shape[0])
     num_segments, width = len(bounds) - 1, weight_FW.shape[1]
     tails = x_TF.new_zeros((num_segments, width - 1, x_TF.shape[1])) if tails_NWF is None else tails_NWF
     if tuple(tails.shape) != (num_segments, width - 1, x_TF.shape[1]):
