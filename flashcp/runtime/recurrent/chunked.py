@@ -51,11 +51,13 @@ class _Padding:
     """Where the tokens of segments ``cu_seqlens`` sit in a (N, L) padded batch, L a multiple of ``chunk``."""
 
     def __init__(self, bounds: list[int], chunk: int, device: torch.device):
-        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-        self.num_segments = len(lengths)
-        self.length = max(-(-max(lengths, default=0) // chunk) * chunk, chunk)
-        rows = [i * self.length + t for i, n in enumerate(lengths) for t in range(n)]
-        self.rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        lengths = torch.tensor(bounds, dtype=torch.int64).diff()
+        self.num_segments = int(lengths.shape[0])
+        longest = max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
+        self.length = max(-(-longest // chunk) * chunk, chunk)
+        # token t of segment i goes to row i * L + (t - bounds[i])
+        shift = torch.arange(self.num_segments) * self.length - torch.tensor(bounds[:-1], dtype=torch.int64)
+        self.rows = (torch.repeat_interleave(shift, lengths) + torch.arange(bounds[-1])).to(device)
 
     def pad(self, x_T: torch.Tensor) -> torch.Tensor:
         """(T, ...) -> (N, L, ...), zeros after each segment's end."""
@@ -258,21 +260,19 @@ def causal_conv1d(x_TF: torch.Tensor, weight_FW: torch.Tensor, bias_F: torch.Ten
         raise ValueError(f"the tails have shape {tuple(tails.shape)}, need {(num_segments, width - 1, x_TF.shape[1])}")
     # one sequence [tail 0, segment 0, tail 1, segment 1, ...]: a valid convolution over it reads, for each
     # token, only its own segment and tail
-    tokens = x_TF.shape[0]
-    order: list[int] = []
-    token_rows: list[int] = []
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        order += [tokens + i * (width - 1) + j for j in range(width - 1)]
-        token_rows += range(len(order), len(order) + b - a)
-        order += range(a, b)
     dtype = torch.promote_types(x_TF.dtype, weight_FW.dtype)
-    if not token_rows:  # no tokens: an empty output, still in the graph of the filters
+    if x_TF.shape[0] == 0:  # no tokens: an empty output, still in the graph of the filters
         y = x_TF.to(dtype) * weight_FW[:, 0].to(dtype)
         return (y if bias_F is None else y + bias_F.to(dtype)).to(x_TF.dtype)
-    extended = torch.cat((x_TF, tails.reshape(-1, x_TF.shape[1]).to(x_TF.dtype)))
-    extended = extended.index_select(0, torch.tensor(order, dtype=torch.int64, device=x_TF.device))
+    starts, lengths = torch.tensor(bounds[:-1], dtype=torch.int64), torch.tensor(bounds, dtype=torch.int64).diff()
+    segment = torch.arange(num_segments)
+    token_rows = torch.arange(bounds[-1]) + (torch.repeat_interleave(segment, lengths) + 1) * (width - 1)
+    tail_rows = (starts + segment * (width - 1))[:, None] + torch.arange(width - 1)
+    extended = x_TF.new_zeros((bounds[-1] + num_segments * (width - 1), x_TF.shape[1]))
+    extended = extended.index_copy(0, token_rows.to(x_TF.device), x_TF)
+    extended = extended.index_copy(0, tail_rows.reshape(-1).to(x_TF.device),
+                                   tails.reshape(-1, x_TF.shape[1]).to(x_TF.dtype))
     y = F.conv1d(extended.to(dtype).T[None], weight_FW.to(dtype)[:, None, :],
                  None if bias_F is None else bias_F.to(dtype), groups=x_TF.shape[1])[0].T
-    rows = torch.tensor(token_rows, dtype=torch.int64, device=x_TF.device) - (width - 1)
-    y = y.index_select(0, rows)
+    y = y.index_select(0, token_rows.to(x_TF.device) - (width - 1))
     return (F.silu(y) if activation == "silu" else y).to(x_TF.dtype)
