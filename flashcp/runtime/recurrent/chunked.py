@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d", "chunk_gated_delta_rule", "chunk_ssd", "l2norm"]
+__all__ = ["causal_conv1d", "chunk_gated_delta_rule", "chunk_ssd", "compute_dtype", "gated_delta_segments", "l2norm",
+           "prepare_qk"]
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -101,13 +102,13 @@ def chunk_gated_delta_rule(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV: torc
     Returns the output (T, H, V) in q's dtype and the state after each segment (N, H, K, V) in the compute
     dtype (float32 or wider).
     """
-    q_THK, k_THK = _prepared_qk(q_TGK, k_TGK, v_THV.shape[1], scale, use_qk_l2norm)
+    q_THK, k_THK = prepare_qk(q_TGK, k_TGK, v_THV.shape[1], scale, use_qk_l2norm)
     dtype = q_THK.dtype
     return gated_delta_segments(q_THK, k_THK, v_THV.to(dtype), g_TH.to(dtype), beta_TH.to(dtype), cu_seqlens,
                                 initial_state_NHKV, chunk_size, out_dtype=q_TGK.dtype)
 
 
-def _prepared_qk(q_TGK, k_TGK, num_heads: int, scale: float | None, use_qk_l2norm: bool):
+def prepare_qk(q_TGK, k_TGK, num_heads: int, scale: float | None, use_qk_l2norm: bool):
     """The queries and keys per value head in the compute dtype, normalised and q scaled: (T, H, K) each."""
     if q_TGK.shape != k_TGK.shape or num_heads % k_TGK.shape[1]:
         raise ValueError(f"q and k must be (T, Hk, K) alike with H % Hk == 0, got q {tuple(q_TGK.shape)}, "

@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 
 from flashcp.runtime.recurrent.chunked import (
-    _prepared_qk,
     causal_conv1d,
     chunk_ssd,
     compute_dtype,
     gated_delta_segments,
+    prepare_qk,
 )
 from flashcp.runtime.recurrent.meta import RecurrentMeta
 
@@ -170,7 +170,7 @@ def cp_gated_delta_rule(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV: torch.T
     Differentiable in q, k, v, g and beta.
     """
     _check(meta, v_THV.shape[0], group)
-    q, k = _prepared_qk(q_TGK, k_TGK, v_THV.shape[1], scale, use_qk_l2norm)
+    q, k = prepare_qk(q_TGK, k_TGK, v_THV.shape[1], scale, use_qk_l2norm)
     v, g, beta = (x.to(q.dtype) for x in (v_THV, g_TH, beta_TH))
     if not meta.active:
         return gated_delta_segments(q, k, v, g, beta, meta.cu_seqlens, None, chunk_size, q_TGK.dtype)[0]
