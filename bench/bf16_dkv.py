@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from flashcp.outputs import check_output, json_report, write_json_output
 from flashcp.planner.registry import plan_sequence
 from flashcp.runtime import CommStats, CPAttnMeta, cp_attention
 from flashcp.runtime.meta import rank_token_positions
+from flashcp.train.launch import free_port, init_local_gloo
 
 COMMS = ("allgather", "a2a", "full", "ring")
 STRATEGIES = ("perdoc", "flashcp+")
@@ -75,8 +75,7 @@ def errors(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 
 def _worker(rank: int, cp: int, port: int, context_len: int, seeds: int, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp)
+    init_local_gloo(rank, cp, port)
     rows = []
     for name, doc_lens in sequences(context_len, np.random.default_rng(cp)).items():
         plans = {s: plan_sequence(s, doc_lens, cp) for s in STRATEGIES}
@@ -114,12 +113,6 @@ def _worker(rank: int, cp: int, port: int, context_len: int, seeds: int, queue) 
         queue.put(rows)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv=None) -> int:

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from tests.dist import free_port
+from flashcp.train.launch import free_port
 from tests.faults.workspace import (
     ROOT,
     ReadOnly,
