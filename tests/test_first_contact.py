@@ -12,8 +12,6 @@ cache (``tests/conftest.py``), which every later test then loads.
 from __future__ import annotations
 
 import os
-import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -23,20 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.readme import readme_main_job
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 CONTEXT_LEN = 8192
 """The tests' context length (the README's is 131072; the kernels compiled are the same)."""
-
-
-def readme_main_job() -> list[list[str]]:
-    """The ``flashcp`` commands of the README's main-job line, in their order, as argument lists."""
-    text = re.sub(r"[ \t]*\\\n[ \t]*", " ", (REPO / "README.md").read_text(encoding="utf-8"))  # one step a line
-    match = re.search(r"^pip install -c constraints-cpu\.txt -e \. && (.+)$", text, re.M)
-    assert match, "the README's main-job line is gone"
-    steps = [shlex.split(part) for part in match.group(1).split(" && ")]
-    return [step[1:] for step in steps if step[0] == "flashcp"]
 
 
 def small_corpus(folder: Path) -> Path:

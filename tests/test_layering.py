@@ -157,3 +157,21 @@ def test_importing_the_runtime_loads_no_planning_kernel():
                                                   "flashcp.planner.check", "flashcp.planner.registry",
                                                   "flashcp.planner.ilp", "flashcp.planner.pipeline"))]
     assert not kernels, kernels
+
+
+TESTS = PACKAGE.parent / "tests"
+
+
+def test_no_test_module_imports_another_test_module():
+    """What tests share lives in helper modules (tests/naive.py, plans.py, dist.py, equivalence.py, ...): a
+    ``test_*.py`` imported by another would run its tests twice and tie the two files' fixtures together."""
+    test_modules = {".".join(path.relative_to(TESTS.parent).with_suffix("").parts)
+                    for path in TESTS.rglob("test_*.py")}
+    broken = []
+    for path in sorted(TESTS.rglob("*.py")):
+        module = ".".join(path.relative_to(TESTS.parent).with_suffix("").parts)
+        for line, name in imports_of(path.read_text(encoding="utf-8"), module, path.name == "__init__.py"):
+            if name in test_modules and name != module:
+                broken.append(f"{path.relative_to(TESTS.parent)}:{line} imports {name}")
+    assert not broken, "test modules imported by other modules (move what they share to a helper):\n" + \
+        "\n".join(broken)

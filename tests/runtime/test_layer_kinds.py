@@ -20,7 +20,7 @@ from flashcp.runtime.meta import CPAttnMeta, rank_token_positions
 from tests import fake_kernels
 from tests.dist import spawn
 from tests.naive import naive_document_attention
-from tests.runtime.test_attention import build_cases, max_abs
+from tests.runtime.attention_cases import build_cases, max_abs
 
 TOL = 1e-10
 COMMS = ("allgather", "a2a", "full")
