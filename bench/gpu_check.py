@@ -49,10 +49,10 @@ from flashcp.planner.plan import SequencePlan  # noqa: E402
 from flashcp.planner.strategies.baselines import ring_plan  # noqa: E402
 from flashcp.runtime import kernels  # noqa: E402
 from flashcp.runtime.attention import attention_after_exchange  # noqa: E402
-from flashcp.runtime.emulate import emulate_cp_attention, random_plan  # noqa: E402
 from flashcp.runtime.kernels import GPU_BACKENDS, backend_available  # noqa: E402
 from flashcp.runtime.meta import COMM_MODES, build_rank_metas  # noqa: E402
 from flashcp.runtime.ring import ring_attention_from_blocks  # noqa: E402
+from tests.emulate import emulate_cp_attention, random_plan  # noqa: E402
 
 STRATEGIES = ("llama3", "perdoc", "flashcp")
 

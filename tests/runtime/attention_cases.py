@@ -6,7 +6,7 @@ import numpy as np
 
 from flashcp.planner.registry import plan_sequence
 from flashcp.planner.strategies.baselines import ring_plan
-from flashcp.runtime.emulate import random_plan
+from tests.emulate import random_plan
 from tests.plans import llama3_like_plan, perdoc_like_plan, whole_docs_case
 
 HEADS = ((4, 2), (4, 4), (4, 1))  # GQA, MHA, MQA

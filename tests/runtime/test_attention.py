@@ -14,9 +14,9 @@ import torch.distributed as dist
 from flashcp.costmodel.comm import allgather_contributions, exact_need_received, kv_bytes_per_token, ring_comm_tokens
 from flashcp.costmodel.workload import token_quotas
 from flashcp.runtime import CommStats, CPAttnMeta, cp_attention
-from flashcp.runtime.emulate import random_plan
 from flashcp.runtime.meta import rank_token_positions
 from tests.dist import spawn
+from tests.emulate import random_plan
 from tests.naive import naive_document_attention
 from tests.plans import llama3_like_plan
 from tests.runtime.attention_cases import build_cases, max_abs

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from flashcp.runtime import cp_attention
-from flashcp.runtime.emulate import random_plan
 from flashcp.runtime.kernels import BackendFallbackWarning, BackendUnavailableError, resolve_backend
 from flashcp.runtime.layer_kinds import LayerKind
 from flashcp.runtime.meta import CPAttnMeta, rank_token_positions
 from tests import fake_kernels
 from tests.dist import spawn
+from tests.emulate import random_plan
 from tests.naive import naive_document_attention
 from tests.runtime.attention_cases import build_cases, max_abs
 

@@ -10,8 +10,8 @@ from flashcp.costmodel.comm import allgather_contributions, exact_need_received
 from flashcp.costmodel.workload import token_quotas
 from flashcp.planner.plan import SequencePlan
 from flashcp.runtime import CPAttnMeta, cp_attention
-from flashcp.runtime.emulate import random_plan
 from flashcp.runtime.meta import COLLECTIVE_MODES, build_rank_metas, rank_token_positions
+from tests.emulate import random_plan
 from tests.naive import naive_document_attention
 from tests.naive_meta import assert_same_meta, naive_rank_metas
 from tests.plans import llama3_like_plan, plan_builders, whole_docs_case
