@@ -4,7 +4,7 @@ A suite that compiles the planner's kernels in one process cannot see what a sec
 on-disk cache: machine code cached by ``plan --strategy flashcp`` once made the next ``plan`` (flashcp2)
 reject every plan it made (``flashcp._numba`` says why). These tests run flashcp as a new user does: each
 command a fresh process, the cache empty before the first. Every plan of every step is validated by the
-command itself and again by ``verify``. ``bench/cache_pairs.py`` runs every ordered pair of strategies the
+command itself and again by ``verify``. ``scripts/cache_pairs.py`` runs every ordered pair of strategies the
 same way (too long for CI). The two orders run at once, and the README's compiles into the suite's
 cache (``tests/conftest.py``), which every later test then loads.
 """

@@ -155,7 +155,7 @@ def _missing_shard_checks(base: dict, ckpt: str) -> list[str]:
 
 def _bf16_checks(groups, rank):
     """bf16 dK/dV of every comm mode on this mesh's CP groups: relative L2 error at most 1.2x that of plain
-    bf16 SDPA on the whole sequence (partial dK/dV are summed in float32); ``bench/bf16_dkv.py`` measures more.
+    bf16 SDPA on the whole sequence (partial dK/dV are summed in float32); ``scripts/bf16_dkv.py`` measures more.
     """
     from flashcp.runtime import CPAttnMeta, cp_attention
     from flashcp.runtime.meta import rank_token_positions

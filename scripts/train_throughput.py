@@ -1,6 +1,6 @@
 """Training tokens/s of several plans of one dataset, in one torchrun job, same model and data.
 
-    torchrun --nproc-per-node 2 bench/train_throughput.py DATA --plans cp2-flashcp,cp2-llama3,cp2-perdoc
+    torchrun --nproc-per-node 2 scripts/train_throughput.py DATA --plans cp2-flashcp,cp2-llama3,cp2-perdoc
 
 For each plan in turn: the same model from the same seed, the same sequences in file order, ``--warmup``
 steps untimed and then ``--steps`` timed steps of ``flashcp.train.loop.run_training``. Tokens/s is the
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     return status
 
 
-REPORT = json_report("flashcp-train-throughput", "a bench/train_throughput.py report")
+REPORT = json_report("flashcp-train-throughput", "a scripts/train_throughput.py report")
 
 
 def report(results: list[dict], args) -> None:

@@ -1,6 +1,6 @@
 """bf16 accuracy of cp_attention's backward against plain single-process SDPA in bf16, every comm mode.
 
-    python bench/bf16_dkv.py [--cp 2,4] [--context-len 1024] [--seeds 3] [--json FILE]
+    python scripts/bf16_dkv.py [--cp 2,4] [--context-len 1024] [--seeds 3] [--json FILE]
 
 For each CP size it spawns that many gloo ranks on CPU. Every rank draws the same sequences: a
 single-document one and a many-document one (lengths from the shipped WLB-LLM list, cut to fit), plans them
@@ -13,7 +13,7 @@ process; the table gives each error divided by the baseline's (1.0: as accurate 
 ``--seeds`` random q/k/v draws.
 
 The script uses only flashcp's public runtime, so the same file measures any checkout:
-``PYTHONPATH=<checkout> python bench/bf16_dkv.py``.
+``PYTHONPATH=<checkout> python scripts/bf16_dkv.py``.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
-    report = json_report("flashcp-bf16-dkv", "a bench/bf16_dkv.py report")
+    report = json_report("flashcp-bf16-dkv", "a scripts/bf16_dkv.py report")
     if args.json:
         try:
             check_output(args.json, report)  # before the runs, not after them

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the runtime (see bench/gpu_check.py), first section first: does it work (each installed
+# GPU check of the runtime (see scripts/gpu_check.py), first section first: does it work (each installed
 # attention backend's import, auto's choice on bf16 CUDA tensors, the ring's backward through every
 # available backend, LSE shapes at head dim 64 and 128 with all-length-1 shards under GQA, one bf16 training
 # step under torch.cuda.set_sync_debug_mode("warn")); then bf16 accuracy against float64; then one rank's
@@ -11,4 +11,4 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out=()
 if [[ -n "${OUT:-}" ]]; then out=(--out "$OUT"); fi
-exec timeout 470 python bench/gpu_check.py ${out[@]+"${out[@]}"} "$@"
+exec timeout 470 python scripts/gpu_check.py ${out[@]+"${out[@]}"} "$@"
