@@ -1,7 +1,7 @@
 """The training-equivalence harness: CP training on gloo ranks against one process on the same global batches.
 
-The distributed training tests (tests/train/test_dist.py, test_parallel.py, test_accumulation.py, test_loop.py,
-tests/integrations/test_torchtitan.py) all follow one recipe:
+The training tests (tests/train/test_dist.py, test_parallel.py, test_accumulation.py, test_loop.py,
+tests/integrations/test_torchtitan.py; test_hf_trainer.py for its datasets) follow one recipe:
 
 1. a packed dataset with plans (``planned_dataset``), its sequences as ``(tokens, doc_lens)``;
 2. the reference: one process trains each global batch whole, with a document-masked dense attention
