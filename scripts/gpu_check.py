@@ -179,7 +179,7 @@ def timing(device, small: bool, budget_s: float, num_seqs: int) -> None:
           f"attention fwd+bwd after its exchange (comm auto; the ring rows: ring), backend {backend}, "
           f"{num_seqs} sequences per dataset")
     if backend is None:
-        print("  skipped: no GPU attention backend is available (see the first section)")
+        print("  skipped: no GPU attention backend is available (see the gpu-marked tests)")
         return
     planners = strategy_planners()
     if not planners:
