@@ -424,26 +424,6 @@ def naive_sequence_views(tokens, doc_lens, vocab_size):
     return torch.tensor(ids), torch.tensor(positions), torch.tensor(labels)
 
 
-def naive_training(model, logits_fn, sequences, optimizer, vocab_size):
-    """Train without CP on whole sequences; returns the loss of each step (before its update).
-
-    ``sequences``: (tokens, doc_lens) per step. ``logits_fn(model, ids, positions, doc_lens) -> (C, V)``
-    must apply the document mask itself. Loss: mean cross-entropy over the sequence's labels.
-    """
-    import torch.nn.functional as F
-
-    losses = []
-    for tokens, doc_lens in sequences:
-        ids, positions, labels = naive_sequence_views(tokens, doc_lens, vocab_size)
-        optimizer.zero_grad()
-        logits = logits_fn(model, ids, positions, doc_lens)
-        loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum") / (labels != -100).sum()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
 def naive_ring_plan(doc_lens, cp: int) -> list[tuple[int, int, int, int]]:
     """(doc, start, len, rank) shards of the Ring-Attn layout, token by token.
 

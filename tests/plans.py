@@ -77,7 +77,7 @@ def whole_docs_case(context_len: int, cp: int, rng: np.random.Generator) -> tupl
 
 def random_plan_builder(seed: int):
     """``plan_fn(doc_lens, cp)`` giving ``random_plan`` (harsh patterns, short shards) from a fixed seed."""
-    from flashcp.runtime.emulate import random_plan
+    from tests.emulate import random_plan
 
     def build(doc_lens, cp):
         return random_plan(doc_lens, cp, np.random.default_rng((seed, int(np.sum(doc_lens)), cp)),

@@ -204,3 +204,48 @@ def test_no_planner_modules_import_each_other():
 
     circles = [c for c in (circle_from(module, []) for module in sorted(modules)) if c]
     assert not circles, "planner modules that import each other: " + " -> ".join(circles[0])
+
+
+TESTS = PACKAGE.parent / "tests"
+
+
+def test_no_test_module_imports_another_test_module():
+    """What tests share lives in helper modules (tests/naive.py, plans.py, dist.py, equivalence.py, ...): a
+    ``test_*.py`` imported by another would run its tests twice and tie the two files' fixtures together."""
+    test_modules = {".".join(path.relative_to(TESTS.parent).with_suffix("").parts)
+                    for path in TESTS.rglob("test_*.py")}
+    broken = []
+    for path in sorted(TESTS.rglob("*.py")):
+        module = ".".join(path.relative_to(TESTS.parent).with_suffix("").parts)
+        for line, name in imports_of(path.read_text(encoding="utf-8"), module, path.name == "__init__.py"):
+            if name in test_modules and name != module:
+                broken.append(f"{path.relative_to(TESTS.parent)}:{line} imports {name}")
+    assert not broken, "test modules imported by other modules (move what they share to a helper):\n" + \
+        "\n".join(broken)
+
+
+def _cannot_fail(test: ast.expr) -> bool:
+    """An assert whose outcome the test's own text decides: a constant, an f-string or a tuple (always true), a
+    comparison of literals only, or of an expression with itself."""
+    if isinstance(test, (ast.Constant, ast.JoinedStr, ast.Tuple)):
+        return True
+    if isinstance(test, ast.Compare):
+        sides = [test.left, *test.comparators]
+        if all(isinstance(side, ast.Constant) for side in sides):
+            return True
+        return any(ast.dump(a) == ast.dump(b) for a, b in zip(sides, sides[1:]))
+    return False
+
+
+def test_every_assert_in_the_tests_can_fail():
+    broken = [f"{path.relative_to(TESTS.parent)}:{node.lineno} assert {ast.unparse(node.test)[:80]}"
+              for path in sorted(TESTS.rglob("*.py"))
+              for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+              if isinstance(node, ast.Assert) and _cannot_fail(node.test)]
+    assert not broken, "asserts that cannot fail:\n" + "\n".join(broken)
+
+
+def test_the_assert_check_can_fail():
+    cannot = ["assert 'some words'", "assert (x, 'message')", "assert x == x", "assert 1 < 2", "assert f'{x}'"]
+    can = ["assert x == 1", "assert a < b", "assert f(x) == f(y)"]
+    assert [_cannot_fail(ast.parse(s).body[0].test) for s in cannot + can] == [True] * 5 + [False] * 3

@@ -6,7 +6,7 @@ that recomputes every plan's metrics (together what ``flashcp plan`` runs per fi
 CPU-second of this process (what one core spent, whatever else the machine runs) and per wall-clock second.
 The Numba kernels are compiled (or loaded from the cache) on a first sequence that is not timed.
 
-A caller may add plain-Python reference planners (``references``; ``bench/plan_speed.py`` passes the ones in
+A caller may add plain-Python reference planners (``references``; ``scripts/plan_speed.py`` passes the ones in
 ``tests/naive.py``, which a source checkout has): each runs on the first ``reference_seqs`` sequences, or until
 ``python_budget_s`` is spent (at least one sequence), timed the same way, and its shards are checked equal to
 the kernel's. ``flashcp bench`` runs without them.

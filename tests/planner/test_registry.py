@@ -125,7 +125,7 @@ def test_strategy_metrics_helper():
 
 @pytest.mark.parametrize("dist", ["wlb", "prolong", "pile"])
 def test_quality_on_synthetic_sequences(dist):
-    # seeded checks at the paper's scale; bench/plan_quality.py reports the full numbers
+    # seeded checks at the paper's scale; `flashcp bench --scenario quality` reports the full numbers
     from flashcp.data.synth import load_distribution, pack_lengths
 
     offsets, lens, _, _, _ = pack_lengths(load_distribution(dist), np.random.default_rng(11), 150, 131072)

@@ -6,8 +6,8 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from flashcp.runtime.emulate import emulate_cp_attention, random_plan
 from flashcp.runtime.meta import COMM_MODES
+from tests.emulate import emulate_cp_attention, random_plan
 from tests.naive import naive_document_attention
 
 TOL = 1e-10

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from flashcp.runtime import cp_attention
-from flashcp.runtime.emulate import emulate_cp_attention, random_plan
 from flashcp.runtime.kernels import (
     BackendFallbackWarning,
     BackendUnavailableError,
@@ -26,6 +25,7 @@ from flashcp.runtime.kernels import (
 )
 from flashcp.runtime.meta import rank_token_positions
 from tests import fake_kernels
+from tests.emulate import emulate_cp_attention, random_plan
 from tests.fake_kernels import BACKEND_OF, FAKES
 from tests.naive import naive_document_attention
 from tests.runtime import TOL, dense, qkv

@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from flashcp.planner.registry import plan_sequence
-from flashcp.runtime.emulate import random_plan
+from flashcp.planner.planning import plan_sequence
 from flashcp.runtime.meta import rank_token_positions
 from flashcp.runtime.recurrent import (
     RecurrentMeta,
@@ -30,6 +29,7 @@ from flashcp.runtime.recurrent import (
 )
 from flashcp.runtime.recurrent import cp as cp_module
 from tests.dist import spawn
+from tests.emulate import random_plan
 from tests.naive import naive_causal_conv1d, naive_gated_delta_rule, naive_ssd
 from tests.plans import llama3_like_plan, whole_docs_case
 

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from flashcp.runtime.emulate import random_plan
 from flashcp.runtime.meta import rank_token_positions
 from flashcp.runtime.recurrent import RecurrentMeta
+from tests.emulate import random_plan
 from tests.plans import whole_docs_case
 
 

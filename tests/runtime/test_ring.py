@@ -14,7 +14,6 @@ from flashcp.costmodel.comm import ring_comm_tokens, ring_step_work
 from flashcp.costmodel.workload import rank_workloads, token_quotas
 from flashcp.planner.strategies.baselines import ring_plan
 from flashcp.runtime import CPAttnMeta, cp_attention
-from flashcp.runtime.emulate import emulate_cp_attention, random_plan
 from flashcp.runtime.kernels import (
     BackendUnavailableError,
     reference,
@@ -24,6 +23,7 @@ from flashcp.runtime.kernels import (
 )
 from flashcp.runtime.meta import build_rank_metas, rank_token_positions
 from flashcp.runtime.ring import merge_partial
+from tests.emulate import emulate_cp_attention, random_plan
 from tests.naive import naive_document_attention, naive_ring_comm, naive_ring_plan, naive_ring_step_work
 from tests.plans import llama3_like_plan, perdoc_like_plan
 from tests.runtime import dense

@@ -238,7 +238,7 @@ def test_token_slack_plans_are_recorded_and_verified(tmp_path):
 @pytest.mark.parametrize("comm", ["full", "allgather", "a2a", "ring"])
 def test_runtime_runs_plans_with_unequal_tokens(comm):
     torch = pytest.importorskip("torch")
-    from flashcp.runtime.emulate import emulate_cp_attention
+    from tests.emulate import emulate_cp_attention
     from tests.naive import naive_document_attention
 
     lens = [40, 25, 31, 8]  # 104 tokens over 3 ranks: 38 / 33 / 33 instead of 35 / 35 / 34

@@ -1,6 +1,6 @@
 """Training tokens/s of several plans of one dataset, in one torchrun job, same model and data.
 
-    torchrun --nproc-per-node 2 bench/train_throughput.py DATA --plans cp2-flashcp,cp2-llama3,cp2-perdoc
+    torchrun --nproc-per-node 2 scripts/train_throughput.py DATA --plans cp2-flashcp,cp2-llama3,cp2-perdoc
 
 For each plan in turn: the same model from the same seed, the same sequences in file order, ``--warmup``
 steps untimed and then ``--steps`` timed steps of ``flashcp.train.loop.run_training``. Tokens/s is the
@@ -13,11 +13,9 @@ loop over shards) the numbers measure this machine's costs, not a GPU's.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +26,7 @@ from flashcp.cli.console import error  # noqa: E402
 from flashcp.errors import FlashcpError  # noqa: E402
 from flashcp.integrations.models import build_model  # noqa: E402
 from flashcp.outputs import check_output, json_report, write_json_output  # noqa: E402
+from flashcp.train.launch import torchrun_group  # noqa: E402
 from flashcp.train.loop import TrainOptions, run_training  # noqa: E402
 
 
@@ -47,44 +46,34 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
-    distributed = "RANK" in os.environ
-    use_cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if distributed:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank = dist.get_rank() if distributed else 0
-    try:
-        results = []
-        if args.json:
-            check_output(args.json, REPORT)  # before the runs, not after them
-        for plan in args.plans.split(","):
-            options = TrainOptions(data=args.data, plan=plan, steps=args.warmup + args.steps, comm=args.comm,
-                                   backend=args.backend, model=args.model, dtype=args.dtype, dim=args.dim,
-                                   num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                                   shuffle=False)
-            timed = run_training(options, device=device, build_model=build_model)[args.warmup:]
-            seconds = sum(s.seconds for s in timed)
-            results.append({"plan": plan, "steps": len(timed), "tokens": sum(s.num_tokens for s in timed),
-                            "seconds": seconds, "tokens_per_s": sum(s.num_tokens for s in timed) / seconds,
-                            "kv_bytes_busiest": max(s.kv_bytes_busiest for s in timed),
-                            "kv_bytes_total": sum(s.kv_bytes_total for s in timed) / len(timed),
-                            "losses": [s.loss for s in timed]})
-        if rank == 0:
-            report(results, args)
-        status = 0
-    except (FlashcpError, ValueError) as e:
-        if rank == 0:
-            error(str(e))
-        status = 1
-    if distributed:  # leave together, as examples/train_tiny.py does
-        dist.barrier()
-        dist.destroy_process_group()
+    with torchrun_group() as launch:
+        try:
+            results = []
+            if args.json:
+                check_output(args.json, REPORT)  # before the runs, not after them
+            for plan in args.plans.split(","):
+                options = TrainOptions(data=args.data, plan=plan, steps=args.warmup + args.steps, comm=args.comm,
+                                       backend=args.backend, model=args.model, dtype=args.dtype, dim=args.dim,
+                                       num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                                       shuffle=False)
+                timed = run_training(options, device=launch.device, build_model=build_model)[args.warmup:]
+                seconds = sum(s.seconds for s in timed)
+                results.append({"plan": plan, "steps": len(timed), "tokens": sum(s.num_tokens for s in timed),
+                                "seconds": seconds, "tokens_per_s": sum(s.num_tokens for s in timed) / seconds,
+                                "kv_bytes_busiest": max(s.kv_bytes_busiest for s in timed),
+                                "kv_bytes_total": sum(s.kv_bytes_total for s in timed) / len(timed),
+                                "losses": [s.loss for s in timed]})
+            if launch.rank == 0:
+                report(results, args)
+            status = 0
+        except (FlashcpError, ValueError) as e:
+            if launch.rank == 0:
+                error(str(e))
+            status = 1
     return status
 
 
-REPORT = json_report("flashcp-train-throughput", "a bench/train_throughput.py report")
+REPORT = json_report("flashcp-train-throughput", "a scripts/train_throughput.py report")
 
 
 def report(results: list[dict], args) -> None:

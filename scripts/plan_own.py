@@ -1,7 +1,7 @@
 """A strategy's own planning time on a dataset's first data file: its batch kernel over every row group, in one
 process, the kernel loaded before the clock starts (what `flashcp plan`'s CPU time is compared with).
 
-    python bench/plan_own.py DATA CP [--strategy flashcp2]
+    python scripts/plan_own.py DATA CP [--strategy flashcp2]
 """
 
 import argparse

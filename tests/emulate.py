@@ -1,6 +1,6 @@
 """Single-process emulation of a CP step: every rank's exchange and attention without a process group.
 
-Used by the tests (the meta's send and receive sides must agree) and by ``bench/gpu_check.py`` (time one
+Used by the tests (the meta's send and receive sides must agree) and by ``scripts/gpu_check.py`` (time one
 rank's attention over the K/V it would hold after the exchange, all ranks on one device). Also holds a
 random valid-plan generator for checks that want harsher plans than any strategy makes.
 """

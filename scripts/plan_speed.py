@@ -5,7 +5,7 @@ script runs that scenario with the plain-Python reference planners of ``tests/na
 (their sequences per second, the speedups, and whether their plans equal the kernels'), so it needs a source
 checkout. The sequences are the ones ``flashcp bench --scenario speed --dist DIST --seed SEED`` times.
 
-    python bench/plan_speed.py --num-seqs 20000 --reference-seqs 100 --e2e-seqs 100000
+    python scripts/plan_speed.py --num-seqs 20000 --reference-seqs 100 --e2e-seqs 100000
     flashcp bench --scenario speed --dist pile --cp 8 --speed-seqs 20000 \
         --strategies llama3,perdoc,flashcp,flashcp+ --e2e-seqs 100000   # the same, without the references
 """
@@ -34,7 +34,7 @@ from flashcp.cli.console import console, error, info  # noqa: E402
 from flashcp.errors import FlashcpError  # noqa: E402
 from flashcp.outputs import check_output, json_report, write_json_output  # noqa: E402
 
-REPORT = json_report("flashcp-plan-speed", "a bench/plan_speed.py report")
+REPORT = json_report("flashcp-plan-speed", "a scripts/plan_speed.py report")
 PYTHON_BUDGET_S = 10.0
 """Seconds a reference may plan per strategy when --reference-seqs is 0."""
 

@@ -1,6 +1,6 @@
 """CPU seconds per batch that ``CPLoader`` spends on one rank, across CP sizes, at C = 1,048,576.
 
-    python bench/loader_host_cost.py [--data DIR] [--cp 8,16,32,64] [--strategy flashcp2] [--seqs 8] [--online]
+    python scripts/loader_host_cost.py [--data DIR] [--cp 8,16,32,64] [--strategy flashcp2] [--seqs 8] [--online]
 
 Without ``--data`` it writes a synthetic dataset with token ids (``flashcp synth --dist wlb --context-len
 1048576``) into a temporary folder and plans it at every ``--cp`` (``flashcp plan --cp N --strategy S``); with

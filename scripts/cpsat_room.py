@@ -9,7 +9,7 @@ row: mean largest receive of the strategy and of CP-SAT (share of ``(N-1) C / N`
 points, CP-SAT's mean proven bound, and both mean projected step times (``flashcp.costmodel.objective``,
 default profile). ``--json`` keeps every sequence.
 
-    python bench/cpsat_room.py --dists prolong,pile --cp 16,32 --seqs 8 --time-limit 60 --json room.json
+    python scripts/cpsat_room.py --dists prolong,pile --cp 16,32 --seqs 8 --time-limit 60 --json room.json
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from flashcp.planner.ilp.receive import minimise_receive  # noqa: E402
 from flashcp.planner.planning import plan_sequence  # noqa: E402
 from flashcp.planner.registry import get_strategy  # noqa: E402
 
-REPORT = json_report("flashcp-cpsat-room", "a bench/cpsat_room.py report",
+REPORT = json_report("flashcp-cpsat-room", "a scripts/cpsat_room.py report",
                      legacy=lambda value: set(value) == {"args", "rows", "time"})
 """``--json`` replaces only such a report (flashcp.outputs: never a dataset's file or a user's)."""
 

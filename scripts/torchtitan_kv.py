@@ -1,6 +1,6 @@
 """K/V bytes per training step: torchtitan's own context parallelism against flashcp's exchange, same sequences.
 
-    python bench/torchtitan_kv.py [--dist wlb] [--context-len 131072] [--num-seqs 8] [--cp 2,4] [--json FILE]
+    python scripts/torchtitan_kv.py [--dist wlb] [--context-len 131072] [--num-seqs 8] [--cp 2,4] [--json FILE]
 
 Counted from plans and per-rank attention metas, not timed. For every sequence (packed from the ``--dist``
 document lengths the way ``flashcp synth`` packs them) and CP size:
@@ -35,7 +35,7 @@ from flashcp.planner.registry import DEFAULT_STRATEGY
 from flashcp.runtime.meta import build_rank_metas
 
 MIB = 1 << 20
-REPORT = json_report("flashcp-torchtitan-kv", "a bench/torchtitan_kv.py report",
+REPORT = json_report("flashcp-torchtitan-kv", "a scripts/torchtitan_kv.py report",
                      legacy=lambda value: set(value) == {"args", "results"})
 """``--json`` replaces only such a report (flashcp.outputs: never a dataset's file or a user's)."""
 

@@ -1,6 +1,6 @@
 """Host time to build a batch, and the wait the training loop sees, with and without the prefetch thread.
 
-    python bench/prefetch.py [--context-len 131072] [--cp 8] [--seqs 16] [--step-ms 100] [--data DIR]
+    python scripts/prefetch.py [--context-len 131072] [--cp 8] [--seqs 16] [--step-ms 100] [--data DIR]
 
 Writes a synthetic dataset (``flashcp synth --dist wlb``) and plans it with ``flashcp+`` and ``perdoc``
 (unless ``--data`` names one already planned so), then walks the sequences as rank 0 of the CP group twice:

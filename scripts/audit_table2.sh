@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The paper's Table 2: CP-SAT's exact sharding (at a block granularity) against the flashcp heuristic.
-# Usage: bench/audit_table2.sh [OUT_DIR]
+# Usage: scripts/audit_table2.sh [OUT_DIR]
 #   env: CPS="4 8" DISTS="pile wlb" SAMPLES=20 TIME_LIMIT=10 GRANULARITY=1024 WORKERS=2 SEQS=100
 #        CONTEXT_LEN=131072
 # Per (dist, cp): the ILP on the plain block grid; for cp 4 also with the plan's own cuts added to the grid
@@ -21,7 +21,7 @@ from flashcp.cli.audit import AUDIT_REPORT
 from flashcp.outputs import OutputKind, check_script_output
 
 out, report = Path(sys.argv[1]), dataclasses.replace(AUDIT_REPORT, option="OUT_DIR")
-text = OutputKind(what="a bench/audit_table2.sh report", option="OUT_DIR",
+text = OutputKind(what="a scripts/audit_table2.sh report", option="OUT_DIR",
                   recognise=lambda path: report.recognise(path.with_suffix(".json")))
 for dist in os.environ["DISTS"].split():
     for cp in os.environ["CPS"].split():

@@ -1,6 +1,6 @@
 """bf16 accuracy of cp_attention's backward against plain single-process SDPA in bf16, every comm mode.
 
-    python bench/bf16_dkv.py [--cp 2,4] [--context-len 1024] [--seeds 3] [--json FILE]
+    python scripts/bf16_dkv.py [--cp 2,4] [--context-len 1024] [--seeds 3] [--json FILE]
 
 For each CP size it spawns that many gloo ranks on CPU. Every rank draws the same sequences: a
 single-document one and a many-document one (lengths from the shipped WLB-LLM list, cut to fit), plans them
@@ -13,14 +13,13 @@ process; the table gives each error divided by the baseline's (1.0: as accurate 
 ``--seeds`` random q/k/v draws.
 
 The script uses only flashcp's public runtime, so the same file measures any checkout:
-``PYTHONPATH=<checkout> python bench/bf16_dkv.py``.
+``PYTHONPATH=<checkout> python scripts/bf16_dkv.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from flashcp.outputs import check_output, json_report, write_json_output
 from flashcp.planner.planning import plan_sequence
 from flashcp.runtime import CommStats, CPAttnMeta, cp_attention
 from flashcp.runtime.meta import rank_token_positions
+from flashcp.train.launch import free_port, init_local_gloo
 
 COMMS = ("allgather", "a2a", "full", "ring")
 STRATEGIES = ("perdoc", "flashcp+")
@@ -75,8 +75,7 @@ def errors(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 
 def _worker(rank: int, cp: int, port: int, context_len: int, seeds: int, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp)
+    init_local_gloo(rank, cp, port)
     rows = []
     for name, doc_lens in sequences(context_len, np.random.default_rng(cp)).items():
         plans = {s: plan_sequence(s, doc_lens, cp) for s in STRATEGIES}
@@ -116,12 +115,6 @@ def _worker(rank: int, cp: int, port: int, context_len: int, seeds: int, queue) 
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cp", default="2,4")
@@ -129,7 +122,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
-    report = json_report("flashcp-bf16-dkv", "a bench/bf16_dkv.py report")
+    report = json_report("flashcp-bf16-dkv", "a scripts/bf16_dkv.py report")
     if args.json:
         try:
             check_output(args.json, report)  # before the runs, not after them

@@ -6,7 +6,7 @@ Hashes the plans of every strategy on fixed synthetic data (wlb, prolong, pile x
 (tokens, positions, labels, attention meta) of three plans at dp 1 and 2 on every rank. It uses only the command
 line and the public runtime API, so the same script runs on both sides of a move.
 
-    python bench/snapshot.py OUT.json WORKDIR      # WORKDIR keeps the data and plans between runs
+    python scripts/snapshot.py OUT.json WORKDIR      # WORKDIR keeps the data and plans between runs
 
 WORKDIR's data and plans are reused only by the code that made them: the folder records a hash of the flashcp
 package it was filled by (every source file, and the numpy, numba, pyarrow and torch versions), and a run of
@@ -43,7 +43,7 @@ from flashcp.outputs import (
     write_json_output,
 )
 
-REPORT = json_report("flashcp-snapshot", "a bench/snapshot.py snapshot", option="OUT")
+REPORT = json_report("flashcp-snapshot", "a scripts/snapshot.py snapshot", option="OUT")
 """OUT is written only where nothing is or a snapshot was (flashcp.outputs)."""
 
 STRATEGIES = ["llama3", "perdoc", "flashcp", "flashcp+", "ring", "magi", "ptrr", "dcp", "flashcp2"]
@@ -85,11 +85,11 @@ def prepare_workdir(work: Path, version: str) -> bool:
                          "write a dataset: choose a folder outside it")
     if not work.exists():
         work.parent.mkdir(parents=True, exist_ok=True)
-        make_marked_dir(work, "bench/snapshot.py work folder")
+        make_marked_dir(work, "scripts/snapshot.py work folder")
     elif work.is_dir() and not work.is_symlink() and not any(work.iterdir()):
-        mark_dir(work, "bench/snapshot.py work folder")
+        mark_dir(work, "scripts/snapshot.py work folder")
     elif not is_marked(work):
-        raise SystemExit(f"error: WORKDIR {work} was not made by bench/snapshot.py (no .flashcp-made marker "
+        raise SystemExit(f"error: WORKDIR {work} was not made by scripts/snapshot.py (no .flashcp-made marker "
                          "inside), so its plans cannot be told apart from a user's: give a new folder")
     try:
         recorded = json.loads((work / STAMP).read_text()).get("code")
@@ -167,7 +167,7 @@ def main() -> None:
     from flashcp.runtime import CPLoader
 
     if len(sys.argv) != 3:
-        sys.exit("usage: python bench/snapshot.py OUT.json WORKDIR")
+        sys.exit("usage: python scripts/snapshot.py OUT.json WORKDIR")
     out_path, work = Path(sys.argv[1]), Path(sys.argv[2])
     try:  # flashcp.outputs.check_output, as the oldest side a snapshot compares has it
         check_output(out_path, REPORT)  # before any work: a user's file is never replaced

@@ -1,7 +1,7 @@
 """Throughput of ``flashcp pack`` against the tokenizer alone, on the same text in the same run.
 
-    python bench/pack_throughput.py                            # the whole standard library, 1 and 2 workers
-    taskset -c 0,1 python bench/pack_throughput.py --repeat 3  # on exactly 2 cores
+    python scripts/pack_throughput.py                            # the whole standard library, 1 and 2 workers
+    taskset -c 0,1 python scripts/pack_throughput.py --repeat 3  # on exactly 2 cores
 
 The corpus is the Python standard library's .py and .txt files (site-packages excluded), one document per
 file, written as JSONL into a temporary folder. Three things are timed, each end to end and each loading
@@ -37,7 +37,7 @@ from flashcp.data.pack import PackConfig, run_pack  # noqa: E402
 from flashcp.errors import FlashcpError  # noqa: E402
 from flashcp.outputs import check_output, json_report, write_json_output  # noqa: E402
 
-REPORT = json_report("flashcp-pack-throughput", "a bench/pack_throughput.py report")
+REPORT = json_report("flashcp-pack-throughput", "a scripts/pack_throughput.py report")
 
 
 def cpu_seconds() -> float:

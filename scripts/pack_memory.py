@@ -1,7 +1,7 @@
 """Peak memory of ``flashcp pack`` does not grow with the input: pack a small and a large JSONL input.
 
-    python bench/pack_memory.py                      # 0.1 GB and 1 GB, byte tokenizer, 2 workers
-    python bench/pack_memory.py --sizes-gb 0.1,1,2 --tokenizer deepseek-v3
+    python scripts/pack_memory.py                      # 0.1 GB and 1 GB, byte tokenizer, 2 workers
+    python scripts/pack_memory.py --sizes-gb 0.1,1,2 --tokenizer deepseek-v3
 
 The inputs are generated into a temporary folder (documents cut from the standard library's text) and
 deleted afterwards. Each pack runs in a fresh process; its peak RSS and the peak RSS of its worker processes

@@ -7,7 +7,7 @@ three exits non-zero. This is what a new user meets when a first command compile
 next one links them into new ones (tests/test_first_contact.py runs the README's order in CI; this runs
 every order, which takes about an hour of CPU).
 
-    python bench/cache_pairs.py [--strategies flashcp2,flashcp,...] [--jobs 2] [--json FILE]
+    python scripts/cache_pairs.py [--strategies flashcp2,flashcp,...] [--jobs 2] [--json FILE]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 from flashcp.outputs import check_script_output, json_report, write_json_output  # noqa: E402
 from flashcp.planner.registry import STRATEGIES  # noqa: E402
 
-REPORT = json_report("flashcp-cache-pairs", "a bench/cache_pairs.py report")
+REPORT = json_report("flashcp-cache-pairs", "a scripts/cache_pairs.py report")
 """``--json`` replaces only such a report (flashcp.outputs: never a dataset's file or a user's)."""
 
 

@@ -1,7 +1,7 @@
 """``flashcp pack --engine ray`` against the local engine, on the same input in one run.
 
-    python bench/ray_pack.py throughput --repeat 3  # stdlib JSONL, deepseek-v3: local 1/2 workers, ray 1/2 CPUs
-    python bench/ray_pack.py memory --gb 0.1,1     # generated JSONL, byte tokenizer, ray with 2 CPUs
+    python scripts/ray_pack.py throughput --repeat 3  # stdlib JSONL, deepseek-v3: local 1/2 workers, ray 1/2 CPUs
+    python scripts/ray_pack.py memory --gb 0.1,1     # generated JSONL, byte tokenizer, ray with 2 CPUs
 
 Every pack runs in a fresh process (so each Ray run pays its own start-up, which is timed apart) and writes
 into a temporary folder deleted afterwards. Reported per run:
