@@ -9,7 +9,7 @@ report there.
 
 It prints the versions (torch, the device, the flash-attention packages), then times the paper's setting
 (C=131072, cp 8, H=32, H_kv=8, D=128, bf16) on ``wlb`` and ``pile`` length distributions, for each strategy
-found in ``flashcp.planner.registry`` (missing ones are skipped), with comm ``auto``; then the two ring
+found in ``flashcp.planner.registry``, with comm ``auto``; then the two ring
 baselines with comm ``ring``: Ring-Attn (``ring`` layout, from ``flashcp.planner.strategies.baselines``) and
 Ring-Attn zigzag (the ``perdoc`` strategy's layout, when present), each rank timed over every block
 (``ring_attention_from_blocks``: the ring's step kernels and merges, no transfers). Each CP rank is emulated on
@@ -44,8 +44,6 @@ from flashcp.runtime import kernels  # noqa: E402
 from flashcp.runtime.attention import attention_after_exchange  # noqa: E402
 from flashcp.runtime.meta import COMM_MODES, build_rank_metas  # noqa: E402
 from flashcp.runtime.ring import ring_attention_from_blocks  # noqa: E402
-
-STRATEGIES = ("llama3", "perdoc", "flashcp")
 
 
 def _starts_like_a_report(path: Path) -> bool:
@@ -98,17 +96,9 @@ def pack(sample, context_len: int) -> np.ndarray:
 
 def strategy_planners() -> dict:
     """Name -> ``plan(doc_lens, cp) -> SequencePlan`` for each strategy the planner provides."""
-    try:
-        strategies = importlib.import_module("flashcp.planner.registry")
-    except ImportError as e:
-        print(f"  skipping all strategies: flashcp.planner.registry is not available ({e})")
-        return {}
-    plan_sequence = getattr(strategies, "plan_sequence", None)
-    if plan_sequence is None:
-        print("  skipping all strategies: flashcp.planner.registry has no "
-              "plan_sequence(strategy, doc_lens, cp)")
-        return {}
-    names = list(getattr(strategies, "STRATEGIES", STRATEGIES))
+    from flashcp.planner.planning import plan_sequence
+    from flashcp.planner.registry import STRATEGIES as names
+
     return {name: (lambda doc_lens, cp, name=name: plan_sequence(name, doc_lens, cp)) for name in names}
 
 
