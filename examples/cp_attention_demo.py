@@ -13,13 +13,13 @@ model's small vocabulary (``id % vocab``).
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
 
 from flashcp.models.tiny import TinyConfig, TinyDecoder
 from flashcp.runtime import CommStats, CPLoader, cp_attention
+from flashcp.train.launch import torchrun_group
 from flashcp.train.loss import causal_lm_loss_sum
 
 MODES = ("allgather", "a2a", "full", "ring")
@@ -62,26 +62,18 @@ def run_mode(model, batch, mode, backend, group, stats):
 
 def main():
     args = parse_args()
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    try:
-        demo(args, use_cuda)
-        dist.barrier()  # leave together: a rank tearing down while a peer still talks to it can abort the peer
-    finally:  # also when something escapes: never exit with the process group alive
-        dist.destroy_process_group()
+    with torchrun_group() as launch:
+        demo(args, launch.device)
 
 
-def demo(args, use_cuda):
-    """Run ``args.steps`` batches through every comm mode and report them from rank 0."""
+def demo(args, device):
+    """Run ``args.steps`` batches through every comm mode on ``device`` and report them from rank 0."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
     group = dist.group.WORLD
     torch.manual_seed(0)  # same initial weights on every rank
     cfg = TinyConfig(vocab_size=args.vocab, dim=args.dim, num_layers=args.layers, num_heads=args.heads,
                      num_kv_heads=args.kv_heads, ffn_dim=2 * args.dim)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if use_cuda else "float32"))
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     model = TinyDecoder(cfg).to(device, dtype)
     loader = CPLoader(args.data, args.plan, rank, world, shuffle=False)
     token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize

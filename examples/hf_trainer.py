@@ -8,10 +8,10 @@
 import sys
 
 import torch
-import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from flashcp.integrations.hf import CPTrainer
+from flashcp.integrations.hf_trainer import CPTrainer
+from flashcp.train.launch import ending_together
 
 data, plan, output_dir = sys.argv[1:4]
 torch.manual_seed(0)  # the same initial weights on every rank
@@ -21,11 +21,6 @@ gpu = torch.cuda.is_available()
 args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=1, gradient_accumulation_steps=2,
                          max_steps=4, learning_rate=1e-3, logging_steps=1, save_steps=2, bf16=gpu, use_cpu=not gpu,
                          ddp_find_unused_parameters=False, report_to="none", disable_tqdm=True)
-try:
+with ending_together():  # the process group the Trainer starts under torchrun ends here, not at interpreter exit
     trainer = CPTrainer(model=model, args=args, train_dataset=data, plan=plan)  # dp x cp = the ranks launched
     trainer.train(resume_from_checkpoint="--resume" in sys.argv[4:] or None)
-    if dist.is_initialized():  # leave together: a rank tearing down while a peer still talks to it can abort it
-        dist.barrier()
-finally:  # the process group the Trainer started under torchrun ends here, never at interpreter exit
-    if dist.is_initialized():
-        dist.destroy_process_group()

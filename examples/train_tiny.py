@@ -23,12 +23,10 @@ import argparse
 import os
 import sys
 
-import torch
-import torch.distributed as dist
-
 from flashcp.cli.console import error, info, progress
 from flashcp.errors import FlashcpError
 from flashcp.integrations.models import MODELS, build_model
+from flashcp.train.launch import torchrun_group
 from flashcp.train.loop import DTYPES, LRSchedule, TrainOptions, run_training
 from flashcp.train.schedule import LR_SCHEDULES
 
@@ -86,27 +84,15 @@ def main(argv=None) -> int:
         if int(os.environ.get("RANK", 0)) == 0:
             error(str(e))
         return 1
-    distributed = "RANK" in os.environ
-    use_cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if distributed:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank = dist.get_rank() if distributed else 0
-    try:
+    with torchrun_group() as launch:
         try:
-            run_training(options, group=None, device=device, log=info, progress=progress, build_model=build_model)
+            run_training(options, group=None, device=launch.device, log=info, progress=progress,
+                         build_model=build_model)
             status = 0
         except FlashcpError as e:  # raised alike on every rank: say it once
-            if rank == 0:
+            if launch.rank == 0:
                 error(str(e))
             status = 1
-        if distributed:  # leave together: a rank tearing down while a peer still talks to it can abort the peer
-            dist.barrier()
-    finally:  # also when something unexpected escapes: never exit with the process group alive
-        if distributed:
-            dist.destroy_process_group()
     return status
 
 

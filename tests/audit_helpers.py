@@ -11,7 +11,7 @@ from flashcp.costmodel.shape import AttentionShape
 from flashcp.costmodel.workload import token_quotas, workload
 from flashcp.data.dataset import Dataset, data_table, write_data_file, write_manifest
 from flashcp.planner.plan import SequencePlan
-from flashcp.planner.store import plan_table, write_plan_file, write_plan_json
+from flashcp.planner.plan_writer import plan_table, write_plan_file, write_plan_json
 
 
 def greedy_plan(doc_lens, cp: int, per_doc: int = 0) -> SequencePlan:

@@ -26,6 +26,9 @@ keys as flash-attn does) and rounds to the input dtype; backwards use the out an
 ``install(name, capability)`` puts one fake in ``sys.modules`` (the other libraries read as not installed)
 and makes ``flashcp.runtime.kernels._device_capability`` report ``capability`` for every device: the one
 place flashcp looks at the device. The returned function undoes it.
+
+A new library in ``flashcp.runtime.kernels`` (one ``Library`` record) comes with its fake here: a ``_make_*``
+written from its source, its name in ``FAKES`` and ``BACKEND_OF``, its modules in ``LIBRARY_MODULES``.
 """
 
 import importlib.abc
@@ -37,6 +40,7 @@ import types
 import torch
 
 from flashcp.runtime import kernels
+from flashcp.runtime.kernels.library import parameters
 
 FAKES = ("flash_attn-2.5", "flash_attn-2.6", "flash_attn-2.8", "fa3", "fa3-2025-04", "fa4", "torch_varlen")
 """Every emulated library."""
@@ -103,13 +107,7 @@ def attend64(q, k, v, cu_q, cu_k, scale, causal, window=(-1, -1), softcap=0.0):
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)
-        diag = torch.arange(nq)[:, None] + nk - nq
-        keys = torch.arange(nk)[None, :]
-        keep = torch.ones(nq, nk, dtype=torch.bool)
-        if right >= 0:
-            keep &= keys <= diag + right
-        if left >= 0:
-            keep &= keys >= diag - left
+        keep = _window_keep(nq, nk, left, right)
         scores = scores.masked_fill(~keep, -math.inf)
         row_lse = torch.logsumexp(scores, -1)  # -inf for a row without keys
         probs = torch.exp(scores - row_lse[..., None]).nan_to_num(0.0)
@@ -135,13 +133,7 @@ def attend_backward64(dout, q, k, v, out, lse_HT, cu_q, cu_k, scale, causal, win
         if softcap > 0:
             tanh = torch.tanh(scores / softcap)
             scores, cap_grad = softcap * tanh, 1 - tanh * tanh
-        diag = torch.arange(nq)[:, None] + nk - nq
-        keys = torch.arange(nk)[None, :]
-        keep = torch.ones(nq, nk, dtype=torch.bool)
-        if right >= 0:
-            keep &= keys <= diag + right
-        if left >= 0:
-            keep &= keys >= diag - left
+        keep = _window_keep(nq, nk, left, right)
         probs = torch.exp(scores - lse_HT[:, qa:qb].double()[..., None]).masked_fill(~keep, 0.0)
         dprobs = torch.einsum("qhd,khd->hqk", do, vs)
         delta = (do * os).sum(-1).T[..., None]
@@ -150,6 +142,18 @@ def attend_backward64(dout, q, k, v, out, lse_HT, cu_q, cu_k, scale, causal, win
         dk[ka:kb] = torch.einsum("hqk,qhd->khd", dscores, qs).view(nk, num_kv, group, -1).sum(2)
         dv[ka:kb] = torch.einsum("hqk,qhd->khd", probs, do).view(nk, num_kv, group, -1).sum(2)
     return dq, dk, dv
+
+
+def _window_keep(num_q, num_k, left, right):
+    """(Q, Kn) bool: the keys each query sees, ``left``/``right`` keys around its bottom-right diagonal (-1: all)."""
+    diag = torch.arange(num_q)[:, None] + num_k - num_q
+    keys = torch.arange(num_k)[None, :]
+    keep = torch.ones(num_q, num_k, dtype=torch.bool)
+    if right >= 0:
+        keep &= keys <= diag + right
+    if left >= 0:
+        keep &= keys >= diag - left
+    return keep
 
 
 def _pairs(cu):
@@ -697,11 +701,9 @@ def install(*names: str, capability: tuple[int, int] = (9, 0), broken: dict | No
 
 
 def _reset_caches():
-    for name in ("_load", "_parameters"):
-        cached = getattr(kernels, name, None)
-        if hasattr(cached, "cache_clear"):
-            cached.cache_clear()
-    getattr(kernels, "_warned", set()).clear()
+    kernels._load.cache_clear()
+    parameters.cache_clear()
+    kernels._warned.clear()
 
 
 class _Broken(importlib.abc.MetaPathFinder):

@@ -451,26 +451,6 @@ def naive_sequence_views(tokens, doc_lens, vocab_size):
     return torch.tensor(ids), torch.tensor(positions), torch.tensor(labels)
 
 
-def naive_training(model, logits_fn, sequences, optimizer, vocab_size):
-    """Train without CP on whole sequences; returns the loss of each step (before its update).
-
-    ``sequences``: (tokens, doc_lens) per step. ``logits_fn(model, ids, positions, doc_lens) -> (C, V)``
-    must apply the document mask itself. Loss: mean cross-entropy over the sequence's labels.
-    """
-    import torch.nn.functional as F
-
-    losses = []
-    for tokens, doc_lens in sequences:
-        ids, positions, labels = naive_sequence_views(tokens, doc_lens, vocab_size)
-        optimizer.zero_grad()
-        logits = logits_fn(model, ids, positions, doc_lens)
-        loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum") / (labels != -100).sum()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
 def naive_ring_plan(doc_lens, cp: int) -> list[tuple[int, int, int, int]]:
     """(doc, start, len, rank) shards of the Ring-Attn layout, token by token.
 
@@ -926,3 +906,97 @@ def naive_sequence_flops(doc_lens: list[int], num_heads: int, num_kv_heads: int,
         for query in range(n):
             total += per_token + per_pair * (query + 1)
     return layers * total
+
+
+def _naive_l2norm(x, eps: float = 1e-6):
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim: the normalisation of fla and transformers' l2norm."""
+    import torch
+
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def naive_causal_conv1d(x, weight, bias, doc_lens, activation="silu"):
+    """Depthwise causal convolution of each document alone, one output token at a time (torch, any dtype).
+
+    x: (C, F) packed tokens; weight: (F, W) (``nn.Conv1d(groups=F).weight.squeeze(1)``); bias: (F,) or None.
+    Token t of a document gets ``bias + sum_j weight[:, j] * x[t - (W-1) + j]``, where tokens before the
+    document's first count as zero (transformers' ``causal_conv1d_fn`` on the document alone), then SiLU when
+    ``activation == "silu"``.
+    """
+    import torch
+
+    width = weight.shape[1]
+    out, start = [], 0
+    for n in doc_lens:
+        doc = x[start:start + int(n)]
+        y = torch.zeros_like(doc) if bias is None else bias.expand_as(doc).clone()
+        for j in range(width):  # tap j reads the token (W-1-j) places back; none before the document's first
+            back = width - 1 - j
+            y[back:] = y[back:] + weight[:, j] * doc[:doc.shape[0] - back]
+        out.append(torch.nn.functional.silu(y) if activation == "silu" else y)
+        start += int(n)
+    return torch.cat(out)
+
+
+def naive_gated_delta_rule(q, k, v, g, beta, doc_lens, scale=None, use_qk_l2norm=True, initial_states=None):
+    """Gated DeltaNet (Qwen3-Next) token by token, the state reset at each document start (torch, any dtype).
+
+    q, k: (C, Hk, K); v: (C, H, V) with ``H % Hk == 0`` (value head h reads key head ``h // (H // Hk)``);
+    g (log decay, <= 0), beta: (C, H). With ``use_qk_l2norm`` q and k are L2-normalised first; q is scaled by
+    ``scale`` (default ``K ** -0.5``). Per head, with the state S (K, V):
+
+        S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T q_t
+
+    the definition of transformers' ``torch_recurrent_gated_delta_rule`` (which decays first, then writes the
+    delta ``beta (v - S^T k)``). ``initial_states``: (N, H, K, V) per document, or None (zeros).
+    Returns (out (C, H, V), final states (N, H, K, V)).
+    """
+    import torch
+
+    num_heads, head_k = v.shape[1], k.shape[2]
+    group = num_heads // k.shape[1]
+    q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+    if use_qk_l2norm:
+        q, k = _naive_l2norm(q), _naive_l2norm(k)
+    q = q * (head_k ** -0.5 if scale is None else scale)
+    eye = torch.eye(head_k, dtype=v.dtype)
+    out, finals, start = [], [], 0
+    for i, n in enumerate(doc_lens):
+        state = v.new_zeros(num_heads, head_k, v.shape[2]) if initial_states is None else initial_states[i]
+        for t in range(start, start + int(n)):
+            kt = k[t][:, :, None]  # (H, K, 1)
+            transition = g[t].exp()[:, None, None] * (eye - beta[t][:, None, None] * kt @ kt.transpose(1, 2))
+            state = transition @ state + beta[t][:, None, None] * kt @ v[t][:, None, :]
+            out.append((state.transpose(1, 2) @ q[t][:, :, None])[..., 0])
+        finals.append(state)
+        start += int(n)
+    return torch.stack(out), torch.stack(finals)
+
+
+def naive_ssd(x, dt, A, B, C, D, doc_lens, initial_states=None):
+    """Mamba-2 SSD token by token, the state reset at each document start (torch, any dtype).
+
+    x: (C, H, P); dt (after softplus and clamping, > 0): (C, H); A: (H,) (negative); B, C: (C, G, N) with
+    ``H % G == 0`` (head h reads group ``h // (H // G)``); D: (H,) or None. Per head, with the state h (P, N):
+
+        h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,    y_t = h_t C_t + D x_t
+
+    as transformers' Mamba2 / NemotronH ``mamba2_chunk_scan`` and ``mamba2_selective_state_update``.
+    ``initial_states``: (N, H, P, N) per document, or None (zeros). Returns (y (C, H, P), finals (N, H, P, N)).
+    """
+    import torch
+
+    num_heads = x.shape[1]
+    group = num_heads // B.shape[1]
+    B, C = B.repeat_interleave(group, dim=1), C.repeat_interleave(group, dim=1)
+    out, finals, start = [], [], 0
+    for i, n in enumerate(doc_lens):
+        state = x.new_zeros(num_heads, x.shape[2], B.shape[2]) if initial_states is None else initial_states[i]
+        for t in range(start, start + int(n)):
+            decay = (dt[t] * A).exp()[:, None, None]
+            state = decay * state + dt[t][:, None, None] * x[t][:, :, None] * B[t][:, None, :]
+            y = (state @ C[t][:, :, None])[..., 0]
+            out.append(y if D is None else y + D[:, None] * x[t])
+        finals.append(state)
+        start += int(n)
+    return torch.stack(out), torch.stack(finals)

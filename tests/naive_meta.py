@@ -8,6 +8,8 @@ O(cp * C) per rank, written from the definitions (docs/DESIGN.md section 2); ``n
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -213,3 +215,25 @@ class _SequenceLayout:
                           out_index=_long(out_index), exchanges=exchanges,
                           ring=self._ring_schedule(rank, shards), auto_comm=self.auto_comm,
                           ag_slot=self.ag_slot, a2a_busiest=self.a2a_busiest)
+
+
+def assert_same_meta(got, expected, where="meta"):
+    """``got`` equals ``expected`` field by field: tensors in dtype, shape and value, every nested field."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == expected.dtype, where
+        assert got.shape == expected.shape and torch.equal(got, expected), f"{where}: {got} != {expected}"
+    elif isinstance(expected, dict):
+        assert got.keys() == expected.keys(), where
+        for key in expected:
+            assert_same_meta(got[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, tuple):
+        assert isinstance(got, tuple) and len(got) == len(expected), where
+        for i, (a, b) in enumerate(zip(got, expected)):
+            assert_same_meta(a, b, f"{where}[{i}]")
+    elif dataclasses.is_dataclass(expected):
+        assert type(got) is type(expected), where
+        for f in dataclasses.fields(expected):
+            if f.init:
+                assert_same_meta(getattr(got, f.name), getattr(expected, f.name), f"{where}.{f.name}")
+    else:
+        assert type(got) is type(expected) and got == expected, f"{where}: {got!r} != {expected!r}"

@@ -18,8 +18,8 @@ from flashcp.costmodel.shape import AttentionShape
 from flashcp.costmodel.workload import token_quotas
 from flashcp.data.dataset import Dataset, data_table, write_data_file, write_manifest
 from flashcp.planner.plan import SequencePlan, check_metrics
-from flashcp.planner.registry import plan_sequence
-from flashcp.planner.store import plan_table, write_plan_file, write_plan_json
+from flashcp.planner.plan_writer import plan_table, write_plan_file, write_plan_json
+from flashcp.planner.planning import plan_sequence
 from tests.naive import naive_flashcp, naive_flashcp_plus, naive_llama3, naive_metrics, naive_perdoc, naive_ring_plan
 
 
@@ -77,7 +77,7 @@ def whole_docs_case(context_len: int, cp: int, rng: np.random.Generator) -> tupl
 
 def random_plan_builder(seed: int):
     """``plan_fn(doc_lens, cp)`` giving ``random_plan`` (harsh patterns, short shards) from a fixed seed."""
-    from flashcp.runtime.emulate import random_plan
+    from tests.emulate import random_plan
 
     def build(doc_lens, cp):
         return random_plan(doc_lens, cp, np.random.default_rng((seed, int(np.sum(doc_lens)), cp)),
@@ -98,12 +98,13 @@ def plan_builders() -> dict:
     except the peers ``PEERS``.
     """
     from flashcp.planner import registry as strategies
+    from flashcp.planner.planning import plan_sequence
 
     builders = {"random": random_plan_builder(0)}
     for name in strategies.STRATEGIES:
         if name in PEERS:
             continue
-        builders[name] = partial(_plan_with_strategy, strategies.plan_sequence, name)
+        builders[name] = partial(_plan_with_strategy, plan_sequence, name)
     return builders
 
 
@@ -147,7 +148,7 @@ def write_plan(dataset: Dataset, name: str, plans: list[list[SequencePlan]], cp:
     ``seq_cost``: write each sequence's price under the default shape (False: a plan file made before the
     column, which readers price themselves).
     """
-    import flashcp.planner.store as store
+    import flashcp.planner.plan_writer as plan_writer
 
     plan_dir = dataset.root / "plans" / name
     entries = []
@@ -163,12 +164,12 @@ def write_plan(dataset: Dataset, name: str, plans: list[list[SequencePlan]], cp:
                            np.array([m.ag_comm_tokens for m in metrics]),
                            np.array([m.a2a_comm_tokens for m in metrics]),
                            np.array([plan_seq_cost(p) for p in rows]) if seq_cost else None)
-        saved = store.PLAN_ROW_GROUP_ROWS
-        store.PLAN_ROW_GROUP_ROWS = row_group_rows or saved
+        saved = plan_writer.PLAN_ROW_GROUP_ROWS
+        plan_writer.PLAN_ROW_GROUP_ROWS = row_group_rows or saved
         try:
             entries.append(write_plan_file(plan_dir, index, table))
         finally:
-            store.PLAN_ROW_GROUP_ROWS = saved
+            plan_writer.PLAN_ROW_GROUP_ROWS = saved
     write_plan_json(plan_dir, dataset=dataset, strategy="test", params={}, cp=cp, plan_files=entries,
                     summary={})
 

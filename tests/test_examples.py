@@ -1,42 +1,43 @@
 """The examples themselves, as a user launches them: each under torchrun on 2 gloo ranks, ending cleanly.
 
 A process group still alive at interpreter exit can abort a rank (SIGABRT) while its peer tears down, so
-every example destroys its group in a ``finally`` (checked in the source of each one) and each run must exit 0
-with no traceback.
+every example runs inside ``flashcp.train.launch``'s ``torchrun_group()`` or ``ending_together()``, which destroy
+the group in a ``finally`` (checked in the source of each example; the helpers in tests/train/test_launch.py),
+and each run must exit 0 with no traceback.
 """
 
 from __future__ import annotations
 
 import ast
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from flashcp.cli import cli
-from tests.dist import free_port
+from tests.dist import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.py"))
+GROUP_ENDINGS = ("torchrun_group", "ending_together")  # flashcp.train.launch: destroy in a finally
 TINY = ["--layers", "1", "--heads", "2", "--kv-heads", "1", "--dim", "16"]
 
 
-def _destroys_in_finally(path: Path) -> bool:
+def _ends_its_group_with_flashcp(path: Path) -> bool:
+    """The script runs its work inside ``with torchrun_group()`` or ``with ending_together()``."""
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Try):
-            for call in (n for stmt in node.finalbody for n in ast.walk(stmt) if isinstance(n, ast.Call)):
-                if getattr(call.func, "attr", None) == "destroy_process_group":
+        if isinstance(node, ast.With):
+            for item in node.items:
+                call = item.context_expr
+                if isinstance(call, ast.Call) and getattr(call.func, "id", None) in GROUP_ENDINGS:
                     return True
     return False
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_every_example_destroys_its_process_group_in_a_finally(path):
-    assert _destroys_in_finally(path), f"{path.name} must call destroy_process_group in a finally block"
+def test_every_example_ends_its_process_group_through_flashcp_train_launch(path):
+    assert _ends_its_group_with_flashcp(path), \
+        f"{path.name} must run inside flashcp.train.launch's torchrun_group() or ending_together()"
 
 
 @pytest.fixture(scope="module")
@@ -51,19 +52,9 @@ def planned(tmp_path_factory):
     return root
 
 
-def _torchrun(script: str, *args, timeout: int = 300) -> str:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), str(REPO / "examples" / script), *map(str, args)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=REPO, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{script} did not finish within {timeout} s:\n{output[-5000:]}")
-    assert proc.returncode == 0 and "Traceback" not in output and "SIGABRT" not in output, output[-5000:]
+def _torchrun(script: str, *args) -> str:
+    returncode, output = torchrun(REPO / "examples" / script, *args)
+    assert returncode == 0 and "Traceback" not in output and "SIGABRT" not in output, output[-5000:]
     return output
 
 

@@ -4,7 +4,7 @@ A suite that compiles the planner's kernels in one process cannot see what a sec
 on-disk cache: machine code cached by ``plan --strategy flashcp`` once made the next ``plan`` (flashcp2)
 reject every plan it made (``flashcp._numba`` says why). These tests run flashcp as a new user does: each
 command a fresh process, the cache empty before the first. Every plan of every step is validated by the
-command itself and again by ``verify``. ``bench/cache_pairs.py`` runs every ordered pair of strategies the
+command itself and again by ``verify``. ``scripts/cache_pairs.py`` runs every ordered pair of strategies the
 same way (too long for CI). The two orders run at once, and the README's compiles into the suite's
 cache (``tests/conftest.py``), which every later test then loads.
 """
@@ -12,8 +12,6 @@ cache (``tests/conftest.py``), which every later test then loads.
 from __future__ import annotations
 
 import os
-import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -23,20 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.readme import readme_main_job
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 CONTEXT_LEN = 8192
 """The tests' context length (the README's is 131072; the kernels compiled are the same)."""
-
-
-def readme_main_job() -> list[list[str]]:
-    """The ``flashcp`` commands of the README's main-job line, in their order, as argument lists."""
-    text = re.sub(r"[ \t]*\\\n[ \t]*", " ", (REPO / "README.md").read_text(encoding="utf-8"))  # one step a line
-    match = re.search(r"^pip install -c constraints-cpu\.txt -e \. && (.+)$", text, re.M)
-    assert match, "the README's main-job line is gone"
-    steps = [shlex.split(part) for part in match.group(1).split(" && ")]
-    return [step[1:] for step in steps if step[0] == "flashcp"]
 
 
 def small_corpus(folder: Path) -> Path:

@@ -22,6 +22,11 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("flashcp.data", ("flashcp.cli",)),
     ("flashcp.planner", ("flashcp.cli",)),
     ("flashcp.models", ("flashcp.train",)),  # a model knows nothing of its training loss
+    # a trainer reads plans (planner.plan_reader) and may plan online (planner.planning); it never writes one
+    ("flashcp.runtime", ("flashcp.planner.plan_writer", "flashcp.planner.pipeline", "flashcp.planner.compare")),
+    ("flashcp.train", ("flashcp.planner.plan_writer", "flashcp.planner.pipeline", "flashcp.planner.compare")),
+    ("flashcp.integrations", ("flashcp.planner.plan_writer", "flashcp.planner.pipeline",
+                              "flashcp.planner.compare")),
 ]
 """``(package, forbidden)``: modules of ``package`` import nothing in ``forbidden``."""
 
@@ -157,7 +162,7 @@ def test_cost_model_names_others_import_are_in_all():
     import importlib
 
     missing = []
-    for root in ("flashcp", "tests", "bench", "examples"):
+    for root in ("flashcp", "tests", "scripts", "examples"):
         for path in sorted((PACKAGE.parent / root).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("flashcp.costmodel."):
@@ -165,6 +170,22 @@ def test_cost_model_names_others_import_are_in_all():
                     missing += [f"{path.name}:{node.lineno} {node.module}.{alias.name}" for alias in node.names
                                 if alias.name not in exported and module_name(path) != node.module]
     assert not missing, "\n".join(missing)
+
+
+KERNEL_LIBRARIES = {"flash_attn": "flashcp.runtime.kernels.fa2", "flash_attn.cute": "flashcp.runtime.kernels.fa4",
+                    "flash_attn_interface": "flashcp.runtime.kernels.fa3"}
+"""Each attention library (flash-attn-4 installs as ``flash_attn.cute``) and the one module that imports it."""
+
+
+def test_each_attention_library_is_imported_in_its_one_module():
+    broken = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = module_name(path)
+        for line, name in imports_of(path.read_text(encoding="utf-8"), module, path.name == "__init__.py"):
+            library = max((lib for lib in KERNEL_LIBRARIES if _within(name, lib)), key=len, default=None)
+            if library is not None and module != KERNEL_LIBRARIES[library]:
+                broken.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
+    assert not broken, "only the library's own module may import it:\n" + "\n".join(broken)
 
 
 def test_importing_the_runtime_loads_no_planning_kernel():
@@ -177,8 +198,79 @@ def test_importing_the_runtime_loads_no_planning_kernel():
             "print('\\n'.join(m for m in sys.modules if m.startswith('flashcp.planner')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=PACKAGE.parent).stdout.split()
-    assert "flashcp.planner.plan" in loaded and "flashcp.planner.store" in loaded
+    assert "flashcp.planner.plan" in loaded and "flashcp.planner.plan_reader" in loaded
     kernels = [m for m in loaded if m.startswith(("flashcp.planner.strategies", "flashcp.planner.batch",
                                                   "flashcp.planner.check", "flashcp.planner.registry",
                                                   "flashcp.planner.ilp", "flashcp.planner.pipeline"))]
     assert not kernels, kernels
+
+
+def test_no_planner_modules_import_each_other():
+    """The planner's modules import one another in one direction only (no circle, of any length): params and
+    batch below the registry, the registry below planning, planning below compare and the pipeline."""
+    modules = {module_name(path): path for path in sorted((PACKAGE / "planner").rglob("*.py"))}
+    edges = {module: {name for _, name in imports_of(path.read_text(encoding="utf-8"), module,
+                                                     path.name == "__init__.py")
+                      if name in modules and name != module and not module.startswith(name + ".")}
+             for module, path in modules.items()}
+    done: set[str] = set()
+
+    def circle_from(module: str, path: list[str]) -> list[str] | None:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return None
+        for name in sorted(edges[module]):
+            found = circle_from(name, path + [module])
+            if found:
+                return found
+        done.add(module)
+        return None
+
+    circles = [c for c in (circle_from(module, []) for module in sorted(modules)) if c]
+    assert not circles, "planner modules that import each other: " + " -> ".join(circles[0])
+
+
+TESTS = PACKAGE.parent / "tests"
+
+
+def test_no_test_module_imports_another_test_module():
+    """What tests share lives in helper modules (tests/naive.py, plans.py, dist.py, equivalence.py, ...): a
+    ``test_*.py`` imported by another would run its tests twice and tie the two files' fixtures together."""
+    test_modules = {".".join(path.relative_to(TESTS.parent).with_suffix("").parts)
+                    for path in TESTS.rglob("test_*.py")}
+    broken = []
+    for path in sorted(TESTS.rglob("*.py")):
+        module = ".".join(path.relative_to(TESTS.parent).with_suffix("").parts)
+        for line, name in imports_of(path.read_text(encoding="utf-8"), module, path.name == "__init__.py"):
+            if name in test_modules and name != module:
+                broken.append(f"{path.relative_to(TESTS.parent)}:{line} imports {name}")
+    assert not broken, "test modules imported by other modules (move what they share to a helper):\n" + \
+        "\n".join(broken)
+
+
+def _cannot_fail(test: ast.expr) -> bool:
+    """An assert whose outcome the test's own text decides: a constant, an f-string or a tuple (always true), a
+    comparison of literals only, or of an expression with itself."""
+    if isinstance(test, (ast.Constant, ast.JoinedStr, ast.Tuple)):
+        return True
+    if isinstance(test, ast.Compare):
+        sides = [test.left, *test.comparators]
+        if all(isinstance(side, ast.Constant) for side in sides):
+            return True
+        return any(ast.dump(a) == ast.dump(b) for a, b in zip(sides, sides[1:]))
+    return False
+
+
+def test_every_assert_in_the_tests_can_fail():
+    broken = [f"{path.relative_to(TESTS.parent)}:{node.lineno} assert {ast.unparse(node.test)[:80]}"
+              for path in sorted(TESTS.rglob("*.py"))
+              for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+              if isinstance(node, ast.Assert) and _cannot_fail(node.test)]
+    assert not broken, "asserts that cannot fail:\n" + "\n".join(broken)
+
+
+def test_the_assert_check_can_fail():
+    cannot = ["assert 'some words'", "assert (x, 'message')", "assert x == x", "assert 1 < 2", "assert f'{x}'"]
+    can = ["assert x == 1", "assert a < b", "assert f(x) == f(y)"]
+    assert [_cannot_fail(ast.parse(s).body[0].test) for s in cannot + can] == [True] * 5 + [False] * 3

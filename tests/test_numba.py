@@ -7,6 +7,7 @@ from numba.core import bytecode
 
 from flashcp import _numba
 from flashcp.planner import batch, check
+from flashcp.planner.registry import get_strategy
 
 
 def test_function_numbers_are_random_so_two_processes_never_share_a_name():
@@ -76,10 +77,10 @@ def test_older_keys_are_removed_only_when_flashcp_made_them(tmp_path):
 
 def test_no_compile_notice_once_the_kernels_are_compiled():
     offsets, lens = np.array([0, 3], np.int64), np.array([3, 5, 8], np.int64)
-    plans = batch.plan_batch(offsets, lens, 2, "llama3")
+    plans = batch.plan_batch(offsets, lens, 2, get_strategy("llama3"))
     errors = check.check_batch(offsets, lens, *plans, 2, 0.0)[0]
     assert errors.tolist() == [0]
-    assert not batch.needs_compile("llama3")
+    assert not batch.needs_compile(get_strategy("llama3"))
 
 
 def test_the_command_line_skips_numbas_blas_probe(tmp_path):

@@ -1,8 +1,8 @@
 """Scenario 1, plan quality: every strategy on every source and CP size, with the cost model's metrics.
 
 Per (source, cp, strategy), over the same packed sequences, planned in one batch by
-``flashcp.planner.pipeline.plan_rows`` (what ``flashcp plan`` runs; every plan validated), the planner's own
-summary (``pipeline.summarize``, what ``plan.json`` stores): imbalance ratio (mean, p50, max), the all-gather
+``flashcp.planner.planning.plan_rows`` (what ``flashcp plan`` runs; every plan validated), the planner's own
+summary (``planning.summarize``, what ``plan.json`` stores): imbalance ratio (mean, p50, max), the all-gather
 comm saving against a full-KV all-gather (paper Eq. 5, ``cost.comm_saving``) and the exact-need saving against
 what a rank receives in that all-gather (``cost.exact_need_saving``; ``received_pct`` is its complement, lower
 is better). Beside them: shards per sequence and per rank, mean shard length (short shards make slow kernels),
@@ -43,7 +43,8 @@ def parse_strategy(spec: str) -> tuple[str, str, dict]:
 
     ValueError (one sentence) for an unknown strategy, parameter or bad value.
     """
-    from flashcp.planner.registry import get_strategy, resolve_params
+    from flashcp.planner.params import resolve_params
+    from flashcp.planner.registry import get_strategy
 
     head, _, rest = spec.partition(":")
     name, _, target = head.partition("@")
@@ -71,7 +72,7 @@ def plan_quality(book: PlanBook, sources, strategies: list[str], cps: list[int],
     """
     from flashcp.costmodel.comm import batch_node_received
     from flashcp.costmodel.objective import batch_step_seconds, cached_model
-    from flashcp.planner.pipeline import plan_rows, summarize
+    from flashcp.planner.planning import plan_rows, summarize
 
     specs = [parse_strategy(s) for s in strategies]
     model = cached_model(None, 32, 32, 128, 1, price_tokens, gpus_per_node)
@@ -110,22 +111,18 @@ def plan_quality(book: PlanBook, sources, strategies: list[str], cps: list[int],
 
 
 def _sequence_ms(offsets: np.ndarray, lens: np.ndarray, cp: int, name: str, params: dict) -> dict:
-    """CPU milliseconds to plan each sequence alone (one batch call per row, compiled and warm)."""
-    from flashcp.planner import batch
-    from flashcp.planner.registry import get_strategy, kernel_args
+    """CPU milliseconds to plan each sequence alone (one ``planning.plan_flat`` call per row, compiled and warm)."""
+    from flashcp.planner.planning import plan_flat
+    from flashcp.planner.registry import get_strategy
 
     strategy = get_strategy(name)
-    args = kernel_args(strategy, params)
     one = np.zeros(2, np.int64)
     spent = []
     for i in range(offsets.size - 1):
         row = np.ascontiguousarray(lens[offsets[i]:offsets[i + 1]])
         one[1] = row.size
         began = time.thread_time()
-        if strategy.rows is not None:
-            strategy.rows(one, row, cp, params)
-        else:
-            batch.plan_batch(one, row, cp, name, **args)
+        plan_flat(strategy, one, row, cp, params)
         spent.append(1e3 * (time.thread_time() - began))
     ms = np.array(spent)
     return {"plan_ms_p50": float(np.median(ms)), "plan_ms_p99": float(np.percentile(ms, 99)),

@@ -125,7 +125,7 @@ def _dp(console: Console, dp: dict) -> None:
 
 def _speed(console: Console, speed: dict) -> None:
     rows = speed["rows"]
-    referenced = any("python_seqs_per_s" in r for r in rows)  # Python references given (bench/plan_speed.py)
+    referenced = any("python_seqs_per_s" in r for r in rows)  # Python references given (scripts/plan_speed.py)
     columns = ["strategy", "Numba seq/s (per sequence)", "batch kernel seq/s", "batch + check seq/s"]
     if referenced:
         columns += ["Python seq/s", "speedup (per sequence / batch)", "same plans"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 from dataclasses import replace
@@ -43,12 +42,6 @@ def cpu_cases(strategies: list[str], ring_comm: bool, improved: str | None = Non
     return cases
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _prepare(rank: int, comm: str, plan, doc_lens, shape: AttentionShape):
     """Meta and random inputs of ``rank`` for one case: ``(meta, comm, q, k, v, grad_out)``."""
     import torch
@@ -67,10 +60,9 @@ def _worker(rank: int, world_size: int, port: int, cases, shape: AttentionShape,
     import torch.distributed as dist
 
     from flashcp.runtime import CommStats, cp_attention
+    from flashcp.train.launch import init_local_gloo
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=300))
+    init_local_gloo(rank, world_size, port, timeout=timedelta(seconds=300))
     try:
         link = _gloo_link(world_size)
         runs = [_prepare(rank, comm, plan, doc_lens, shape) for comm, plan, doc_lens in cases]
@@ -158,6 +150,8 @@ def runtime_cpu(book: PlanBook, source, systems: list[System], cp: int, context_
     """
     import torch.multiprocessing as mp
 
+    from flashcp.train.launch import free_port
+
     sequences = book.sequences(source, num_seqs, context_len)
     cases = []
     for system in systems:
@@ -167,7 +161,7 @@ def runtime_cpu(book: PlanBook, source, systems: list[System], cp: int, context_
     os.close(fd)
     started = time.perf_counter()
     try:
-        mp.spawn(_worker, args=(cp, _free_port(), cases, shape, reps, out_path), nprocs=cp, join=True)
+        mp.spawn(_worker, args=(cp, free_port(), cases, shape, reps, out_path), nprocs=cp, join=True)
         with open(out_path) as f:
             measured = json.load(f)
     finally:

@@ -1,12 +1,12 @@
 """Scenario 2, planner speed: sequences per second of each strategy's Numba kernels.
 
 All run in one process, one core, on the same sequences: ``plan_sequence`` one sequence at a time; and the
-batch kernel over all sequences (the call ``pipeline.plan_rows`` makes), alone and with the batch validator
+batch kernel over all sequences (the call ``planning.plan_rows`` makes), alone and with the batch validator
 that recomputes every plan's metrics (together what ``flashcp plan`` runs per file). Batch rates are given per
 CPU-second of this process (what one core spent, whatever else the machine runs) and per wall-clock second.
 The Numba kernels are compiled (or loaded from the cache) on a first sequence that is not timed.
 
-A caller may add plain-Python reference planners (``references``; ``bench/plan_speed.py`` passes the ones in
+A caller may add plain-Python reference planners (``references``; ``scripts/plan_speed.py`` passes the ones in
 ``tests/naive.py``, which a source checkout has): each runs on the first ``reference_seqs`` sequences, or until
 ``python_budget_s`` is spent (at least one sequence), timed the same way, and its shards are checked equal to
 the kernel's. ``flashcp bench`` runs without them.
@@ -49,15 +49,15 @@ class _Timer:
 
 
 def _kernel(strategy, params: dict, offsets, lens, cp: int):
-    """The batch kernel ``pipeline.plan_rows`` runs for ``strategy``: flat ``(offsets, doc, start, len, rank)``."""
+    """The batch kernel ``planning.plan_rows`` runs for ``strategy``: flat ``(offsets, doc, start, len, rank)``."""
     from flashcp.planner import batch
-    from flashcp.planner.registry import kernel_args
+    from flashcp.planner.params import kernel_args
 
-    return batch.plan_batch(offsets, lens, cp, strategy.name, **kernel_args(strategy, params))
+    return batch.plan_batch(offsets, lens, cp, strategy, **kernel_args(strategy, params))
 
 
 def _checker(params: dict):
-    """The validator ``pipeline.plan_rows`` runs after the kernel: ``check(offsets, lens, *flat_plans, cp)``."""
+    """The validator ``planning.plan_rows`` runs after the kernel: ``check(offsets, lens, *flat_plans, cp)``."""
     from flashcp.planner.check import check_batch
 
     slack = float(params.get("token_slack", 0.0))
@@ -90,7 +90,9 @@ def planner_speed(book: PlanBook, source, strategies: list[str], cp: int, contex
     ``reference_seqs`` runs it on exactly that many sequences instead of for ``python_budget_s`` seconds.
     """
     from flashcp.bench.quality import parse_strategy
-    from flashcp.planner.registry import get_strategy, resolve_params
+    from flashcp.planner.params import resolve_params
+    from flashcp.planner.planning import plan_sequence
+    from flashcp.planner.registry import get_strategy
 
     c = source.dataset_context_len or context_len
     sequences = book.sequences(source, num_seqs, c)
@@ -99,10 +101,10 @@ def planner_speed(book: PlanBook, source, strategies: list[str], cp: int, contex
     rows = []
     for spec, name, params in (parse_strategy(s) for s in strategies):
         strategy = get_strategy(name)
-        strategy.plan(sequences[0], cp, **params)  # compile or load the kernels outside the timing
+        plan_sequence(strategy, sequences[0], cp, **params)  # compile or load the kernels outside the timing
         started = time.perf_counter()
         for doc_lens in sequences:
-            strategy.plan(doc_lens, cp, **params)
+            plan_sequence(strategy, doc_lens, cp, **params)
         numba_rate = len(sequences) / max(time.perf_counter() - started, 1e-9)
         kernel_t, check_t, out = _batch_timing(strategy, params, offsets, lens, cp)
         n = len(sequences)

@@ -131,7 +131,8 @@ class BenchConfig:
                              "between gloo ranks, so it needs at least 2; give --runtime-cp 2 or more, or leave "
                              "the runtime scenario out with --scenario")
         from flashcp.costmodel.limits import check_context_len
-        from flashcp.planner.registry import check_shape, get_strategy
+        from flashcp.planner.params import check_shape
+        from flashcp.planner.registry import get_strategy
 
         if "runtime" in self.scenarios:
             try:
@@ -202,7 +203,8 @@ def run_bench(config: BenchConfig, profile: HardwareProfile, log=print) -> dict:
         results[name] = fn()
         results["seconds"][name] = time.perf_counter() - t0
 
-    compiling = [name for name in strategies if get_strategy(name).kernel is not None and needs_compile(name)]
+    compiling = [name for name in strategies if get_strategy(name).kernel is not None
+                 and needs_compile(get_strategy(name))]
     if compiling and {"quality", "speed", "latency", "ring-cost"} & set(config.scenarios):
         log(f"bench: compiling the planner kernels of {', '.join(compiling)} first (once: later runs load them "
             "from the cache; tens of seconds)")

@@ -100,7 +100,7 @@ def plan_for(strategy: str, doc_lens: np.ndarray, cp: int) -> SequencePlan:
         from flashcp.planner.strategies.baselines import ring_plan
 
         return ring_plan(doc_lens, cp)
-    from flashcp.planner.registry import plan_sequence
+    from flashcp.planner.planning import plan_sequence
 
     return plan_sequence(strategy, doc_lens, cp)
 

@@ -14,7 +14,8 @@ from flashcp.errors import FlashcpError
 from flashcp.outputs import check_output, json_report, write_json_output
 from flashcp.planner.ilp.audit import SequenceAudit, audit_plan, sample_rows, summarize, write_audit_plan
 from flashcp.planner.ilp.model import IlpOptions
-from flashcp.planner.store import PlanSlot, PlanStore
+from flashcp.planner.plan_reader import PlanStore
+from flashcp.planner.plan_writer import PlanSlot
 
 AUDIT_REPORT = json_report("flashcp-audit", "a flashcp audit report",
                            legacy=lambda v: {"dataset", "plan", "options", "summary", "sequences"} <= set(v))

@@ -12,7 +12,7 @@ import click
 from flashcp.cli.console import console, emit_json, set_json_output, warn
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
-from flashcp.planner.store import PLAN_JSON, PLANS_DIR, PlanStore
+from flashcp.planner.plan_reader import PLAN_JSON, PLANS_DIR, PlanStore
 
 __all__ = ["command", "list_dataset"]
 

@@ -16,7 +16,8 @@ from flashcp.cli.console import console, emit_json, info, progress, set_json_out
 from flashcp.cli.options import engine_options
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
-from flashcp.planner.pipeline import BASELINES, COMPARE_DEFAULT, plan_dataset
+from flashcp.planner.compare import BASELINES, COMPARE_DEFAULT
+from flashcp.planner.pipeline import plan_dataset
 from flashcp.planner.registry import DEFAULT_STRATEGY, STRATEGIES
 
 COLUMNS = ("strategy", "seqs", "imb", "p50", "max", "AG", "EN")

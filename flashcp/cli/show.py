@@ -11,9 +11,9 @@ from flashcp.costmodel.comm import comm_saving, exact_need_saving, exchange_volu
 from flashcp.costmodel.workload import rank_workloads
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
+from flashcp.planner.params import gpus_per_node, plan_gpus_per_node
 from flashcp.planner.plan import SequencePlan
-from flashcp.planner.registry import gpus_per_node, plan_gpus_per_node
-from flashcp.planner.store import PLAN_JSON, PLANS_DIR, PlanStore, recorded_profile
+from flashcp.planner.plan_reader import PLAN_JSON, PLANS_DIR, PlanStore, recorded_profile
 
 PALETTE = ("red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "bright_green", "bright_yellow",
            "bright_blue", "bright_magenta", "bright_cyan", "orange3", "purple", "turquoise2", "gold3")

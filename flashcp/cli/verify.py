@@ -6,7 +6,7 @@ import click
 
 from flashcp.cli.console import console, emit_json, error, progress, set_json_output, warn
 from flashcp.data.dataset import Dataset
-from flashcp.planner.store import PLAN_JSON, PLANS_DIR
+from flashcp.planner.plan_reader import PLAN_JSON, PLANS_DIR
 from flashcp.planner.verify import verify_dataset
 
 

@@ -11,6 +11,7 @@ and nothing in it imports them. Modules:
 - ``sort``: the sorting and search helpers the kernels share;
 - ``limits``: the longest context and largest CP size flashcp plans;
 - ``shape``: ``AttentionShape``, the model a step is priced for;
+- ``models``: ``ModelSpec``, a model's shape and per-layer attention kinds, the built-in table, config.json;
 - ``profile``: ``HardwareProfile`` and its JSON files (``profiles/``);
 - ``curve``: the attention throughput curve (TFLOP/s by sequence length) the profile and the objective read;
 - ``objective``: the Numba step-time objective the planner minimises;

@@ -69,9 +69,19 @@ _NUMPY_TYPES = {pa.int16(): np.int16, pa.int32(): np.int32, pa.int64(): np.int64
 
 
 def arrow_array(values: np.ndarray, value_type: pa.DataType) -> pa.Array:
-    """A numpy array as an Arrow array of ``value_type`` without a copy (and without importing pandas)."""
+    """A numpy array as an Arrow array of ``value_type`` without a copy (and without importing pandas).
+
+    Like ``pa.array(values, value_type)``, ArrowInvalid when an integer does not fit the narrower type.
+    """
     # zero-copy, and unlike pa.array() it does not import pandas (half a second) to inspect its argument
-    values = np.ascontiguousarray(values, dtype=_NUMPY_TYPES[value_type])
+    values = np.asarray(values)
+    wanted = np.dtype(_NUMPY_TYPES[value_type])
+    if values.size and wanted.kind == "i" and values.dtype != wanted:
+        info = np.iinfo(wanted)
+        low, high = values.min(), values.max()
+        if low < info.min or high > info.max:
+            raise pa.ArrowInvalid(f"value {low if low < info.min else high} does not fit {value_type}")
+    values = np.ascontiguousarray(values, dtype=wanted)
     return pa.Array.from_buffers(value_type, values.size, [None, pa.py_buffer(values)])
 
 

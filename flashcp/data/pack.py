@@ -25,7 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -165,6 +165,7 @@ def _batches(records: Iterator[tuple[int, int, int, str | None]]) -> Iterator[_B
         batch.inputs.append(input_index)
         batch.records.append(record_index)
         if kind == DOC:
+            assert text is not None, "a document record carries its text"
             batch.texts.append(text)
             chars += len(text)
         if chars >= BATCH_CHARS or len(batch.kinds) >= BATCH_RECORDS:
@@ -324,10 +325,12 @@ class PackRun:
         if not self.group:
             return
         windows, self.group = self.group, []
-        pieces = np.array([w.doc_lens.size for w in windows], np.int64)
+        lens = [w.doc_lens for w in windows if w.doc_lens is not None]
+        assert len(lens) == len(windows), "a token packer's windows carry their pieces"
+        pieces = np.array([piece_lens.size for piece_lens in lens], np.int64)
         offsets = np.zeros(len(windows) + 1, np.int64)
         np.cumsum(pieces, out=offsets[1:])
-        table = data_table(offsets, np.concatenate([w.doc_lens for w in windows]),
+        table = data_table(offsets, np.concatenate(lens),
                            np.concatenate([w.doc_source for w in windows]),
                            np.concatenate([w.doc_offset for w in windows]),
                            np.concatenate([w.tokens for w in windows]), self.config.context_len)
@@ -433,7 +436,7 @@ def _run_pack(config: PackConfig, pool: ProcessPoolExecutor | None, on_rows: Cal
                         + (", ...)" if len(empty) > 1 else ")"))
     rows_per_file, row_group_rows = file_layout(config.context_len, config.rows_per_file,
                                                 config.row_group_rows)
-    identity = {
+    identity: dict[str, Any] = {
         "context_len": config.context_len,
         "tokenizer": spec.identity(),
         "options": {"text_field": config.text_field, "overflow": config.overflow,
@@ -455,8 +458,10 @@ def _run_pack(config: PackConfig, pool: ProcessPoolExecutor | None, on_rows: Cal
              f"(counted as written, {row_group_rows:,} at a time)")
     try:
         out.write_state(identity_sha256, identity)  # from now on the folder is recognisably this pack's
-        run = (engine.pack_run if engine else PackRun)(config, encoder, pool, inputs, out, identity,
-                                                        identity_sha256, on_rows)
+        if engine is not None:  # an engine tokenizes its own way: no pool was started for it
+            run = engine.pack_run(config, encoder, None, inputs, out, identity, identity_sha256, on_rows)
+        else:
+            run = PackRun(config, encoder, pool, inputs, out, identity, identity_sha256, on_rows)
         run.run()
         files = [p.file for p in out.parts] + ([run.last_file] if run.last_file else [])
         num_sequences = sum(f.rows for f in files)

@@ -46,7 +46,7 @@ REPLACE_NEW_DIR = ".flashcp-replacement"
 """Where ``pack --force`` builds the new dataset inside the old one's folder."""
 
 _DATA_FILE = re.compile(r"part-\d{5}\.parquet|\.part-\d{5}\.parquet\..+\.tmp")
-# the names flashcp.planner.store writes in a plan folder, and beside them in plans/
+# the names flashcp.planner.plan_writer writes in a plan folder, and beside them in plans/
 _PLAN_FILE = re.compile(r"plan\.json|part-\d{5}\.parquet|\.(plan\.json|part-\d{5}\.parquet)\..+\.tmp")
 _PLANS_LOCK = re.compile(r"\..+\.lock")
 

@@ -23,6 +23,7 @@ import fnmatch
 import glob
 import gzip
 import hashlib
+import io
 import json
 import os
 import zlib
@@ -175,6 +176,10 @@ class _HashingReader:
         data = self.raw.read(size)
         self.digest.update(data)
         return data
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        """Refused: the hash must see every byte once, in order (gzip seeks only to rewind; flashcp never does)."""
+        raise io.UnsupportedOperation("a hashing reader reads forward only")
 
     def finish(self) -> str:
         """Hash the rest (anything the reader left unread) and return the hex digest."""
@@ -334,11 +339,11 @@ def discover_inputs(args: list[str] | tuple[str, ...], *, include: tuple[str, ..
                 add(file, fmt)
         elif path.is_file():
             refuse_inside(arg, path)
-            fmt = _format_of(path, include, path.name)
-            if fmt is None:
+            file_fmt = _format_of(path, include, path.name)
+            if file_fmt is None:
                 raise FlashcpError(f"input {arg} is not .jsonl, .jsonl.gz, .parquet or .txt; "
                                    "add --include GLOB to read it as plain text")
-            add(path, fmt)
+            add(path, file_fmt)
         elif glob.has_magic(arg):
             matches = sorted(glob.glob(arg, recursive=True))
             taken = 0
@@ -350,9 +355,9 @@ def discover_inputs(args: list[str] | tuple[str, ...], *, include: tuple[str, ..
                     for file, fmt in _walk(match_path, include, exclude, skip_dirs, skipped):
                         add(file, fmt)
                         taken += 1
-                elif (fmt := _format_of(match_path, include, match_path.name)) is not None \
+                elif (match_fmt := _format_of(match_path, include, match_path.name)) is not None \
                         and match_path.is_file():  # as in folders: no FIFOs or devices (reading one blocks)
-                    add(match_path, fmt)
+                    add(match_path, match_fmt)
                     taken += 1
             if not taken:
                 raise FlashcpError(f"input pattern {arg} matches no .jsonl, .jsonl.gz, .parquet or .txt "

@@ -20,7 +20,7 @@ The document mask comes from the plan, never from an ``attention_mask``: transfo
 attention implementation it has no mask function for, and the attention function refuses one passed in.
 
 The Hugging Face ``Trainer`` with flashcp CP is ``CPTrainer`` (and TRL's ``SFTTrainer``, ``CPSFTTrainer``), in
-``flashcp.integrations.hf_trainer`` and importable from here too.
+``flashcp.integrations.hf_trainer`` (which builds on this module, not the other way round).
 
 Shape legend: ``B`` batch (always 1: one packed sequence per rank), ``T`` this rank's tokens, ``H`` query
 heads, ``K`` key/value heads, ``D`` head dim, ``V`` vocabulary.
@@ -111,7 +111,7 @@ def flashcp_attention_forward(module: nn.Module | None, query: torch.Tensor, key
         config = getattr(module, "config", None)
         if config is not None:
             check_hf_config(config)
-        module._flashcp_checked = True  # a plain attribute: not in the state dict
+        object.__setattr__(module, "_flashcp_checked", True)  # a plain attribute: not in the state dict
     kind = {"window": kwargs.pop("sliding_window", None), "softcap": kwargs.pop("softcap", None),
             "chunk": layer_chunk(module)}
     sinks = kwargs.pop("s_aux", None)
@@ -146,7 +146,7 @@ def hf_loss_sum(model: nn.Module, batch: Batch, attn: CPAttention) -> torch.Tens
     """
     if not getattr(model, "_flashcp_checked", False):
         check_hf_model(model)
-        model._flashcp_checked = True  # a plain attribute: not in the state dict
+        object.__setattr__(model, "_flashcp_checked", True)  # a plain attribute: not in the state dict
     out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], use_cache=False,
                 **hf_attention_kwargs(attn.meta, group=attn.group, comm=attn.comm, backend=attn.backend,
                                       stats=attn.stats))
@@ -181,14 +181,3 @@ def tiny_hf_model(arch: str, *, vocab_size: int, dim: int, num_layers: int, num_
         raise ValueError(f"unknown architecture '{arch}' (choose from {', '.join(HF_ARCHITECTURES)})")
     return model.train()
 
-
-def __getattr__(name: str) -> Any:
-    """``CPTrainer`` and ``CPSFTTrainer`` from ``flashcp.integrations.hf_trainer``, imported on first use.
-
-    (The Trainer pulls in accelerate; this module stays light.)
-    """
-    if name in ("CPTrainer", "CPSFTTrainer"):
-        from flashcp.integrations import hf_trainer
-
-        return getattr(hf_trainer, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -87,7 +87,8 @@ def check_hf_model(model: nn.Module) -> None:
 
     ``model`` is a transformers causal LM or a PEFT model over one.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_base = getattr(model, "get_base_model", None)  # a PEFT model wraps the transformers one
+    base = get_base() if callable(get_base) else model
     config = getattr(base, "config", None)
     if config is None:
         raise UnsupportedModelError(f"flashcp trains transformers models (PreTrainedModel) under CP, got a "

@@ -78,7 +78,7 @@ from flashcp.fileio import write_json_atomic
 from flashcp.integrations.hf import ATTN_IMPLEMENTATION, hf_attention_kwargs, register_flashcp_attention
 from flashcp.integrations.hf_support import check_hf_model
 from flashcp.outputs import enclosing_dataset
-from flashcp.planner.store import PlanStore
+from flashcp.planner.plan_reader import PlanStore
 from flashcp.runtime.loader import Batch, CPLoader
 from flashcp.train.loss import causal_lm_loss_sum
 from flashcp.train.parallel import ParallelGroups, build_mesh

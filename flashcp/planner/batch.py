@@ -4,7 +4,8 @@ Sequences come as flat arrays: ``row_offsets`` (rows + 1,) indexes ``doc_lens`` 
 same way: ``shard_offsets`` (rows + 1,) indexes the flat shard arrays.
 
 ``plan_batch`` compiles the batch loop once per strategy, into one function holding that strategy's kernel,
-found in the registry (``flashcp.planner.registry.STRATEGIES``: its ``kernel`` and ``kernel_params``): a first
+taken from the registry entry it is handed (``flashcp.planner.registry.Strategy``: its ``kernel`` and
+``kernel_params``; this module never looks a name up, so the registry can use it): a first
 ``flashcp plan --strategy flashcp`` does not compile ``flashcp2``. Each strategy's loop is a copy of
 ``_batch_loop`` whose ``_plan_one`` calls that kernel, cached on disk under the strategy's name (flashcp's own
 entries) or compiled in memory (strategies added by ``registry.register``).
@@ -58,8 +59,8 @@ _SIGNATURE = (_VECTOR, _VECTOR, types.int64, types.float64, types.int64, types.i
 """The batch loop's argument types, as ``plan_batch`` calls it."""
 
 
-def needs_compile(strategy: str) -> bool:
-    """Whether planning with ``strategy`` has to compile kernels (no cached machine code yet).
+def needs_compile(strategy: Any) -> bool:
+    """Whether planning with ``strategy`` (a registry entry) has to compile kernels (no cached machine code yet).
 
     Reads numba's cache index; answers False when it cannot tell.
     """
@@ -96,9 +97,9 @@ _compiled: dict[str, tuple[Any, Any, Any]] = {}
 _NO_MODEL = np.zeros(1, np.float64)
 
 
-def plan_batch(row_offsets, doc_lens, cp, strategy: str, target: float = 1.0, chunk: int = 1, effort: int = 0,
+def plan_batch(row_offsets, doc_lens, cp, strategy: Any, target: float = 1.0, chunk: int = 1, effort: int = 0,
                model: np.ndarray | None = None, slack: float = 0.0):
-    """Plan every row with the named strategy; returns (shard_offsets, doc, start, len, rank).
+    """Plan every row with ``strategy`` (a registry entry); returns (shard_offsets, doc, start, len, rank).
 
     ``row_offsets`` and ``doc_lens`` are contiguous int64 arrays; ``target`` .. ``slack`` are the strategy's
     kernel parameters (``KERNEL_PARAMS``; those it does not take are ignored). The compiled loop is called
@@ -106,26 +107,24 @@ def plan_batch(row_offsets, doc_lens, cp, strategy: str, target: float = 1.0, ch
     """
     args = (int(cp), float(target), int(chunk), int(effort), _NO_MODEL if model is None else model, float(slack))
     dispatcher = _dispatcher(strategy)
-    entry, _, entry_point = _compiled[strategy]
+    entry, _, entry_point = _compiled[strategy.name]
     if entry_point is None or not _plain_int64(row_offsets) or not _plain_int64(doc_lens):
         result = dispatcher(row_offsets, doc_lens, *args)
         compiled = getattr(dispatcher, "overloads", {}).get(_SIGNATURE)  # none under NUMBA_DISABLE_JIT
         if compiled is not None:
-            _compiled[strategy] = (entry, dispatcher, compiled.entry_point)
+            _compiled[strategy.name] = (entry, dispatcher, compiled.entry_point)
         return result
     return entry_point(row_offsets, doc_lens, *args)
 
 
-def _dispatcher(strategy: str) -> Any:
-    """The batch loop of ``strategy`` (made on first use, again when the registry entry of the name changed).
+def _dispatcher(entry: Any) -> Any:
+    """The batch loop of the registry entry ``entry`` (made on first use, again when the entry of its name changed).
 
     flashcp's own entries inline their kernel and are cached on disk under the strategy's name; the kernel
     cache key covers flashcp's sources only, so a strategy registered at run time, whose name may link another
     kernel in another process (``Strategy.built_in``), calls its kernel from a loop compiled in memory.
     """
-    from flashcp.planner.registry import get_strategy
-
-    entry = get_strategy(strategy)
+    strategy = entry.name
     known = _compiled.get(strategy)
     if known is not None and known[0] is entry:
         return known[1]

@@ -1,10 +1,9 @@
-"""The strategy registry, the parameter rules, and planning one sequence by name.
-
-One entry per strategy: its kernel, the parameters the kernel takes, its defaults.
+"""The strategy registry: one entry per strategy (its kernel, the parameters the kernel takes, its defaults).
 
 Adding a strategy is a kernel module under ``flashcp.planner.strategies`` and one ``Strategy`` entry here (or
-``register`` from outside the package); the batch planner (``flashcp.planner.batch``) and every command find
-it by name. The rules of each strategy are in ``flashcp.planner.strategies``.
+``register`` from outside the package); ``flashcp.planner.planning`` and every command find it by name. The
+rules of each strategy are in ``flashcp.planner.strategies``, the rules of their parameters in
+``flashcp.planner.params``.
 """
 
 from __future__ import annotations
@@ -19,10 +18,9 @@ from numba import types
 from numba.core.dispatcher import Dispatcher
 from numba.core.errors import NumbaError
 
-from flashcp.costmodel.limits import MAX_CONTEXT_LEN, MAX_CP, check_context_len
 from flashcp.planner import batch
 from flashcp.planner.batch import KERNEL_PARAMS
-from flashcp.planner.plan import SequencePlan
+from flashcp.planner.params import kernel_args, resolve_params
 from flashcp.planner.strategies.baselines import llama3_kernel, perdoc_kernel, ring_kernel
 from flashcp.planner.strategies.dcp import MISSING, dcp_available, dcp_rows
 from flashcp.planner.strategies.flashcp import flashcp_kernel
@@ -30,8 +28,7 @@ from flashcp.planner.strategies.flashcp2 import flashcp2_kernel
 from flashcp.planner.strategies.flashcp_plus import flashcp_plus_kernel
 from flashcp.planner.strategies.peers import magi_kernel, ptrr_kernel
 
-__all__ = ["DEFAULT_STRATEGY", "STRATEGIES", "Strategy", "register",
-           "get_strategy", "plan_flat", "plan_sequence"]
+__all__ = ["DEFAULT_STRATEGY", "STRATEGIES", "Strategy", "get_strategy", "register"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 """A strategy name: it becomes part of a plan folder's name (``cp8-<name>``)."""
@@ -42,9 +39,6 @@ _KERNEL_TYPES = {"lens": types.Array(types.int64, 1, "C"), "cp": types.int64, "t
 
 DEFAULT_STRATEGY = "flashcp2"
 """What ``flashcp plan`` uses unless told otherwise."""
-OBJECTIVES = ("time",)
-"""Objectives ``flashcp2`` optimises: ``time`` = the projected step time."""
-
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,19 +85,6 @@ class Strategy:
         """
         return _BUILT_IN.get(self.name) is self
 
-    def plan(self, doc_lens, cp: int, *, target_imbalance: float | None = None, **overrides) -> SequencePlan:
-        """Plan one packed sequence: ``doc_lens`` (num_docs,) positive integers -> SequencePlan.
-
-        ``overrides`` set other parameters of the strategy (``chunk_size``, ``effort``, ``profile``, ...).
-        """
-        params = resolve_params(self, target_imbalance, **overrides)
-        lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
-        if lens.ndim != 1 or lens.size == 0 or (lens <= 0).any():
-            raise ValueError("doc_lens must be a non-empty 1-D array of positive lengths")
-        check_shape(int(lens.sum()), cp, params)
-        doc, start, length, rank = run_kernel(self, lens, cp, params)
-        return SequencePlan(shard_doc=doc, shard_start=start, shard_len=length, shard_rank=rank, cp=cp)
-
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy(name="llama3", defaults={}, kernel=llama3_kernel,
@@ -136,7 +117,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
 def register(strategy: Strategy) -> Strategy:
     """Add ``strategy`` to the registry; ValueError if its name is taken.
 
-    Every function that takes a strategy name (``plan_sequence``, ``pipeline.plan_dataset``, the bench) then
+    Every function that takes a strategy name (``planning.plan_sequence``, ``pipeline.plan_dataset``, the bench) then
     finds it. Its batch kernel is compiled in memory, once per process (``Strategy.built_in`` says why).
     """
     if strategy.name in STRATEGIES:
@@ -173,7 +154,7 @@ def _try_kernel(strategy: Strategy) -> None:
         raise ValueError(f"strategy '{strategy.name}': its {call} returns {returned}, not the four "
                          f"(doc, start, len, rank) {vector} arrays the planner needs")
     try:
-        batch.plan_batch(np.array([0, 2], np.int64), np.array([3, 5], np.int64), 2, strategy.name,
+        batch.plan_batch(np.array([0, 2], np.int64), np.array([3, 5], np.int64), 2, strategy,
                          **kernel_args(strategy, resolve_params(strategy)))
     except Exception as e:  # it compiles but fails on the simplest input
         raise ValueError(f"strategy '{strategy.name}': its kernel fails on a sequence of two documents (3 and 5 "
@@ -197,162 +178,3 @@ def get_strategy(name: str) -> Strategy:
         return STRATEGIES[name]
     except KeyError:
         raise ValueError(f"unknown strategy '{name}': choose one of {', '.join(STRATEGIES)}") from None
-
-
-def resolve_params(strategy: Strategy, target_imbalance: float | None = None, **overrides) -> dict:
-    """The strategy's parameters with ``target_imbalance`` and ``overrides`` filled in (defaults for None).
-
-    ValueError for a parameter the strategy does not take or a bad value.
-    """
-    params = dict(strategy.defaults)
-    if target_imbalance is not None:
-        if "target_imbalance" not in params:
-            raise ValueError(f"strategy '{strategy.name}' takes no target imbalance")
-        if not target_imbalance >= 1.0:
-            raise ValueError(f"target imbalance must be at least 1.0, got {target_imbalance}")
-        params["target_imbalance"] = float(target_imbalance)
-    for key, value in overrides.items():
-        if value is None:
-            continue
-        if key not in params:
-            raise ValueError(f"strategy '{strategy.name}' takes no {key.replace('_', ' ')}")
-        params[key] = value
-    if "chunk_size" in params and not (isinstance(params["chunk_size"], int)
-                                       and 1 <= params["chunk_size"] <= MAX_CONTEXT_LEN):
-        raise ValueError(f"chunk size must be a positive integer of at most {MAX_CONTEXT_LEN} (the longest "
-                         f"context), got {params['chunk_size']}")
-    if "effort" in params:
-        from flashcp.planner.ilp.polish import parse_effort
-
-        parse_effort(params["effort"])
-    if "token_slack" in params:
-        slack = params["token_slack"]
-        if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 <= slack < 1:
-            raise ValueError(f"token slack must be a number in [0, 1), got {slack}")
-        params["token_slack"] = float(slack)
-    if params.get("topology") is not None:
-        params["topology"] = format_topology(*parse_topology(params["topology"]))
-    if "objective" in params and params["objective"] not in OBJECTIVES:
-        raise ValueError(f"unknown objective '{params['objective']}': choose one of {', '.join(OBJECTIVES)}")
-    return params
-
-
-def parse_topology(text) -> tuple[int, int]:
-    """``"NODESxGPUS"`` (e.g. ``"2x8"``) -> (nodes, GPUs per node); ValueError in one sentence otherwise."""
-    nodes, sep, gpus = str(text).lower().partition("x")
-    if not sep or not nodes.isdigit() or not gpus.isdigit() or int(nodes) < 1 or int(gpus) < 1:
-        raise ValueError(f"topology must be NODESxGPUS with two positive whole numbers (e.g. 2x8), got '{text}'")
-    return int(nodes), int(gpus)
-
-
-def format_topology(nodes: int, gpus: int) -> str:
-    """The canonical spelling of a topology, ``"2x8"``."""
-    return f"{nodes}x{gpus}"
-
-
-def gpus_per_node(params: dict) -> int | None:
-    """CP ranks per node of a strategy's parameters: from ``topology``, else None (the profile's)."""
-    topology = params.get("topology")
-    return None if topology is None else parse_topology(topology)[1]
-
-
-def plan_gpus_per_node(params: dict) -> int:
-    """CP ranks per node a plan was made for (0: every rank in one node).
-
-    Its ``topology``, else its profile's ``gpus_per_node`` (for a strategy that takes a profile), else 0.
-    """
-    per_node = gpus_per_node(params)
-    if per_node is not None:
-        return per_node
-    if "profile" not in params:
-        return 0
-    from flashcp.costmodel.profile import load_profile
-
-    return load_profile(params["profile"]).gpus_per_node
-
-
-def check_topology(params: dict, cp: int) -> None:
-    """ValueError unless a ``topology`` in ``params`` has exactly ``cp`` ranks (NODES x GPUS == cp)."""
-    topology = params.get("topology")
-    if topology is not None:
-        nodes, gpus = parse_topology(topology)
-        if nodes * gpus != cp:
-            raise ValueError(f"topology {topology} holds {nodes * gpus} ranks, not the {cp} of --cp {cp}")
-
-
-def objective_model(params: dict) -> np.ndarray:
-    """The step-time model vector of ``flashcp2`` parameters (profile file, model shape, topology); cached."""
-    from flashcp.costmodel.objective import cached_model
-
-    return cached_model(params.get("profile"), int(params.get("num_heads", 32)),
-                        int(params.get("num_kv_heads", 32)), int(params.get("head_dim", 128)),
-                        int(params.get("layers", 1)), float(params.get("token_slack", 0.0)) > 0,
-                        gpus_per_node(params))
-
-
-def kernel_args(strategy: Strategy, params: dict) -> dict:
-    """The batch kernel's ``KERNEL_PARAMS`` (``target``, ``chunk``, ``effort``, ``model``, ``slack``).
-
-    Built from a strategy's parameters; the step-time model (and its profile file) only for a kernel taking it.
-    """
-    from flashcp.planner.ilp.polish import parse_effort
-
-    refusal = strategy.missing() if strategy.missing is not None else None
-    if refusal:
-        raise ValueError(refusal)
-    model = objective_model(params) if "model" in strategy.kernel_params else None
-    return {"target": float(params.get("target_imbalance", 1.0)), "chunk": int(params.get("chunk_size", 1)),
-            "effort": parse_effort(params.get("effort", 0))[0], "model": model,
-            "slack": float(params.get("token_slack", 0.0))}
-
-
-def check_shape(context_len: int, cp: int, params: dict | None = None) -> None:
-    """ValueError unless ``1 <= cp <= min(MAX_CP, context_len)`` and the context length is supported.
-
-    A ``topology`` in ``params`` must hold ``cp`` ranks.
-    """
-    check_context_len(context_len)
-    if context_len < 1:
-        raise ValueError(f"context length must be in [1, {MAX_CONTEXT_LEN}], got {context_len}")
-    if cp < 1:
-        raise ValueError(f"cp must be at least 1, got {cp}")
-    if cp > context_len:
-        raise ValueError(f"cp {cp} is above the {context_len} tokens per sequence: some rank would get none")
-    if cp > MAX_CP:
-        raise ValueError(f"cp {cp} is above the largest supported CP size {MAX_CP}")
-    check_topology(params or {}, cp)
-
-
-def run_kernel(strategy: Strategy, lens: np.ndarray, cp: int, params: dict):
-    """Plan contiguous int64 ``lens`` as one row of ``plan_flat``; returns the four shard arrays."""
-    return plan_flat(strategy, np.array([0, lens.size], np.int64), lens, cp, params)[1:]
-
-
-def plan_flat(strategy: Strategy, row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, params: dict):
-    """Plan every row of flat contiguous int64 ``(row_offsets, doc_lens)``: the one planning path.
-
-    The strategy's batch kernel (or its Python ``rows``), then, for ``effort="ilp[:SECONDS]"``, the CP-SAT
-    polish of every row. Returns ``(shard_offsets, doc, start, len, rank)``; not validated
-    (``pipeline.plan_rows`` validates, ``Strategy.plan`` builds a ``SequencePlan``, which checks itself).
-    """
-    from flashcp.planner.ilp.polish import parse_effort, polish_rows
-
-    args = kernel_args(strategy, params)
-    if strategy.rows is not None:  # planned in Python (dcp)
-        planned = strategy.rows(row_offsets, doc_lens, cp, params)
-    else:
-        planned = batch.plan_batch(row_offsets, doc_lens, cp, strategy.name, **args)
-    seconds = parse_effort(params["effort"])[1] if "effort" in params else None
-    if seconds is not None:
-        planned = polish_rows(row_offsets, doc_lens, cp, args["model"], seconds, *planned)
-    return planned
-
-
-def plan_sequence(strategy: str, doc_lens, cp: int, *, target_imbalance: float | None = None,
-                  **overrides) -> SequencePlan:
-    """Plan one packed sequence with the named strategy.
-
-    ``doc_lens``: (num_docs,) positive integers; ``target_imbalance`` and ``overrides`` (``chunk_size``,
-    ``effort``, ...) default to the strategy's own. Raises ValueError for an unknown strategy or bad input.
-    """
-    return get_strategy(strategy).plan(doc_lens, cp, target_imbalance=target_imbalance, **overrides)

@@ -20,8 +20,8 @@ from flashcp.data.dataset import REPLACE_OLD_DIR, Dataset
 from flashcp.errors import FlashcpError
 from flashcp.fileio import sha256_file
 from flashcp.planner import check
-from flashcp.planner.pipeline import check_rows, describe_error
-from flashcp.planner.store import PLAN_JSON, PLANS_DIR, PlanStore
+from flashcp.planner.plan_reader import PLAN_JSON, PLANS_DIR, PlanStore
+from flashcp.planner.planning import check_rows, describe_error
 
 __all__ = ["VerifyReport", "verify_dataset"]
 

@@ -45,7 +45,7 @@ nothing repeated or skipped) and groups the following windows for the new ``dp_s
 
 Online planning (``plan=None``): for data that was never planned, each sequence is planned as it is read
 (in the prefetch worker when there is one) with the default strategy and its default parameters, validated
-as ``flashcp plan`` validates (``planner.pipeline.plan_rows``): the plan ``flashcp plan --cp N`` would store.
+as ``flashcp plan`` validates (``planner.planning.plan_rows``): the plan ``flashcp plan --cp N`` would store.
 Every rank plans the same sequence alike, so no rank talks to another. The planner is imported only then
 (importing the runtime loads no planning kernel); its first use compiles or loads its kernels. Sequence costs
 for DP balance come from the data's document lengths under the strategy's default shape.
@@ -70,7 +70,7 @@ from flashcp.costmodel.shape import AttentionShape
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError, PlanError
 from flashcp.planner.plan import SequencePlan
-from flashcp.planner.store import PlanStore
+from flashcp.planner.plan_reader import PlanStore
 from flashcp.runtime.balance import window_order
 from flashcp.runtime.meta import CPAttnMeta, rank_token_positions
 
@@ -358,13 +358,18 @@ class CPLoader:
         i = int(rows[index - starts[at]])
         lens = doc_lens[doc_offsets[i]:doc_offsets[i + 1]]
         seq_tokens = tokens[i * self.context_len:(i + 1) * self.context_len]
-        plan = plans[i].plan if plans is not None else self._online.plan(lens, unit.file_index, unit.first_row + i)
+        if plans is not None:
+            plan = plans[i].plan
+        else:
+            assert self._online is not None, "a loader without stored plans plans online"
+            plan = self._online.plan(lens, unit.file_index, unit.first_row + i)
         return self._batch(seq_tokens, lens, plan, unit.file_index, unit.first_row + i)
 
     def _seq_costs(self, index: int) -> np.ndarray:
         """(rows,) float64: the price of every sequence of the ``index``-th data file (DP balance)."""
         if self.store is not None:
             return self.store.seq_costs(index)
+        assert self._online is not None, "a loader without stored plans plans online"
         return sequence_flops(*self.dataset.read_doc_lens(index), self._online.shape)
 
     def _read_unit(self, unit: _Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -447,8 +452,9 @@ class _OnlinePlanner:
 
     def __init__(self, context_len: int, cp: int):
         # imported here: a loader of stored plans never loads a planning kernel
-        from flashcp.planner.pipeline import plan_rows
-        from flashcp.planner.registry import DEFAULT_STRATEGY, check_shape, get_strategy, resolve_params
+        from flashcp.planner.params import check_shape, resolve_params
+        from flashcp.planner.planning import plan_rows
+        from flashcp.planner.registry import DEFAULT_STRATEGY, get_strategy
 
         try:
             check_shape(context_len, cp)

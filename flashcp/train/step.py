@@ -279,7 +279,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch 
     loss = torch.zeros((), dtype=torch.float64, device=device)
     for i, one in enumerate(batches):
         if sharded and len(batches) > 1 and hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(i == len(batches) - 1)  # reduce-scatter once, after the last
+            model.set_requires_gradient_sync(i == len(batches) - 1)  # type: ignore[operator]  # FSDP2 adds it
         attn = CPAttention(meta=one.attn, group=cp_group, comm=comm, backend=backend, stats=stats)
         micro_loss = loss_sum_fn(model, one, attn) / denominator
         micro_loss.backward()
@@ -321,7 +321,7 @@ def clip_gradients(params: Iterable[nn.Parameter], max_norm: float) -> torch.Ten
     from torch.distributed.tensor import DTensor
 
     params = [p for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], 2.0)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)

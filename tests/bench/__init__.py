@@ -16,8 +16,8 @@ def bench_run(*args):
 
 
 def bench_script(name):
-    """The module of ``bench/NAME.py`` (scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[2] / "bench" / f"{name}.py")
+    """The module of ``scripts/NAME.py`` (scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -12,7 +12,7 @@ from flashcp.bench.measure import measured_work
 from flashcp.costmodel.profile import load_profile
 from flashcp.costmodel.projection import project_step
 from flashcp.costmodel.shape import AttentionShape
-from flashcp.runtime.emulate import random_plan
+from tests.emulate import random_plan
 
 SHAPE = AttentionShape(num_heads=2, num_kv_heads=1, head_dim=8, dtype_bytes=4)
 CPU = torch.device("cpu")

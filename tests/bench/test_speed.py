@@ -1,4 +1,5 @@
-"""Planner speed (flashcp.bench.speed): the scenario, end to end, and bench/plan_speed.py with the Python references."""
+"""Planner speed (flashcp.bench.speed): the scenario, end to end, and scripts/plan_speed.py with the Python
+references."""
 
 
 import json
@@ -20,7 +21,7 @@ def test_speed_and_end_to_end(tmp_path):
     rows = results["speed"]["rows"]
     assert [r["strategy"] for r in rows] == ["llama3", "flashcp+"]
     assert all(r["num_seqs"] == 4 and r["batch_seqs_per_cpu_s"] > 0 for r in rows)
-    # the plain-Python references are bench/plan_speed.py's (tests/naive.py), not the package's
+    # the plain-Python references are scripts/plan_speed.py's (tests/naive.py), not the package's
     assert not [key for r in rows for key in r if key.startswith("python")] and "Python seq/s" not in result.output
     e2e = results["end_to_end"]
     assert [(p["strategy"], p["workers"]) for p in e2e["plans"]] == [("flashcp", 1)]

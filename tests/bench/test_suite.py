@@ -1,4 +1,4 @@
-"""``flashcp bench`` scenarios beyond the default run, and bench/'s wrapper scripts, at toy sizes.
+"""``flashcp bench`` scenarios beyond the default run, and scripts/snapshot.py, at toy sizes.
 
 No timing is asserted; the numbers checked are the ones the cost model fixes (the ring's and the full
 all-gather's K/V share) or that must agree between two computations of one run.
@@ -10,7 +10,6 @@ import pytest
 from click.testing import CliRunner
 
 from flashcp.cli import cli
-from tests.bench import bench_run as _bench
 from tests.bench import bench_script as _script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,17 +29,6 @@ def test_scenario_refusals(args, words):
     assert "Traceback" not in result.output
 
 
-def test_wrappers_spell_bench_commands(tmp_path):
-    quality = _script("plan_quality").bench_args(["--num-seqs", "2", "--cp", "8,16", "--dists", "wlb",
-                                                  "--strategies", "flashcp2:effort=4", "--price-tokens",
-                                                  "--json", "q.json"])
-    assert quality == ["bench", "--scenario", "quality", "--dist", "wlb", "--cp", "8,16", "--strategies",
-                       "flashcp2:effort=4", "--seqs", "2", "--context-len", "131072", "--seed", "0", "--json",
-                       "q.json", "--price-tokens"]
-    # and the CLI takes what they spell
-    _bench(*quality[1:-3], "--context-len", "4096", "--json", str(tmp_path / "q.json"))
-
-
 def test_snapshot_refuses_a_users_file_before_any_work(tmp_path):
     import subprocess
     import sys
@@ -50,7 +38,7 @@ def test_snapshot_refuses_a_users_file_before_any_work(tmp_path):
     out = tmp_path / "notes.json"
     out.write_text('{"mine": true}\n')
     before = tree(tmp_path)
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "snapshot.py"), str(out), str(tmp_path / "work")],
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "snapshot.py"), str(out), str(tmp_path / "work")],
                             capture_output=True, text=True)
     assert result.returncode == 1 and result.stderr.count("\n") == 1 and "notes.json" in result.stderr
     assert tree(tmp_path) == before and not (tmp_path / "work").exists()
@@ -91,10 +79,10 @@ def test_snapshot_refuses_a_workdir_it_did_not_make(tmp_path):
     (work / "d-wlb" / "plans").mkdir(parents=True)
     (work / "bench.json").write_text('{"format": "flashcp-bench"}\n')
     before = tree(tmp_path)
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "snapshot.py"), str(tmp_path / "out.json"),
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "snapshot.py"), str(tmp_path / "out.json"),
                              str(work)], capture_output=True, text=True)
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
-    assert "was not made by bench/snapshot.py" in result.stderr and "Traceback" not in result.stderr
+    assert "was not made by scripts/snapshot.py" in result.stderr and "Traceback" not in result.stderr
     assert tree(tmp_path) == before
 
 

@@ -6,7 +6,7 @@ from click.testing import CliRunner
 
 from flashcp.cli import cli
 from flashcp.data.dataset import Dataset
-from flashcp.planner.store import PlanStore
+from flashcp.planner.plan_reader import PlanStore
 from tests.audit_helpers import make_dataset, write_greedy_plan
 
 # 32 tokens each

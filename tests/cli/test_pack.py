@@ -17,6 +17,7 @@ from click.testing import CliRunner
 import flashcp.data.pack as pack_module
 from flashcp.cli import cli
 from flashcp.data.dataset import DATA_SCHEMA, Dataset
+from tests.cli.pack_helpers import KILLER, file_hashes
 
 ROOT = Path(__file__).resolve().parents[2]
 EOS = 256  # the byte tokenizer's
@@ -52,11 +53,6 @@ def read_rows(root: Path) -> list[dict]:
     for f in dataset.files:
         rows.extend(pq.read_table(dataset.path(f)).to_pylist())
     return rows
-
-
-def file_hashes(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_output_follows_the_design(tmp_path):
@@ -395,21 +391,6 @@ def test_tokenizer_without_eos_needs_no_eos(tmp_path):
     result = run(*args, "--no-eos")
     assert result.exit_code == 0, result.output
     assert read_rows(tmp_path / "out")[0]["tokens"] == [1, 2, 1, 2, 1, 2, 1, 2]
-
-
-KILLER = """
-import os, signal, sys
-from flashcp.data.dataset import DataFileWriter
-original, calls = DataFileWriter.write, [0]
-def write(self, table):
-    original(self, table)
-    calls[0] += 1
-    if calls[0] == int(os.environ["KILL_AT_GROUP"]):
-        os.kill(os.getpid(), signal.SIGKILL)
-DataFileWriter.write = write
-from flashcp.cli import cli
-cli(sys.argv[1:], prog_name="flashcp")
-"""
 
 
 @pytest.mark.parametrize("overflow, workers, kill_at", [("split", 1, 4), ("split", 2, 7), ("truncate", 1, 5)])

@@ -8,7 +8,7 @@ from flashcp.costmodel.objective import cached_model, plan_step_seconds, sequenc
 from flashcp.costmodel.profile import load_profile
 from flashcp.costmodel.projection import project_step
 from flashcp.costmodel.shape import AttentionShape
-from flashcp.planner.registry import plan_sequence
+from flashcp.planner.planning import plan_sequence
 from tests.naive import naive_sequence_flops
 
 MODEL = cached_model(None, 32, 32, 128, 1)

@@ -11,8 +11,8 @@ from flashcp.costmodel.projection import comm_volumes, local_only_mask, project_
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.costmodel.workload import rank_tokens, workload
 from flashcp.planner.plan import SequencePlan
-from flashcp.runtime.emulate import random_plan
 from flashcp.runtime.meta import build_rank_metas
+from tests.emulate import random_plan
 from tests.naive import naive_exact_need_sent
 from tests.plans import llama3_like_plan, perdoc_like_plan, whole_docs_case
 

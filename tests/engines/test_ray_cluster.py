@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cli.test_pack import file_hashes
-from tests.engines.test_ray_pack import make_corpus, pack_args, run
+from tests.cli.pack_helpers import file_hashes
+from tests.engines.corpus import make_corpus, pack_args, run
 
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")

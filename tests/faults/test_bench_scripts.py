@@ -1,4 +1,4 @@
-"""The fault suite, files the scripts under bench/ write: each goes through the commands' output check.
+"""The fault suite, files the scripts under scripts/ write: each goes through the commands' output check.
 
 Every script that writes a file a user names (``--json FILE``, ``--out DIR``, ``OUT``, ``OUT_DIR``) is pointed at
 a dataset's own files and at a user's file. Each must refuse before any work: exit 1, one sentence on stderr,
@@ -25,8 +25,6 @@ SCRIPTS = [
     ("pack_throughput.py", ["--json", "{target}"]),
     ("plan_speed.py", ["--json", "{target}"]),
     ("train_throughput.py", ["{data}", "--plans", "cp2-llama3", "--json", "{target}"]),
-    ("plan_quality.py", ["--num-seqs", "1", "--cp", "2", "--dists", "wlb", "--strategies", "llama3",
-                         "--json", "{target}"]),
     ("snapshot.py", ["{target}", "{work}"]),
 ]
 
@@ -45,7 +43,7 @@ def template(tmp_path_factory):
 def _script(name, args, target, base):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     argv = [a.format(target=target, data=base / "data", work=base / "work") for a in args]
-    return subprocess.run([sys.executable, str(ROOT / "bench" / name), *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *argv], capture_output=True, text=True,
                           cwd=base, env=env, timeout=120)
 
 
@@ -88,7 +86,7 @@ def test_gpu_check_out_never_writes_into_a_dataset(template):
 
 def test_audit_table2_never_writes_into_a_dataset(template):
     before = tree(template)
-    result = subprocess.run(["bash", str(ROOT / "bench" / "audit_table2.sh"), str(template / "data")],
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "audit_table2.sh"), str(template / "data")],
                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
                             timeout=120)
     _refused(result, "OUT_DIR", "lies inside the dataset")

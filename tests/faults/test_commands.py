@@ -310,16 +310,16 @@ def test_malformed_plan_json(ws, content):
 
 
 def test_plan_on_a_full_disk(ws, monkeypatch):
-    import flashcp.planner.store as store
+    import flashcp.planner.plan_writer as plan_writer
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store.PlanFileWriter, "write", full)  # the disk fills while a plan file is written
+    monkeypatch.setattr(plan_writer.PlanFileWriter, "write", full)  # the disk fills while a plan file is written
     unchanged(ws, ["plan", ws / "data", "--cp", 2, "--strategy", "flashcp", "--force"], "No space left on device")
     unchanged(ws, ["plan", ws / "data", "--cp", 4, "--strategy", "flashcp"], "No space left on device")
     monkeypatch.undo()
-    monkeypatch.setattr(store, "write_json_atomic", full)
+    monkeypatch.setattr(plan_writer, "write_json_atomic", full)
     unchanged(ws, ["plan", ws / "data", "--cp", 2, "--strategy", "flashcp", "--force"], "No space left on device")
 
 

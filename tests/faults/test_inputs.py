@@ -417,7 +417,7 @@ def test_plan_sequence_polishes_with_effort_ilp(monkeypatch):
     import numpy as np
 
     import flashcp.planner.ilp.polish as polish_module
-    from flashcp.planner.registry import plan_sequence
+    from flashcp.planner.planning import plan_sequence
 
     lens = np.array([5000, 300, 1200, 700, 985, 1800], np.int64)
     calls, real = [], polish_module.polish_plan

@@ -73,7 +73,8 @@ def test_an_edited_registry_is_not_served_from_the_cache(data, tmp_path):
 
 REGISTER = """
 import json, sys
-from flashcp.planner.registry import Strategy, plan_sequence, register
+from flashcp.planner.planning import plan_sequence
+from flashcp.planner.registry import Strategy, register
 from flashcp.planner.strategies import baselines
 register(Strategy(name="mine", defaults={{}}, kernel=baselines.{kernel}, description="mine"))
 lens = [900, 50, 3000, 146]

@@ -104,11 +104,11 @@ def test_plan_killed_then_rerun(ws, tmp_path, point):
     old = tree(data / "plans" / "cp2-flashcp")
     args = ["plan", data, "--cp", 2, "--strategy", "flashcp", "--force"]  # replaces the 1.2 plan with the default 1.05
     if point == "building":
-        killed(args, "flashcp.planner.store", "PlanFileWriter:write", 2)
+        killed(args, "flashcp.planner.plan_writer", "PlanFileWriter:write", 2)
         assert tree(data / "plans" / "cp2-flashcp") == old
         assert run("show", data, "--plan", "cp2-flashcp").exit_code == 0
     else:
-        killed(args, "flashcp.planner.store", "replace_dir", 1, when="after")
+        killed(args, "flashcp.planner.plan_writer", "replace_dir", 1, when="after")
         assert tree(data / "plans" / "cp2-flashcp") != old  # the new plan is in place
     leftovers = [p.name for p in (data / "plans").iterdir() if p.name.startswith(".cp2-flashcp.")
                  and p.name.endswith(".tmp")]

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from tests.dist import free_port
+from flashcp.train.launch import free_port
 from tests.faults.workspace import (
     ROOT,
     ReadOnly,
@@ -108,10 +108,10 @@ def test_bench_scripts_check_json_before_running(ws):
     import sys
 
     before = tree(ws)
-    result = subprocess.run([sys.executable, ROOT / "bench" / "pack_throughput.py", "--json", ws / "notes.txt"],
+    result = subprocess.run([sys.executable, ROOT / "scripts" / "pack_throughput.py", "--json", ws / "notes.txt"],
                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert result.returncode == 1 and tree(ws) == before
-    assert result.stderr.count("\n") == 1 and "is not a bench/pack_throughput.py report" in result.stderr
+    assert result.stderr.count("\n") == 1 and "is not a scripts/pack_throughput.py report" in result.stderr
 
 
 # ---- --ckpt ----

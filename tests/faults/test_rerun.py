@@ -14,7 +14,7 @@ import sysconfig
 import pytest
 
 from tests.faults.workspace import docs, one_sentence, pack_args, run, tree, unchanged, write_jsonl
-from tests.test_first_contact import readme_main_job
+from tests.readme import readme_main_job
 
 
 def test_the_readme_plan_commands_run_twice(tmp_path, monkeypatch):

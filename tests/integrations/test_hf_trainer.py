@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -39,10 +36,11 @@ pytest.importorskip("accelerate")
 
 from flashcp.runtime import CPLoader  # noqa: E402
 from flashcp.runtime.loader import IGNORE_INDEX  # noqa: E402
-from tests.dist import free_port  # noqa: E402
+from tests.dist import torchrun  # noqa: E402
+from tests.equivalence import planned_dataset  # noqa: E402
 from tests.hf_trainer_worker import LR, SEED, make_model, training_arguments  # noqa: E402
 from tests.integrations.hf_zoo import tiny_model  # noqa: E402
-from tests.plans import random_rows, write_dataset, write_plan  # noqa: E402
+from tests.plans import random_rows  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 HAS_TRL = importlib.util.find_spec("trl") is not None
@@ -53,30 +51,27 @@ LOSS_TOL, GRAD_NORM_RTOL, PARAM_TOL = 1e-5, 1e-5, 1e-2 * LR
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
     """The dataset with plans ``cp1``, ``cp2``, ``cp4`` (flashcp strategy) and its sequences by (file, row)."""
-    from flashcp.planner.registry import plan_sequence
+    from flashcp.planner.planning import plan_sequence
 
     root = tmp_path_factory.mktemp("hf_trainer") / "data"
     rng = np.random.default_rng(5)
     rows = random_rows(rng, NUM_SEQS, CONTEXT, (3, 9))
     rows[1] = np.r_[1, 1, 200, 54]  # one-token documents and one long document spread over every rank
-    dataset, tokens = write_dataset(root, [rows], CONTEXT, rng, row_group_rows=4, vocab_size=64)
-    for cp in (1, 2, 4):
-        write_plan(dataset, f"cp{cp}", [[plan_sequence("flashcp", lens, cp) for lens in rows]], cp)
-    return root, {(0, i): (tokens[0][i], rows[i]) for i in range(NUM_SEQS)}
+    plans = {f"cp{cp}": (partial(plan_sequence, "flashcp"), cp) for cp in (1, 2, 4)}
+    sequences = planned_dataset(root, rows, CONTEXT, rng, plans, row_group_rows=4, vocab_size=64)
+    return root, {(0, i): sequence for i, sequence in enumerate(sequences)}
 
 
 @pytest.fixture(scope="module")
 def eval_planned(tmp_path_factory):
     """The evaluation dataset: 5 packed sequences with plans ``cp1`` and ``cp2``, and its sequences in file order."""
-    from flashcp.planner.registry import plan_sequence
+    from flashcp.planner.planning import plan_sequence
 
     root = tmp_path_factory.mktemp("hf_trainer_eval") / "eval"
     rng = np.random.default_rng(11)
     rows = random_rows(rng, NUM_EVAL_SEQS, CONTEXT, (2, 7))
-    dataset, tokens = write_dataset(root, [rows], CONTEXT, rng, row_group_rows=2, vocab_size=64)
-    for cp in (1, 2):
-        write_plan(dataset, f"cp{cp}", [[plan_sequence("flashcp", lens, cp) for lens in rows]], cp)
-    return root, [(tokens[0][i], rows[i]) for i in range(NUM_EVAL_SEQS)]
+    plans = {f"cp{cp}": (partial(plan_sequence, "flashcp"), cp) for cp in (1, 2)}
+    return root, planned_dataset(root, rows, CONTEXT, rng, plans, row_group_rows=2, vocab_size=64)
 
 
 def stream_order(root, count: int, *, shuffle: bool) -> list[tuple[int, int]]:
@@ -160,18 +155,8 @@ def launch(world: int, root, out: Path, cases: list[dict]) -> dict[str, dict]:
     out.mkdir(parents=True, exist_ok=True)
     spec = out / "spec.json"
     spec.write_text(json.dumps({"data": str(root), "out": str(out), "cases": cases}))
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
-               str(free_port()), str(REPO / "tests" / "hf_trainer_worker.py"), str(spec)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=REPO, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the ranks did not finish within 600 s:\n{output[-5000:]}")
-    assert proc.returncode == 0, output[-5000:]
+    returncode, output = torchrun(REPO / "tests" / "hf_trainer_worker.py", spec, nproc=world, timeout=600)
+    assert returncode == 0, output[-5000:]
     return {case["name"]: torch.load(out / f"{case['name']}.pt", weights_only=False) for case in cases}
 
 

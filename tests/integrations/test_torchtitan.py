@@ -29,6 +29,7 @@ VarlenAttention needs CUDA.
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import numpy as np
 import pytest
@@ -52,14 +53,24 @@ from flashcp.integrations.torchtitan import (  # noqa: E402
     titan_loss_sum,
     titan_model_config,
 )
-from flashcp.planner.registry import plan_sequence  # noqa: E402
+from flashcp.planner.planning import plan_sequence  # noqa: E402
 from flashcp.runtime import CPAttention, CPAttnMeta, CPLoader  # noqa: E402
-from flashcp.train import fold_vocab, train_step  # noqa: E402
 from flashcp.train.loop import TrainOptions, run_training  # noqa: E402
 from flashcp.train.parallel import full_parameters  # noqa: E402
 from tests.dist import spawn  # noqa: E402
-from tests.naive import naive_document_attention, naive_sequence_views  # noqa: E402
-from tests.plans import random_rows, write_dataset, write_plan  # noqa: E402
+from tests.equivalence import (  # noqa: E402
+    Reference,
+    equivalence_failure,
+    global_batch_training,
+    loss_error,
+    max_difference,
+    planned_dataset,
+    refusal_failures,
+    stream_batches,
+    train_steps,
+)
+from tests.naive import naive_document_attention  # noqa: E402
+from tests.plans import random_rows  # noqa: E402
 
 CONTEXT, NUM_SEQS, STEPS = 512, 4, 3
 VOCAB, DIM, LAYERS, HEADS, KV_HEADS = 64, 32, 2, 4, 2
@@ -70,6 +81,7 @@ LOSS_RTOL, PARAM_TOL = 4 * torch.finfo(torch.float32).eps, 1e-8
 ARCHS = ("llama3", "qwen3")
 STRATEGIES = ("flashcp2", "llama3")
 COMMS = ("a2a", "allgather")
+TITAN_LOSS = CrossEntropyLoss.Config().build()
 MESHES = {  # world size -> (label, torchtitan parallelism degrees, sharding)
     2: (("cp2", dict(context_parallel_degree=2, data_parallel_shard_degree=1), "replicate"),
         ("cp2 fsdp", dict(context_parallel_degree=2, data_parallel_shard_degree=1), "fsdp")),
@@ -92,28 +104,19 @@ class DenseDocumentAttention(nn.Module):
         return naive_document_attention(q_BLNH[0], k_BLNH[0], v_BLNH[0], attention_masks, scale)[None]
 
 
-def global_batch_training(arch: str, sequences, dp: int) -> tuple[list[float], dict]:
+def titan_forward_loss(model, ids, positions, labels, doc_lens):
+    """torchtitan's model on one whole sequence (dense document-masked attention) and torchtitan's loss, summed."""
+    pred = model(ids[None], positions=positions[None], attention_masks=doc_lens)
+    return TITAN_LOSS(pred, labels[None])[0]
+
+
+def reference_training(arch: str, sequences, dp: int) -> Reference:
     """One process: step s on the stream's sequences [s*dp, (s+1)*dp); torchtitan's model and loss."""
     model = make_model(arch)
     for layer in model.layers.values():
         layer.attention.inner_attention = DenseDocumentAttention()
-    loss_fn = CrossEntropyLoss.Config().build()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    losses = []
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        total, labels_total = 0, 0
-        for g in range(step * dp, (step + 1) * dp):
-            tokens, doc_lens = sequences[g % len(sequences)]
-            ids, positions, labels = naive_sequence_views(tokens, doc_lens, VOCAB)
-            pred = model(ids[None], positions=positions[None], attention_masks=doc_lens)
-            total = total + loss_fn(pred, labels[None])[0]
-            labels_total += int((labels != -100).sum())
-        loss = total / labels_total
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return global_batch_training(model, titan_forward_loss, stream_batches(sequences, dp, STEPS), vocab_size=VOCAB,
+                                 lr=LR, weight_decay=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -122,36 +125,15 @@ def planned(tmp_path_factory):
     rng = np.random.default_rng(8)
     rows = random_rows(rng, NUM_SEQS, CONTEXT, (2, 7))
     rows[1] = np.r_[1, 1, CONTEXT - 3, 1]  # one-token documents and one document over every rank
-    dataset, tokens = write_dataset(root, [rows], CONTEXT, rng, row_group_rows=2)
-    for strategy in STRATEGIES:
-        write_plan(dataset, f"cp2-{strategy}", [[plan_sequence(strategy, lens, 2) for lens in rows]], 2)
-    sequences = list(zip(tokens[0], rows))
-    references = {(dp, arch): global_batch_training(arch, sequences, dp) for dp in (1, 2) for arch in ARCHS}
+    plans = {f"cp2-{strategy}": (partial(plan_sequence, strategy), 2) for strategy in STRATEGIES}
+    sequences = planned_dataset(root, rows, CONTEXT, rng, plans, row_group_rows=2)
+    references = {(dp, arch): reference_training(arch, sequences, dp) for dp in (1, 2) for arch in ARCHS}
     return str(root), references
 
 
 def _train(model, optimizer, loader, meshes, comm, steps):
-    losses, batches = [], iter(())
-    while len(losses) < steps:
-        batch = next(batches, None)
-        if batch is None:
-            batches = iter(loader)
-            continue
-        losses.append(train_step(model, optimizer, fold_vocab(batch, VOCAB), titan_loss_sum, groups=meshes.groups,
-                                 comm=comm).loss)
-    return losses
-
-
-def _loss_error(losses, ref_losses) -> float:
-    """Largest relative loss difference."""
-    return max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
-
-
-def _errors(losses, params, reference) -> tuple[float, float]:
-    ref_losses, ref_params = reference
-    loss_err = _loss_error(losses, ref_losses)
-    param_err = max((params[n] - ref).abs().max().item() for n, ref in ref_params.items())
-    return loss_err, param_err
+    return train_steps(model, optimizer, loader, titan_loss_sum, steps=steps, vocab_size=VOCAB, groups=meshes.groups,
+                       comm=comm)
 
 
 def _worker(rank, world, root, references, ckpt_dir):
@@ -166,10 +148,9 @@ def _worker(rank, world, root, references, ckpt_dir):
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
             loader = CPLoader.from_mesh(root, f"cp2-{strategy}", meshes.mesh, shuffle=False, balance_window=0)
             losses = _train(model, optimizer, loader, meshes, comm, STEPS)
-            loss_err, param_err = _errors(losses, full_parameters(model), references[meshes.groups.dp_size, arch])
-            if not (loss_err <= LOSS_RTOL and param_err <= PARAM_TOL):
-                failures.append(f"{label} {arch} plan={strategy} comm={comm}: max rel loss err {loss_err:.2e}, "
-                                f"max |param err| {param_err:.2e}")
+            failures += equivalence_failure(f"{label} {arch} plan={strategy} comm={comm}", losses,
+                                            full_parameters(model), references[meshes.groups.dp_size, arch],
+                                            loss_tol=LOSS_RTOL, param_tol=PARAM_TOL, relative=True)
     if world == 2:
         failures += _sharded_build_checks(root, references)
     if world == 4:
@@ -200,7 +181,7 @@ def _sharded_build_checks(root, references):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     loader = CPLoader.from_mesh(root, "cp2-flashcp2", meshes.mesh, shuffle=False, balance_window=0)
     losses = _train(model, optimizer, loader, meshes, "a2a", STEPS)
-    ref_losses = references[1, "qwen3"][0]  # same data, the unsharded draw's weights
+    ref_losses = references[1, "qwen3"].losses  # same data, the unsharded draw's weights
     if not all(abs(a - b) < 0.05 * b for a, b in zip(losses, ref_losses, strict=True)):
         failures.append(f"meta-sharded model: losses {losses}, unsharded draw {ref_losses}")
     return failures
@@ -217,30 +198,21 @@ def _loop_checks(root, references, ckpt_dir):
     first = run_training(TrainOptions(**options, steps=2), build_model=build_model)
     second = run_training(TrainOptions(**options, steps=3, resume=True), build_model=build_model)
     losses = [s.loss for s in first + second]
-    ref_losses = references[2, "llama3"][0]
-    err = _loss_error(losses, ref_losses)
+    err = loss_error(losses, references[2, "llama3"].losses, relative=True)
     if [s.step for s in first + second] != [1, 2, 3] or not err <= LOSS_RTOL:
         failures.append(f"loop titan-llama3 steps {[s.step for s in first + second]}, max rel loss err {err:.2e}")
     return failures
 
 
 def _refusals(root):
-    failures = []
-    cases = [(lambda: TitanMeshes.from_parallelism(ParallelismConfig(tensor_parallel_degree=2)),
-              ValueError, "flashcp trains with data and context parallelism only, got tensor parallel degree 2"),
-             (lambda: TitanMeshes.from_parallelism(ParallelismConfig(context_parallel_degree=3)),
-              ValueError, "torchtitan's parallel degrees do not fit 4 ranks"),
-             (lambda: CPLoader.from_mesh(root, "cp2-llama3", TitanMeshes.from_parallelism(
-                 ParallelismConfig(context_parallel_degree=4)).mesh),
-              FlashcpError, "plan 'cp2-llama3' was made for cp 2 but the device mesh's 'cp' dimension has 4 ranks")]
-    for make, error, expected in cases:
-        try:
-            make()
-            failures.append(f"accepted: expected '{expected}'")
-        except error as e:
-            if expected not in str(e):
-                failures.append(f"refusal says '{e}', expected '{expected}'")
-    return failures
+    return refusal_failures([
+        (lambda: TitanMeshes.from_parallelism(ParallelismConfig(tensor_parallel_degree=2)),
+         ValueError, "flashcp trains with data and context parallelism only, got tensor parallel degree 2"),
+        (lambda: TitanMeshes.from_parallelism(ParallelismConfig(context_parallel_degree=3)),
+         ValueError, "torchtitan's parallel degrees do not fit 4 ranks"),
+        (lambda: CPLoader.from_mesh(root, "cp2-llama3", TitanMeshes.from_parallelism(
+            ParallelismConfig(context_parallel_degree=4)).mesh),
+         FlashcpError, "plan 'cp2-llama3' was made for cp 2 but the device mesh's 'cp' dimension has 4 ranks")])
 
 
 @pytest.mark.parametrize("world", sorted(MESHES))
@@ -253,8 +225,7 @@ def test_the_global_batches_differ_between_dp_sizes(planned):
     # dp 1 and dp 2 train on other global batches: equal numbers above are not equal by accident
     _, references = planned
     for arch in ARCHS:
-        a, b = references[1, arch][1], references[2, arch][1]
-        assert max((a[n] - b[n]).abs().max().item() for n in a) > 1e-4, arch
+        assert max_difference(references[1, arch].params, references[2, arch].params) > 1e-4, arch
 
 
 def _whole_sequence(seed: int = 0):

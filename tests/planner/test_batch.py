@@ -42,8 +42,9 @@ def test_one_registry_entry_plans_with_a_new_kernel(toy):
         ring = ring_plan(lens, cp)  # the same chunks, rank i's on rank cp - 1 - i
         expected = sorted(zip(cp - 1 - ring.shard_rank, ring.shard_doc, ring.shard_start, ring.shard_len))
         assert list(zip(plan.shard_rank, plan.shard_doc, plan.shard_start, plan.shard_len)) == expected
-    assert not toy.built_in and not isinstance(batch._dispatcher(toy.name)._cache, _numba._KernelCache)
-    assert isinstance(batch._dispatcher("flashcp")._cache, _numba._KernelCache)  # flashcp's own cache on disk
+    assert not toy.built_in and not isinstance(batch._dispatcher(toy)._cache, _numba._KernelCache)
+    flashcp_loop = batch._dispatcher(STRATEGIES["flashcp"])
+    assert isinstance(flashcp_loop._cache, _numba._KernelCache)  # flashcp's own cache on disk
 
 
 def test_the_command_line_plans_and_verifies_with_it(toy, tmp_path):
@@ -70,7 +71,7 @@ def test_plan_batch_rows_are_the_single_sequence_plans():
     lens = [rng.integers(1, 3000, rng.integers(1, 15)) for _ in range(7)]
     offsets = np.r_[0, np.cumsum([x.size for x in lens])].astype(np.int64)
     flat = np.concatenate(lens).astype(np.int64)
-    shard_offsets, *arrays = batch.plan_batch(offsets, flat, 4, "flashcp", target=1.05)
+    shard_offsets, *arrays = batch.plan_batch(offsets, flat, 4, STRATEGIES["flashcp"], target=1.05)
     for row, row_lens in enumerate(lens):
         one = plan_sequence("flashcp", row_lens, 4)
         lo, hi = shard_offsets[row], shard_offsets[row + 1]

@@ -7,7 +7,7 @@ import pytest
 from flashcp.errors import PlanError
 from flashcp.planner import check
 from flashcp.planner.plan import SequencePlan
-from flashcp.planner.registry import plan_sequence
+from flashcp.planner.planning import plan_sequence
 
 
 def _broken_plans():

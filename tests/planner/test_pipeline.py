@@ -15,9 +15,10 @@ from click.testing import CliRunner
 from flashcp.cli import cli
 from flashcp.costmodel.objective import cached_model, plan_step_seconds
 from flashcp.data.dataset import Dataset
-from flashcp.planner import pipeline, store
-from flashcp.planner.pipeline import BASELINES, plan_rows, read_row_group_lens, strategy_metrics
-from flashcp.planner.registry import plan_sequence
+from flashcp.planner import compare, pipeline, plan_writer
+from flashcp.planner.compare import BASELINES
+from flashcp.planner.pipeline import read_row_group_lens
+from flashcp.planner.planning import plan_rows, plan_sequence, strategy_metrics
 
 GROUP_ROWS = 1024
 """Rows per row group of a lengths-only ``synth`` dataset."""
@@ -69,7 +70,7 @@ def test_many_rows_hold_one_row_group_of_plans(tmp_path, monkeypatch):
         return result
 
     writes = []
-    write = store.PlanFileWriter.write
+    write = plan_writer.PlanFileWriter.write
 
     def counted(self, table):
         writes.append(table.num_rows)
@@ -77,7 +78,8 @@ def test_many_rows_hold_one_row_group_of_plans(tmp_path, monkeypatch):
         write(self, table)
 
     monkeypatch.setattr(pipeline, "plan_rows", tracked)
-    monkeypatch.setattr(store.PlanFileWriter, "write", counted)
+    monkeypatch.setattr(compare, "plan_rows", tracked)  # the baselines
+    monkeypatch.setattr(plan_writer.PlanFileWriter, "write", counted)
     result = run("plan", root, "--cp", 4, "--strategy", "flashcp+", "--compare", 10_000)  # every row compared
     assert result.exit_code == 0, result.output
     assert writes == [GROUP_ROWS] * 3 + [GROUP_ROWS, 100], "one plan row group per data row group"

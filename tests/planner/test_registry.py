@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given
 
 from flashcp.costmodel.workload import token_quotas
-from flashcp.planner.pipeline import plan_rows, strategy_metrics
 from flashcp.planner.plan import check_metrics
+from flashcp.planner.planning import plan_rows, plan_sequence, strategy_metrics
 from flashcp.planner.registry import STRATEGIES as REGISTRY
-from flashcp.planner.registry import get_strategy, plan_sequence
+from flashcp.planner.registry import get_strategy
 from tests.naive import (
     naive_workload,
 )
@@ -125,7 +125,7 @@ def test_strategy_metrics_helper():
 
 @pytest.mark.parametrize("dist", ["wlb", "prolong", "pile"])
 def test_quality_on_synthetic_sequences(dist):
-    # seeded checks at the paper's scale; bench/plan_quality.py reports the full numbers
+    # seeded checks at the paper's scale; `flashcp bench --scenario quality` reports the full numbers
     from flashcp.data.synth import load_distribution, pack_lengths
 
     offsets, lens, _, _, _ = pack_lengths(load_distribution(dist), np.random.default_rng(11), 150, 131072)

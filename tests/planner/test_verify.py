@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 from click.testing import CliRunner
 
 from flashcp.cli import cli
-from flashcp.planner.store import plan_table, write_plan_file
+from flashcp.planner.plan_writer import plan_table, write_plan_file
 from flashcp.planner.verify import verify_dataset
 
 

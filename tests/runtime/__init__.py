@@ -1,11 +1,13 @@
 """Helpers of the runtime tests: random inputs, float64 reference checks of emulated plans."""
 
+import math
+
 import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from flashcp.runtime.emulate import emulate_cp_attention, random_plan
 from flashcp.runtime.meta import COMM_MODES
+from tests.emulate import emulate_cp_attention, random_plan
 from tests.naive import naive_document_attention
 
 TOL = 1e-10
@@ -18,6 +20,17 @@ def qkv(context_len, num_heads, num_kv_heads, head_dim=8, seed=0):
         return torch.randn(context_len, h, head_dim, dtype=torch.float64, generator=gen, requires_grad=True)
 
     return rand(num_heads), rand(num_kv_heads), rand(num_kv_heads)
+
+
+def dense(q, k, v, causal):
+    """Plain attention of one sequence in q's dtype (bottom-right causal or none): (out (n, H, D), lse (n, H))."""
+    group = q.shape[1] // k.shape[1]
+    kf, vf = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, kf) / math.sqrt(q.shape[-1])
+    if causal:
+        keep = torch.arange(k.shape[0])[None] <= torch.arange(q.shape[0])[:, None] + k.shape[0] - q.shape[0]
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vf), torch.logsumexp(scores, -1).T
 
 
 def max_errors(out, ref, inputs, grad_out, ref_grads):

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from flashcp.planner.store import PlanStore
+from flashcp.planner.plan_reader import PlanStore
 from flashcp.runtime import CPLoader
 from flashcp.runtime.balance import balanced_epoch, balanced_order, step_efficiency
-from flashcp.runtime.emulate import random_plan
 from flashcp.runtime.loader import stream_rows
+from tests.emulate import random_plan
 from tests.plans import write_dataset, write_plan
 
 CONTEXT = 32

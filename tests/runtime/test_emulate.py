@@ -1,4 +1,4 @@
-"""The single-process emulation of every rank (flashcp.runtime.emulate) against float64 dense attention with a document
+"""The single-process emulation of every rank (tests.emulate) against float64 dense attention with a document
 mask, on random and baseline plans, every comm mode."""
 
 import numpy as np

@@ -4,21 +4,20 @@ The fakes enforce what the real kernels enforce and compute in float64; flashcp'
 compared with a float64 dense reference on the same bf16 inputs, the error bounded by twice that of a plain
 bf16 implementation (as flash-attention's own tests do). Also: how ``auto`` chooses (compute capability,
 dtype, head dim, a broken or old install) and what it says. The gloo runs of ``cp_attention`` through each
-fake are in test_kernel_backends_dist.py.
+fake are in test_kernels_dist.py.
 """
 
-import math
 import warnings
 
 import numpy as np
 import pytest
 import torch
 
-from flashcp.runtime import cp_attention, kernels
-from flashcp.runtime.emulate import emulate_cp_attention, random_plan
+from flashcp.runtime import cp_attention
 from flashcp.runtime.kernels import (
     BackendFallbackWarning,
     BackendUnavailableError,
+    library,
     resolve_backend,
     varlen_attention,
     varlen_attention_backward,
@@ -26,9 +25,10 @@ from flashcp.runtime.kernels import (
 )
 from flashcp.runtime.meta import rank_token_positions
 from tests import fake_kernels
+from tests.emulate import emulate_cp_attention, random_plan
 from tests.fake_kernels import BACKEND_OF, FAKES
 from tests.naive import naive_document_attention
-from tests.runtime import TOL, qkv
+from tests.runtime import TOL, dense, qkv
 
 BLOCKWISE_FAKES = tuple(f for f in FAKES if f != "flash_attn-2.5")
 
@@ -52,17 +52,6 @@ def cu(lengths):
 
 def bf16(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-
-
-def dense(q, k, v, causal):
-    """One sequence, any dtype: (out (n, H, D), lse (n, H)); bottom-right causal or none."""
-    group = q.shape[1] // k.shape[1]
-    kf, vf = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, kf) / math.sqrt(q.shape[-1])
-    if causal:
-        keep = torch.arange(k.shape[0])[None] <= torch.arange(q.shape[0])[:, None] + k.shape[0] - q.shape[0]
-        scores = scores.masked_fill(~keep, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vf), torch.logsumexp(scores, -1).T
 
 
 def packed_dense(q, k, v, q_lens, k_lens, causal):
@@ -224,7 +213,7 @@ def test_custom_op_parameters_come_from_the_schema(installed):
     from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
     assert str(inspect.signature(_flash_attn_varlen_backward)) == "(*args, **kwargs)"  # what finding 1 read
-    params = kernels._parameters(_flash_attn_varlen_backward)
+    params = library.parameters(_flash_attn_varlen_backward)
     assert list(params)[:6] == ["dout", "q", "k", "v", "out", "softmax_lse"]
     assert params["dq"] and params["window_size_left"] and not params["zero_tensors"]
 
@@ -232,7 +221,7 @@ def test_custom_op_parameters_come_from_the_schema(installed):
         return None
 
     with pytest.raises(BackendUnavailableError, match="declares no parameter names"):
-        kernels._parameters(opaque)
+        library.parameters(opaque)
 
 
 # ---------------------------------------------------------------- how auto chooses, and what it says

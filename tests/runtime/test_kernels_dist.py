@@ -15,11 +15,11 @@ import torch
 
 from flashcp.planner.strategies.baselines import ring_plan
 from flashcp.runtime import CPAttnMeta, cp_attention
-from flashcp.runtime.emulate import random_plan
 from flashcp.runtime.kernels import BackendFallbackWarning
 from flashcp.runtime.meta import rank_token_positions
 from tests import fake_kernels
 from tests.dist import spawn
+from tests.emulate import random_plan
 from tests.fake_kernels import BACKEND_OF, FAKES
 from tests.naive import naive_document_attention
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from flashcp.planner import plan_sequence
-from flashcp.runtime.emulate import emulate_cp_attention
 from flashcp.runtime.kernels import GPU_BACKENDS, backend_available
+from tests.emulate import emulate_cp_attention
 from tests.naive import naive_document_attention
 
 pytestmark = pytest.mark.gpu

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from flashcp.runtime import cp_attention
-from flashcp.runtime.emulate import random_plan
 from flashcp.runtime.kernels import BackendFallbackWarning, BackendUnavailableError, resolve_backend
 from flashcp.runtime.layer_kinds import LayerKind
 from flashcp.runtime.meta import CPAttnMeta, rank_token_positions
 from tests import fake_kernels
 from tests.dist import spawn
+from tests.emulate import random_plan
 from tests.naive import naive_document_attention
-from tests.runtime.test_attention import build_cases, max_abs
+from tests.runtime.attention_cases import build_cases, max_abs
 
 TOL = 1e-10
 COMMS = ("allgather", "a2a", "full")

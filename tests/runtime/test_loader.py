@@ -8,7 +8,7 @@ import pytest
 from flashcp.errors import FlashcpError, StalePlanError
 from flashcp.planner.plan import SequencePlan
 from flashcp.runtime import CPLoader
-from flashcp.runtime.emulate import random_plan
+from tests.emulate import random_plan
 from tests.plans import write_dataset, write_plan
 
 CONTEXT = 24

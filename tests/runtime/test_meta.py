@@ -1,7 +1,6 @@
 """The per-rank attention meta (flashcp.runtime.meta): comm numbers equal to the cost model, local-only shards,
 inactive exchanges, moving to a device once (no process group)."""
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -11,10 +10,10 @@ from flashcp.costmodel.comm import allgather_contributions, exact_need_received
 from flashcp.costmodel.workload import token_quotas
 from flashcp.planner.plan import SequencePlan
 from flashcp.runtime import CPAttnMeta, cp_attention
-from flashcp.runtime.emulate import random_plan
 from flashcp.runtime.meta import COLLECTIVE_MODES, build_rank_metas, rank_token_positions
+from tests.emulate import random_plan
 from tests.naive import naive_document_attention
-from tests.naive_meta import naive_rank_metas
+from tests.naive_meta import assert_same_meta, naive_rank_metas
 from tests.plans import llama3_like_plan, plan_builders, whole_docs_case
 from tests.runtime import TOL, qkv
 
@@ -93,28 +92,6 @@ def test_meta_moves_once_and_checks_inputs():
     assert meta.resolve_comm("auto") == meta.auto_comm and meta.resolve_comm("ring") == "ring"
 
 
-def _assert_same(got, expected, where="meta"):
-    """``got`` equals ``expected`` field by field: tensors in dtype, shape and value, every nested field."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == expected.dtype, where
-        assert got.shape == expected.shape and torch.equal(got, expected), f"{where}: {got} != {expected}"
-    elif isinstance(expected, dict):
-        assert got.keys() == expected.keys(), where
-        for key in expected:
-            _assert_same(got[key], expected[key], f"{where}[{key!r}]")
-    elif isinstance(expected, tuple):
-        assert isinstance(got, tuple) and len(got) == len(expected), where
-        for i, (a, b) in enumerate(zip(got, expected)):
-            _assert_same(a, b, f"{where}[{i}]")
-    elif dataclasses.is_dataclass(expected):
-        assert type(got) is type(expected), where
-        for f in dataclasses.fields(expected):
-            if f.init:
-                _assert_same(getattr(got, f.name), getattr(expected, f.name), f"{where}.{f.name}")
-    else:
-        assert type(got) is type(expected) and got == expected, f"{where}: {got!r} != {expected!r}"
-
-
 def _random_cases(seed: int, trials: int):
     rng = np.random.default_rng(seed)
     builders = plan_builders()
@@ -141,9 +118,9 @@ def test_a_rank_alone_builds_the_meta_the_whole_sequence_maps_give(seed):
     for name, doc_lens, plan in _random_cases(seed, 60):
         expected = naive_rank_metas(plan, doc_lens)
         for rank in range(plan.cp):
-            _assert_same(CPAttnMeta.from_plan(plan, doc_lens, rank), expected[rank],
+            assert_same_meta(CPAttnMeta.from_plan(plan, doc_lens, rank), expected[rank],
                          f"{name} cp={plan.cp} doc_lens={doc_lens.tolist()} rank {rank}")
     for cp in (1, 2, 5):  # whole documents: nothing moves
         doc_lens, plan = whole_docs_case(40, cp, np.random.default_rng(seed))
         for rank, expected in enumerate(naive_rank_metas(plan, doc_lens)):
-            _assert_same(CPAttnMeta.from_plan(plan, doc_lens, rank), expected, f"whole cp={cp} rank {rank}")
+            assert_same_meta(CPAttnMeta.from_plan(plan, doc_lens, rank), expected, f"whole cp={cp} rank {rank}")

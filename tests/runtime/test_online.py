@@ -10,8 +10,8 @@ from flashcp.errors import FlashcpError
 from flashcp.planner.pipeline import plan_dataset
 from flashcp.planner.registry import DEFAULT_STRATEGY
 from flashcp.runtime import CPLoader
+from tests.naive_meta import assert_same_meta
 from tests.plans import write_dataset
-from tests.runtime.test_meta import _assert_same
 
 CONTEXT, CP = 512, 2
 
@@ -40,7 +40,7 @@ def _same_batches(got, expected):
         for name in ("input_ids", "position_ids", "labels"):
             assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
         assert a.num_label_tokens == b.num_label_tokens
-        _assert_same(a.attn, b.attn, f"file {a.file_index} row {a.row} rank {a.attn.rank}")
+        assert_same_meta(a.attn, b.attn, f"file {a.file_index} row {a.row} rank {a.attn.rank}")
 
 
 @pytest.mark.parametrize("dp", [1, 2])

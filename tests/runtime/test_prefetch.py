@@ -5,8 +5,8 @@ import pytest
 
 from flashcp.errors import FlashcpError
 from flashcp.runtime import CPLoader
-from flashcp.runtime.emulate import random_plan
 from flashcp.runtime.prefetch import Prefetcher
+from tests.emulate import random_plan
 from tests.plans import write_dataset, write_plan
 
 CONTEXT, CP = 16, 2

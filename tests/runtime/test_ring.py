@@ -3,7 +3,6 @@
 The gloo runs of ``comm="ring"`` (2-4 ranks, bytes moved per step) are in test_runtime_dist.py.
 """
 
-import math
 
 import numpy as np
 import pytest
@@ -14,18 +13,20 @@ from hypothesis import strategies as st
 from flashcp.costmodel.comm import ring_comm_tokens, ring_step_work
 from flashcp.costmodel.workload import rank_workloads, token_quotas
 from flashcp.planner.strategies.baselines import ring_plan
-from flashcp.runtime import CPAttnMeta, cp_attention, kernels
-from flashcp.runtime.emulate import emulate_cp_attention, random_plan
+from flashcp.runtime import CPAttnMeta, cp_attention
 from flashcp.runtime.kernels import (
     BackendUnavailableError,
+    reference,
     varlen_attention,
     varlen_attention_backward,
     varlen_attention_forward,
 )
 from flashcp.runtime.meta import build_rank_metas, rank_token_positions
 from flashcp.runtime.ring import merge_partial
+from tests.emulate import emulate_cp_attention, random_plan
 from tests.naive import naive_document_attention, naive_ring_comm, naive_ring_plan, naive_ring_step_work
 from tests.plans import llama3_like_plan, perdoc_like_plan
+from tests.runtime import dense
 
 TOL = 1e-10
 
@@ -152,23 +153,12 @@ def test_ring_layout_steps_read_slices_not_copies():
 
 # ---------------------------------------------------------------- kernels and merge
 
-def dense(q, k, v, causal):
-    """Plain attention of one sequence (bottom-right causal or none), (n, H, D), and its lse (n, H)."""
-    group = q.shape[1] // k.shape[1]
-    kf, vf = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, kf) / math.sqrt(q.shape[-1])
-    if causal:
-        keep = torch.arange(k.shape[0])[None] <= torch.arange(q.shape[0])[:, None] + k.shape[0] - q.shape[0]
-        scores = scores.masked_fill(~keep, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vf), torch.logsumexp(scores, -1).T
-
-
 @pytest.mark.parametrize("formulas", [False, True], ids=["cpu-flash-ops", "written-out"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
 def test_reference_lse_kernels_equal_autograd(causal, heads, formulas, monkeypatch):
     if formulas:  # the path the reference backend takes off CPU
-        monkeypatch.setattr(kernels, "_use_cpu_flash", lambda q: False)
+        monkeypatch.setattr(reference, "_use_cpu_flash", lambda q: False)
     q_lens, k_lens = [1, 3, 5, 1], [1, 7, 5, 4]  # length-1 sequences, exact squares, longer prefixes
     q = rand(sum(q_lens), heads[0], 8, seed=1).requires_grad_()
     k = rand(sum(k_lens), heads[1], 8, seed=2).requires_grad_()

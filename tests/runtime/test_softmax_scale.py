@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from flashcp.runtime.emulate import emulate_cp_attention, random_plan
 from flashcp.runtime.kernels import varlen_attention
 from flashcp.runtime.meta import COMM_MODES
+from tests.emulate import emulate_cp_attention, random_plan
 from tests.naive import naive_document_attention
 from tests.runtime import max_errors, qkv
 

@@ -15,17 +15,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from flashcp.models.tiny import TinyConfig, TinyDecoder
-from flashcp.planner.registry import plan_sequence
+from flashcp.planner.planning import plan_sequence
 from flashcp.runtime import CPLoader
 from flashcp.train import fold_vocab, train_step
 from flashcp.train.loop import TrainOptions, run_training
 from flashcp.train.loss import tiny_loss_sum
 from flashcp.train.parallel import ParallelGroups, build_mesh, full_parameters, shard_model
 from tests.dist import spawn
-from tests.naive import naive_document_attention, naive_sequence_views
+from tests.equivalence import (
+    Reference,
+    batches_forever,
+    global_batch_training,
+    loss_error,
+    max_errors,
+    tiny_forward_loss,
+)
 from tests.plans import write_dataset, write_plan
 
 CONTEXT, NUM_SEQS, STEPS, ACCUM, WINDOW = 64, 10, 3, 2, 2
@@ -62,26 +68,10 @@ def global_batches(root) -> list[list[int]]:
     return steps
 
 
-def reference_training(sequences, steps) -> tuple[list[float], list[float], dict]:
+def reference_training(sequences, steps) -> Reference:
     """One process: each global batch whole, loss = summed token losses / its labels, clipped, AdamW."""
-    model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, norms = [], []
-    for rows in steps:
-        optimizer.zero_grad()
-        total, labels_total = 0, 0
-        for row in rows:
-            tokens, doc_lens = sequences[row]
-            ids, positions, labels = naive_sequence_views(tokens, doc_lens, VOCAB)
-            logits = model(ids, positions, lambda q, k, v, d=doc_lens: naive_document_attention(q, k, v, d))
-            total = total + F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
-            labels_total += int((labels != -100).sum())
-        loss = total / labels_total
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return global_batch_training(make_model(), tiny_forward_loss, [[sequences[row] for row in rows] for rows in steps],
+                                 vocab_size=VOCAB, lr=LR, max_grad_norm=CLIP)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +100,7 @@ def test_the_global_batches_are_balanced_and_the_reference_clips(planned):
 
 
 def _worker(rank, world, root, steps, reference):
-    ref_losses, ref_norms, ref_params = reference
+    ref_losses, ref_norms, _ = reference
     failures = []
     mesh = build_mesh(DP, CP)
     groups = ParallelGroups.from_mesh(mesh)
@@ -118,25 +108,18 @@ def _worker(rank, world, root, steps, reference):
         model = shard_model(make_model(), groups, mode)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         loader = CPLoader.from_mesh(root, PLAN, mesh, seed=SEED, balance_window=WINDOW)
-        batches = iter(loader)
+        batches = batches_forever(loader)
         losses, norms, rows = [], [], []
         for _ in range(STEPS):
-            micro = []
-            for _ in range(ACCUM):
-                batch = next(batches, None)
-                if batch is None:
-                    batches = iter(loader)
-                    batch = next(batches)
-                micro.append(fold_vocab(batch, VOCAB))
-                rows.append(batch.row)
+            micro = [next(batches) for _ in range(ACCUM)]
+            rows += [batch.row for batch in micro]
+            micro = [fold_vocab(batch, VOCAB) for batch in micro]
             result = train_step(model, optimizer, micro, tiny_loss_sum, groups=groups, comm="a2a",
                                 max_grad_norm=CLIP)
             losses.append(result.loss)
             norms.append(result.grad_norm)
-        got = full_parameters(model)
-        loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
-        norm_err = max(abs(a - b) for a, b in zip(norms, ref_norms, strict=True))
-        param_err = max((got[n] - ref).abs().max().item() for n, ref in ref_params.items())
+        loss_err, param_err = max_errors(losses, full_parameters(model), reference)
+        norm_err = loss_error(norms, ref_norms)
         if not (loss_err < TOL and norm_err < TOL and param_err < TOL):
             failures.append(f"train_step {mode}: max |loss err| {loss_err:.2e}, |norm err| {norm_err:.2e}, "
                             f"|param err| {param_err:.2e}")
@@ -150,8 +133,8 @@ def _worker(rank, world, root, steps, reference):
                            dp=DP, comm="allgather", accum_steps=ACCUM, max_grad_norm=CLIP, balance_window=WINDOW,
                            weight_decay=0.01)  # torch.optim.AdamW's default, which the reference uses
     logs = run_training(options)
-    loss_err = max(abs(log.loss - ref) for log, ref in zip(logs, ref_losses, strict=True))
-    norm_err = max(abs(log.grad_norm - ref) for log, ref in zip(logs, ref_norms, strict=True))
+    loss_err = loss_error([log.loss for log in logs], ref_losses)
+    norm_err = loss_error([log.grad_norm for log in logs], ref_norms)
     if not (loss_err < TOL and norm_err < TOL):
         failures.append(f"run_training: max |loss err| {loss_err:.2e}, |norm err| {norm_err:.2e}")
     if logs[0].num_tokens != CONTEXT * DP * ACCUM:

@@ -14,10 +14,7 @@ another number of ranks.
 from __future__ import annotations
 
 import importlib.util
-import os
-import signal
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -25,14 +22,25 @@ import pytest
 import torch
 
 from flashcp.errors import FlashcpError
-from flashcp.models.tiny import TinyConfig, TinyDecoder
 from flashcp.runtime import CPLoader
-from flashcp.train import fold_vocab, train_step
 from flashcp.train.loop import TrainOptions, run_training
 from flashcp.train.loss import tiny_loss_sum
-from tests.dist import free_port, spawn
-from tests.naive import naive_document_attention, naive_training
-from tests.plans import llama3_like_plan, plan_builders, random_rows, write_dataset, write_plan
+from tests import equivalence
+from tests.dist import spawn, torchrun
+from tests.equivalence import (
+    equivalence_failure,
+    forward_loss_of,
+    global_batch_training,
+    max_difference,
+    parameters,
+    planned_dataset,
+    refusal_failures,
+    resume_failures,
+    stream_batches,
+    tiny_forward_loss,
+    train_steps,
+)
+from tests.plans import llama3_like_plan, plan_builders, random_rows
 
 REPO = Path(__file__).resolve().parents[2]
 HAS_HF = importlib.util.find_spec("transformers") is not None
@@ -44,34 +52,8 @@ MODELS = ("tiny", "llama", "qwen2") if HAS_HF else ("tiny",)
 WORLD_SIZES = (2, 4)
 
 
-def make_model(kind: str, cp: bool) -> torch.nn.Module:
-    """A float64 model; ``cp`` picks flashcp attention (HF) — the tiny model takes attention per call."""
-    torch.manual_seed(SEED)
-    if kind == "tiny":
-        cfg = TinyConfig(vocab_size=VOCAB, dim=DIM, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS,
-                         ffn_dim=2 * DIM)
-        return TinyDecoder(cfg).double()
-    from flashcp.integrations.hf import tiny_hf_model
-
-    return tiny_hf_model(kind, vocab_size=VOCAB, dim=DIM, num_layers=LAYERS, num_heads=HEADS,
-                         num_kv_heads=KV_HEADS, ffn_dim=2 * DIM, dtype=torch.float64,
-                         attn_implementation="cp_attention" if cp else "sdpa")
-
-
-def reference_logits(kind):
-    """Whole-sequence logits with a document mask: dense naive attention, or stock transformers sdpa, which
-    builds the packed-sequence document mask itself from position ids that restart at 0."""
-    if kind == "tiny":
-        def logits(model, ids, positions, doc_lens):
-            return model(ids, positions, lambda q, k, v: naive_document_attention(q, k, v, doc_lens))
-    else:
-        def logits(model, ids, positions, doc_lens):
-            return model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0]
-    return logits
-
-
-def parameters(model):
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+SHAPE = dict(vocab_size=VOCAB, dim=DIM, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS)
+make_model = partial(equivalence.make_model, seed=SEED, **SHAPE)
 
 
 @pytest.fixture(scope="module")
@@ -81,27 +63,23 @@ def planned(tmp_path_factory):
     rng = np.random.default_rng(11)
     rows = random_rows(rng, NUM_SEQS, CONTEXT, (3, 9))
     rows[1] = np.r_[1, 1, 200, 54]  # one-token documents and one long document spread over every rank
-    dataset, tokens = write_dataset(root, [rows], CONTEXT, rng, row_group_rows=2)
     builders = plan_builders()
-    for cp in WORLD_SIZES:
-        for name, build in builders.items():
-            write_plan(dataset, f"cp{cp}-{name}", [[build(lens, cp) for lens in rows]], cp)
-    write_plan(dataset, "cp8-llama3-like", [[llama3_like_plan(lens, 8) for lens in rows]], 8)
-    sequences = list(zip(tokens[0], rows))
+    plans = {f"cp{cp}-{name}": (build, cp) for cp in WORLD_SIZES for name, build in builders.items()}
+    plans["cp8-llama3-like"] = (llama3_like_plan, 8)
+    sequences = planned_dataset(root, rows, CONTEXT, rng, plans, row_group_rows=2)
     return root, list(builders), sequences
 
 
 @pytest.fixture(scope="module")
 def references(planned):
-    """Per model: initial parameters, and the losses and final parameters of training without CP."""
+    """Per model: initial parameters, and what training without CP learns (one sequence a step)."""
     _, _, sequences = planned
     out = {}
     for kind in MODELS:
         model = make_model(kind, cp=False)
         init = parameters(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        losses = naive_training(model, reference_logits(kind), sequences, optimizer, VOCAB)
-        out[kind] = (init, losses, parameters(model))
+        out[kind] = (init, global_batch_training(model, forward_loss_of(kind), stream_batches(sequences, 1, STEPS),
+                                                 vocab_size=VOCAB, lr=LR))
     return out
 
 
@@ -117,8 +95,7 @@ def _cases(builders, world):
 def _worker(rank, world, root, builders, references, ckpt_dir):
     failures = []
     for builder, kind, comm in _cases(builders, world):
-        where = f"cp{world} plan={builder} model={kind} comm={comm}"
-        init, ref_losses, ref_params = references[kind]
+        init, reference = references[kind]
         model = make_model(kind, cp=True)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -129,14 +106,9 @@ def _worker(rank, world, root, builders, references, ckpt_dir):
         else:
             from flashcp.integrations.hf import hf_loss_sum as loss_sum_fn
         loader = CPLoader(root, f"cp{world}-{builder}", rank, world, shuffle=False)
-        losses = [train_step(model, optimizer, fold_vocab(batch, VOCAB), loss_sum_fn, comm=comm).loss
-                  for _, batch in zip(range(STEPS), loader)]
-        loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
-        got = parameters(model)
-        param_err = max((got[name] - ref).abs().max().item() for name, ref in ref_params.items())
-        if not loss_err < TOL or not param_err < TOL:
-            failures.append(f"{where}: max |loss err| {loss_err:.2e}, max |param err| {param_err:.2e} "
-                            f"(losses {losses}, reference {ref_losses})")
+        losses = train_steps(model, optimizer, loader, loss_sum_fn, steps=STEPS, vocab_size=VOCAB, comm=comm)
+        failures += equivalence_failure(f"cp{world} plan={builder} model={kind} comm={comm}", losses,
+                                        parameters(model), reference, loss_tol=TOL, param_tol=TOL)
     if world == 2:
         failures += _resume_checks(root, ckpt_dir)
     return failures
@@ -144,18 +116,12 @@ def _worker(rank, world, root, builders, references, ckpt_dir):
 
 def _resume_checks(root, ckpt_dir):
     """Stop after step 2, resume: steps 3 and 4 (second epoch) equal the uninterrupted run, bit for bit."""
-    failures = []
     base = dict(data=str(root), plan="cp2-random", model="tiny", dtype="float64", vocab_size=VOCAB,
                 dim=DIM, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, lr=LR, seed=3,
                 comm="a2a")
     full_ckpt, part_ckpt = f"{ckpt_dir}/full.pt", f"{ckpt_dir}/part.pt"
-    full = run_training(TrainOptions(**base, steps=4, ckpt=full_ckpt))
-    first = run_training(TrainOptions(**base, steps=2, ckpt=part_ckpt))
-    second = run_training(TrainOptions(**base, steps=4, ckpt=part_ckpt, resume=True))
-    if [s.step for s in first + second] != [1, 2, 3, 4]:
-        failures.append(f"resume ran steps {[s.step for s in first + second]}")
-    if [s.loss for s in first + second] != [s.loss for s in full]:
-        failures.append(f"resumed losses {[s.loss for s in first + second]} != {[s.loss for s in full]}")
+    failures = resume_failures(run_training, partial(TrainOptions, **base), steps=4, stop=2, full_ckpt=full_ckpt,
+                               part_ckpt=part_ckpt)
     a, b = (torch.load(p, weights_only=True) for p in (full_ckpt, part_ckpt))
     if any(not torch.equal(a["model"][k], b["model"][k]) for k in a["model"]):
         failures.append("resumed weights differ from the uninterrupted run's")
@@ -166,16 +132,13 @@ def _resume_checks(root, ckpt_dir):
         if any(not torch.equal(state_a[k], state_b[k]) for k in state_a):
             failures.append("resumed optimizer state differs from the uninterrupted run's")
             break
-    refusals = [(dict(base, dim=16), part_ckpt, "was made by a different run: dim 32 (now 16)"),
-                (base, f"{ckpt_dir}/missing.pt", "does not exist; run without --resume")]
-    for options, ckpt, expected in refusals:
-        try:
-            run_training(TrainOptions(**options, steps=4, ckpt=ckpt, resume=True))
-            failures.append(f"resuming from {ckpt} with {options} was accepted")
-        except FlashcpError as e:
-            if expected not in str(e):
-                failures.append(f"resume refusal says '{e}', expected '{expected}'")
-    return failures
+
+    def resume(options, ckpt):
+        return lambda: run_training(TrainOptions(**options, steps=4, ckpt=ckpt, resume=True))
+
+    return failures + refusal_failures([
+        (resume(dict(base, dim=16), part_ckpt), FlashcpError, "was made by a different run: dim 32 (now 16)"),
+        (resume(base, f"{ckpt_dir}/missing.pt"), FlashcpError, "does not exist; run without --resume")])
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -187,37 +150,25 @@ def test_cp_training_equals_training_without_cp(planned, references, world_size,
 def test_the_comparison_can_fail(planned, references):
     # training moved every model far from its start, and without the document mask the tiny model would
     # have learned something else: equal numbers above are not equal by accident
-    for kind, (init, _, final) in references.items():
-        moved = max((final[name] - init[name]).abs().max().item() for name in init)
+    for kind, (init, reference) in references.items():
+        moved = max_difference(reference.params, init)
         assert moved > 1e-3, f"{kind}: parameters moved at most {moved}"
     _, _, sequences = planned
-    model = make_model("tiny", cp=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
 
-    def causal_only(model, ids, positions, doc_lens):
-        return model(ids, positions, lambda q, k, v: naive_document_attention(q, k, v, [len(ids)]))
+    def causal_only(model, ids, positions, labels, doc_lens):
+        return tiny_forward_loss(model, ids, positions, labels, [len(ids)])
 
-    losses = naive_training(model, causal_only, sequences, optimizer, VOCAB)
-    assert max(abs(a - b) for a, b in zip(losses, references["tiny"][1])) > 1e-4
+    other = global_batch_training(make_model("tiny", cp=False), causal_only, stream_batches(sequences, 1, STEPS),
+                                  vocab_size=VOCAB, lr=LR)
+    assert max(abs(a - b) for a, b in zip(other.losses, references["tiny"][1].losses)) > 1e-4
 
 
 def test_plan_for_another_world_size_stops_every_rank_with_one_sentence(planned):
     root, _, _ = planned
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
-               str(free_port()), str(REPO / "examples" / "train_tiny.py"), str(root),
-               "--plan", "cp8-llama3-like", "--steps", "1"]
-    # a session of its own, so that a hang can be ended together with the workers torchrun started
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=REPO, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the ranks did not stop within 120 s:\n{output}")
+    returncode, output = torchrun(REPO / "examples" / "train_tiny.py", root, "--plan", "cp8-llama3-like",
+                                  "--steps", 1, nproc=4, timeout=120)
     sentence = ("error: plan 'cp8-llama3-like' was made for cp 8 but world_size is 4; launch 8 ranks or run "
                 "'flashcp plan --cp 4'")
-    assert proc.returncode == 1, output
+    assert returncode == 1, output
     assert output.count(sentence) == 1, output
     assert "train_tiny.py\", line" not in output and "FlashcpError" not in output, output

@@ -10,7 +10,7 @@ import torch
 from flashcp.errors import FlashcpError
 from flashcp.models.tiny import TinyConfig, TinyDecoder
 from flashcp.train.loop import agree_on_errors, run_training
-from tests.naive import naive_document_attention, naive_training
+from tests.equivalence import global_batch_training, tiny_forward_loss
 from tests.train import CONTEXT, SHAPE, VOCAB, options
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,12 +21,8 @@ def test_single_process_run_equals_reference(planned):
     logs = run_training(options(root))
     torch.manual_seed(5)
     model = TinyDecoder(TinyConfig(**SHAPE, ffn_dim=32)).double()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-
-    def logits(model, ids, positions, doc_lens):
-        return model(ids, positions, lambda q, k, v: naive_document_attention(q, k, v, doc_lens))
-
-    ref = naive_training(model, logits, sequences, optimizer, VOCAB)
+    ref = global_batch_training(model, tiny_forward_loss, [[s] for s in sequences], vocab_size=VOCAB, lr=1e-2,
+                                weight_decay=0.0).losses
     assert [s.step for s in logs] == [1, 2, 3]
     assert max(abs(s.loss - r) for s, r in zip(logs, ref)) < 1e-12
     assert all(s.num_tokens == CONTEXT and s.kv_bytes_total == 0 and s.grad_bytes > 0 for s in logs)

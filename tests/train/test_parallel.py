@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -21,16 +22,26 @@ import torch
 import torch.nn.functional as F
 
 from flashcp.errors import FlashcpError
-from flashcp.models.tiny import TinyConfig, TinyDecoder
-from flashcp.planner.registry import plan_sequence
+from flashcp.planner.planning import plan_sequence
 from flashcp.runtime import CPLoader
-from flashcp.train import fold_vocab, train_step
 from flashcp.train.loop import TrainOptions, run_training
 from flashcp.train.loss import tiny_loss_sum
 from flashcp.train.parallel import SHARDING_MODES, ParallelGroups, build_mesh, full_parameters, shard_model
+from tests import equivalence
 from tests.dist import spawn
-from tests.naive import naive_document_attention, naive_sequence_views
-from tests.plans import random_rows, write_dataset, write_plan
+from tests.equivalence import (
+    equivalence_failure,
+    forward_loss_of,
+    global_batch_training,
+    max_difference,
+    planned_dataset,
+    refusal_failures,
+    resume_failures,
+    stream_batches,
+    train_steps,
+)
+from tests.naive import naive_document_attention
+from tests.plans import random_rows
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 CONTEXT, NUM_SEQS, STEPS = 64, 6, 3
@@ -42,42 +53,8 @@ MODELS = ("tiny", "llama") if HAS_HF else ("tiny",)
 COMMS = ("allgather", "a2a", "full")
 
 
-def make_model(kind: str, cp: bool) -> torch.nn.Module:
-    torch.manual_seed(SEED)
-    if kind == "tiny":
-        cfg = TinyConfig(vocab_size=VOCAB, dim=DIM, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS,
-                         ffn_dim=2 * DIM)
-        return TinyDecoder(cfg).double()
-    from flashcp.integrations.hf import tiny_hf_model
-
-    return tiny_hf_model(kind, vocab_size=VOCAB, dim=DIM, num_layers=LAYERS, num_heads=HEADS,
-                         num_kv_heads=KV_HEADS, ffn_dim=2 * DIM, dtype=torch.float64,
-                         attn_implementation="cp_attention" if cp else "sdpa")
-
-
-def global_batch_training(kind: str, sequences, dp: int) -> tuple[list[float], dict]:
-    """Single-process AdamW steps, step s on the stream's sequences [s*dp, (s+1)*dp) (file order, epoch after
-    epoch); loss = summed token losses of the global batch / its label tokens. Returns losses, parameters."""
-    model = make_model(kind, cp=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        total, labels_total = 0, 0
-        for g in range(step * dp, (step + 1) * dp):
-            tokens, doc_lens = sequences[g % len(sequences)]
-            ids, positions, labels = naive_sequence_views(tokens, doc_lens, VOCAB)
-            if kind == "tiny":
-                logits = model(ids, positions, lambda q, k, v, d=doc_lens: naive_document_attention(q, k, v, d))
-            else:  # stock sdpa masks documents from position ids that restart at 0
-                logits = model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0]
-            total = total + F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
-            labels_total += int((labels != -100).sum())
-        loss = total / labels_total
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+SHAPE = dict(vocab_size=VOCAB, dim=DIM, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS)
+make_model = partial(equivalence.make_model, seed=SEED, **SHAPE)
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +63,12 @@ def planned(tmp_path_factory):
     rng = np.random.default_rng(21)
     rows = random_rows(rng, NUM_SEQS, CONTEXT, (1, 6))
     rows[2] = np.array([CONTEXT])  # one document over every rank
-    dataset, tokens = write_dataset(root, [rows], CONTEXT, rng, row_group_rows=4)
-    for cp in sorted({cp for _, cp in MESHES} | {2}):
-        for strategy in STRATEGIES:
-            write_plan(dataset, f"cp{cp}-{strategy}", [[plan_sequence(strategy, lens, cp) for lens in rows]], cp)
-    sequences = list(zip(tokens[0], rows))
-    references = {(dp, kind): global_batch_training(kind, sequences, dp)
+    plans = {f"cp{cp}-{strategy}": (partial(plan_sequence, strategy), cp)
+             for cp in sorted({cp for _, cp in MESHES} | {2}) for strategy in STRATEGIES}
+    sequences = planned_dataset(root, rows, CONTEXT, rng, plans, row_group_rows=4)
+    # the global batch of a step: the stream's next dp sequences; its loss: token-mean over the global batch
+    references = {(dp, kind): global_batch_training(make_model(kind, cp=False), forward_loss_of(kind),
+                                                    stream_batches(sequences, dp, STEPS), vocab_size=VOCAB, lr=LR)
                   for dp in sorted({dp for dp, _ in MESHES}) for kind in MODELS}
     return str(root), references
 
@@ -101,26 +78,18 @@ def _cases():
     return [(*case, COMMS[i % len(COMMS)]) for i, case in enumerate(cases)]
 
 
-def _train(root, groups, mesh, strategy, kind, mode, comm, steps, model=None, optimizer=None, loader=None):
-    if model is None:
-        model = shard_model(make_model(kind, cp=True), groups, mode)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        # the stream order (no DP balance): the reference trains the stream's consecutive sequences
-        loader = CPLoader.from_mesh(root, f"cp{groups.cp_size}-{strategy}", mesh, shuffle=False, balance_window=0)
+def _train(root, groups, mesh, strategy, kind, mode, comm, steps):
+    model = shard_model(make_model(kind, cp=True), groups, mode)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    # the stream order (no DP balance): the reference trains the stream's consecutive sequences
+    loader = CPLoader.from_mesh(root, f"cp{groups.cp_size}-{strategy}", mesh, shuffle=False, balance_window=0)
     if kind == "tiny":
         loss_sum_fn = tiny_loss_sum
     else:
         from flashcp.integrations.hf import hf_loss_sum as loss_sum_fn
-    losses = []
-    batches = iter(())
-    while len(losses) < steps:
-        batch = next(batches, None)
-        if batch is None:
-            batches = iter(loader)
-            continue
-        losses.append(train_step(model, optimizer, fold_vocab(batch, VOCAB), loss_sum_fn, groups=groups,
-                                 comm=comm).loss)
-    return losses, model, optimizer, loader
+    losses = train_steps(model, optimizer, loader, loss_sum_fn, steps=steps, vocab_size=VOCAB, groups=groups,
+                         comm=comm)
+    return losses, model
 
 
 def _worker(rank, world, root, references, ckpt_dir):
@@ -129,14 +98,10 @@ def _worker(rank, world, root, references, ckpt_dir):
         mesh = build_mesh(dp, cp)
         groups = ParallelGroups.from_mesh(mesh)
         for strategy, kind, mode, comm in _cases():
-            where = f"dp{dp} x cp{cp} plan={strategy} model={kind} {mode} comm={comm}"
-            ref_losses, ref_params = references[dp, kind]
-            losses, model, _, _ = _train(root, groups, mesh, strategy, kind, mode, comm, STEPS)
-            got = full_parameters(model)
-            loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
-            param_err = max((got[n] - ref).abs().max().item() for n, ref in ref_params.items())
-            if not loss_err < TOL or not param_err < TOL:
-                failures.append(f"{where}: max |loss err| {loss_err:.2e}, max |param err| {param_err:.2e}")
+            losses, model = _train(root, groups, mesh, strategy, kind, mode, comm, STEPS)
+            failures += equivalence_failure(f"dp{dp} x cp{cp} plan={strategy} model={kind} {mode} comm={comm}",
+                                            losses, full_parameters(model), references[dp, kind], loss_tol=TOL,
+                                            param_tol=TOL)
         if (dp, cp) == (2, 2):
             failures += _refusals(root, mesh)
         if cp > 1:
@@ -150,29 +115,20 @@ def _resume_checks(root, ckpt_dir):
     equal the uninterrupted run's bit for bit, and so does the saved loader state."""
     import json
 
-    failures = []
     base = dict(data=root, plan="cp2-flashcp+", model="tiny", dtype="float32", vocab_size=VOCAB, dim=DIM,
                 num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, lr=LR, seed=3, dp=2,
                 sharding="fsdp", comm="a2a")
     full_ckpt, part_ckpt = f"{ckpt_dir}/full", f"{ckpt_dir}/part"
-    full = run_training(TrainOptions(**base, steps=4, ckpt=full_ckpt))
-    first = run_training(TrainOptions(**base, steps=2, ckpt=part_ckpt, prefetch=0))
-    second = run_training(TrainOptions(**base, steps=4, ckpt=part_ckpt, resume=True))
-    if [s.step for s in first + second] != [1, 2, 3, 4]:
-        failures.append(f"resume ran steps {[s.step for s in first + second]}")
-    if [s.loss for s in first + second] != [s.loss for s in full]:
-        failures.append(f"resumed losses {[s.loss for s in first + second]} != {[s.loss for s in full]}")
+    failures = resume_failures(run_training, partial(TrainOptions, **base), steps=4, stop=2, full_ckpt=full_ckpt,
+                               part_ckpt=part_ckpt, first_overrides=dict(prefetch=0))
     a, b = (json.loads((Path(p) / "flashcp.json").read_text()) for p in (full_ckpt, part_ckpt))
     if a != b:
         failures.append(f"checkpoint state {b} after resuming, {a} uninterrupted")
     if a["loader"]["epoch"] * NUM_SEQS + a["loader"]["position"] != 4 * 2:
         failures.append(f"after 4 steps of dp 2 the loader stands at {a['loader']}, not 8 sequences in")
-    try:
-        run_training(TrainOptions(**dict(base, dim=2 * DIM), steps=5, ckpt=part_ckpt, resume=True))
-        failures.append("a checkpoint of another model shape was accepted")
-    except FlashcpError as e:
-        if "was made by a different run: dim 16 (now 32)" not in str(e):
-            failures.append(f"resume refusal says '{e}'")
+    failures += refusal_failures([
+        (lambda: run_training(TrainOptions(**dict(base, dim=2 * DIM), steps=5, ckpt=part_ckpt, resume=True)),
+         FlashcpError, "was made by a different run: dim 16 (now 32)")])
     failures += _missing_shard_checks(base, part_ckpt)
     return failures
 
@@ -199,7 +155,7 @@ def _missing_shard_checks(base: dict, ckpt: str) -> list[str]:
 
 def _bf16_checks(groups, rank):
     """bf16 dK/dV of every comm mode on this mesh's CP groups: relative L2 error at most 1.2x that of plain
-    bf16 SDPA on the whole sequence (partial dK/dV are summed in float32); ``bench/bf16_dkv.py`` measures more.
+    bf16 SDPA on the whole sequence (partial dK/dV are summed in float32); ``scripts/bf16_dkv.py`` measures more.
     """
     from flashcp.runtime import CPAttnMeta, cp_attention
     from flashcp.runtime.meta import rank_token_positions
@@ -242,25 +198,18 @@ def _bf16_checks(groups, rank):
 
 
 def _refusals(root, mesh):
-    failures = []
     options = dict(data=root, model="tiny", dtype="float64", vocab_size=VOCAB, dim=DIM, num_layers=LAYERS,
                    num_heads=HEADS, num_kv_heads=KV_HEADS, steps=1)
-    cases = [(lambda: CPLoader.from_mesh(root, "cp4-llama3", mesh), "made for cp 4 but the device mesh's 'cp'"),
-             (lambda: CPLoader.from_mesh(root, "cp2-llama3", mesh, dp_dim="data"),
-              "but the loader needs 'data'"),
-             (lambda: run_training(TrainOptions(**options, plan="cp2-llama3", dp=3)),
-              "--dp 3 does not divide the 4 ranks launched; launch dp x cp ranks"),
-             (lambda: run_training(TrainOptions(**options, plan="cp4-llama3", dp=2)),
-              "plan 'cp4-llama3' was made for cp 4 but the device mesh's 'cp' dimension has 2 ranks; build the "
-              "mesh with cp 4 or run 'flashcp plan --cp 2'")]
-    for make, expected in cases:
-        try:
-            make()
-            failures.append(f"a mesh that does not fit was accepted ({expected})")
-        except FlashcpError as e:
-            if expected not in str(e):
-                failures.append(f"refusal says '{e}', expected '{expected}'")
-    return failures
+    return refusal_failures([
+        (lambda: CPLoader.from_mesh(root, "cp4-llama3", mesh), FlashcpError,
+         "made for cp 4 but the device mesh's 'cp'"),
+        (lambda: CPLoader.from_mesh(root, "cp2-llama3", mesh, dp_dim="data"), FlashcpError,
+         "but the loader needs 'data'"),
+        (lambda: run_training(TrainOptions(**options, plan="cp2-llama3", dp=3)), FlashcpError,
+         "--dp 3 does not divide the 4 ranks launched; launch dp x cp ranks"),
+        (lambda: run_training(TrainOptions(**options, plan="cp4-llama3", dp=2)), FlashcpError,
+         "plan 'cp4-llama3' was made for cp 4 but the device mesh's 'cp' dimension has 2 ranks; build the "
+         "mesh with cp 4 or run 'flashcp plan --cp 2'")])
 
 
 @pytest.mark.slow
@@ -273,7 +222,7 @@ def test_the_global_batches_differ_between_dp_sizes(planned):
     # the references for dp 1, 2, 4 are different trainings: equal numbers above are not equal by accident
     _, references = planned
     for kind in MODELS:
-        finals = [references[dp, kind][1] for dp in (1, 2, 4)]
+        finals = [references[dp, kind].params for dp in (1, 2, 4)]
         for a, b in ((0, 1), (1, 2)):
-            moved = max((finals[a][n] - finals[b][n]).abs().max().item() for n in finals[a])
+            moved = max_difference(finals[a], finals[b])
             assert moved > 1e-4, f"{kind}: dp sizes {a} and {b} trained the same parameters"

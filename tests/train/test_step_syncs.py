@@ -20,10 +20,10 @@ import torch
 
 import flashcp
 from flashcp.models.tiny import TinyConfig, TinyDecoder
-from flashcp.runtime.emulate import random_plan
 from flashcp.runtime.meta import CPAttnMeta
 from tests import fake_kernels
 from tests.dist import spawn
+from tests.emulate import random_plan
 from tests.plans import llama3_like_plan, write_dataset, write_plan
 
 FLASHCP = str(Path(flashcp.__file__).resolve().parent)

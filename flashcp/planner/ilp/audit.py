@@ -22,15 +22,10 @@ from flashcp.costmodel.workload import rank_workloads
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
 from flashcp.planner.ilp.model import IlpOptions, IlpResult, solve_sequence
-from flashcp.planner.pipeline import summarize as summarize_plans
 from flashcp.planner.plan import SequencePlan
-from flashcp.planner.store import (
-    PlanSlot,
-    PlanStore,
-    plan_table,
-    write_plan_file,
-    write_plan_json,
-)
+from flashcp.planner.plan_reader import PlanStore
+from flashcp.planner.plan_writer import PlanSlot, plan_table, write_plan_file, write_plan_json
+from flashcp.planner.planning import summarize as summarize_plans
 
 __all__ = ["SequenceAudit", "audit_plan", "sample_rows", "summarize", "write_audit_plan"]
 
@@ -53,6 +48,18 @@ class SequenceAudit:
         """Whether the ILP found a valid flashcp plan (exact equal-token quotas)."""
         return self.result.plan is not None and self.result.quota_slack == 0
 
+    @property
+    def ilp_plan(self) -> SequencePlan:
+        """The ILP's plan of a ``valid`` audit."""
+        assert self.result.plan is not None, "only a valid audit has an ILP plan"
+        return self.result.plan
+
+    @property
+    def ilp_metrics(self) -> PlanMetrics:
+        """The metrics of the ILP's plan of a ``valid`` audit."""
+        assert self.result.metrics is not None, "only a valid audit has ILP metrics"
+        return self.result.metrics
+
     def note(self, granularity: int) -> str:
         """One sentence about a sequence whose ILP plan is not a valid plan, else ''."""
         r = self.result
@@ -63,7 +70,7 @@ class SequenceAudit:
             "UNKNOWN": "no plan meeting the exact quotas was found in the time limit",
         }
         if r.plan is not None:
-            return (f"{reason.get(r.exact_status, 'the exact-quota model failed')}; solved with each rank "
+            return (f"{reason.get(r.exact_status or '', 'the exact-quota model failed')}; solved with each rank "
                     f"within {r.quota_slack} tokens (one block) of its quota, which is not a valid plan")
         capped = any(s.name == "capped-comm" for s in r.stages)
         within = " within the heuristic's largest rank workload" if capped else ""
@@ -167,13 +174,13 @@ def summarize(audits: list[SequenceAudit], context_len: int, cp: int) -> dict:
         "valid": len(valid),
         "quota_relaxed": sum(1 for a in audits if a.result.plan is not None and a.result.quota_slack > 0),
         "no_solution": sum(1 for a in audits if a.result.plan is None),
-        "ilp": {"comm_saving": mean(saving(a.result.metrics) for a in valid),
-                "imbalance": mean(a.result.metrics.imbalance for a in valid),
-                "a2a_comm_saving": mean(a2a_saving(a.result.metrics) for a in valid)},
+        "ilp": {"comm_saving": mean(saving(a.ilp_metrics) for a in valid),
+                "imbalance": mean(a.ilp_metrics.imbalance for a in valid),
+                "a2a_comm_saving": mean(a2a_saving(a.ilp_metrics) for a in valid)},
         "heuristic": {"comm_saving": mean(saving(a.heuristic) for a in valid),
                       "imbalance": mean(a.heuristic.imbalance for a in valid),
                       "a2a_comm_saving": mean(a2a_saving(a.heuristic) for a in valid)},
-        "comm_saving_gap_pp": mean(100 * (saving(a.result.metrics) - saving(a.heuristic)) for a in valid),
+        "comm_saving_gap_pp": mean(100 * (saving(a.ilp_metrics) - saving(a.heuristic)) for a in valid),
         "solve_s_mean": mean(a.result.wall_s for a in audits),
         "solve_s_max": max((a.result.wall_s for a in audits), default=None),
         "gap_mean": mean(gaps),
@@ -203,7 +210,7 @@ def write_audit_plan(dataset: Dataset, store: PlanStore, audits: list[SequenceAu
 
 def _write_audit_plan(dataset: Dataset, store: PlanStore, audits: list[SequenceAudit], name: str,
                       plan_dir: Path, params: dict) -> dict:
-    ilp_plans = {a.row: a.result.plan for a in audits if a.valid}
+    ilp_plans = {a.row: a.ilp_plan for a in audits if a.valid}
     plan_files, all_metrics = [], []
     base = 0
     for i, data_file in enumerate(dataset.files):

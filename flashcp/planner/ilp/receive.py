@@ -2,7 +2,7 @@
 
 ``flashcp audit --ilp`` minimises the compacted all-gather's critical path (``flashcp.planner.ilp.model``); this
 model minimises the other exchange's: the largest exact-need receive over ranks (docs/DESIGN.md section 2). It
-measures how much room a heuristic leaves (``bench/cpsat_room.py``). The model:
+measures how much room a heuristic leaves (``scripts/cpsat_room.py``). The model:
 
 - Every document is cut into blocks of ``granularity`` tokens and at the warm-start plan's shard boundaries
   (``blocks.block_grid`` with the plan's cuts), so the warm start is a solution. Boolean ``x[b, r]``: block

@@ -8,6 +8,14 @@ two touching shards of one document on one rank (they are merged), and give ever
 strategy; ``tests/naive.py`` re-implements every rule below in plain Python and the tests require identical
 plans.
 
+The kernels' arrays, all C-contiguous: ``lens`` (num_docs,) int64, the document lengths of one sequence (each
+> 0); a plan, what every kernel returns, is four (num_shards,) int64 arrays ``doc, start, length, rank`` (shard
+i holds tokens ``[start[i], start[i] + length[i])`` of document ``doc[i]`` on rank ``rank[i]``); per-rank
+arrays (``work``, ``load``, ``tokens``, ``quotas``) are (cp,) int64; ``offsets`` (num_docs + 1,) int64, the
+documents' first tokens in the sequence (``offsets_of``). Scalars: ``cp`` the number of ranks, ``chunk`` a
+size in tokens, ``target`` and ``limit`` imbalance ratios (max / mean rank workload, float64; ``np.inf``:
+none). A ``*_within`` kernel returns no shards (four empty arrays) when its plan misses ``limit``.
+
 ``llama3``
     The sequence is cut into 2N consecutive chunks; rank i gets chunks i and 2N-1-i. Chunk i holds
     ``q_i // 2`` tokens and chunk 2N-1-i the other ``q_i - q_i // 2``, so quotas hold for any C.
@@ -124,7 +132,8 @@ plans.
     same shift (1024, 256, 64, 16 tokens) so every rank keeps its quota, kept when the step time drops, the
     imbalance stays within the ceiling (or the chosen plan's own, when above) and the largest receive does
     not grow; passes repeat while one improves, for at most ``16 * effort`` evaluations. The bounds keep the
-    planning time of a sequence to a few candidates and a fixed search budget, whatever the sequence.
+    planning time of a sequence to a few candidates and a fixed search budget, whatever the sequence. The
+    candidates in their order, with the effort each needs, are the table ``flashcp2.PORTFOLIO``.
 
     Topology (``topology`` "NODESxGPUS", or the profile's ``gpus_per_node``): rank r is on node
     ``r // GPUS``; the objective prices rows between nodes at the profile's ``inter_node_gbps`` and rows

@@ -1,6 +1,7 @@
 """The baselines' kernels: ``llama3``, ``perdoc`` and ``ring`` (rules in flashcp.planner.strategies), and
 ``ring_plan``, the Ring-Attn layout as a plan (the packed sequence cut into ``N`` contiguous chunks, chunk ``i``
 on rank ``i``; Ring-Attn (zigzag) uses ``perdoc``; both run with the ``ring`` comm mode of ``cp_attention``).
+Arrays as flashcp.planner.strategies describes them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ __all__ = ["llama3_kernel", "llama3_within", "perdoc_kernel", "ring_kernel", "ri
 
 @njit(cache=True)
 def llama3_kernel(lens, cp):
+    """Llama 3's layout: 2N consecutive chunks of the sequence, rank i holding chunks i and 2N-1-i."""
     return llama3_within(lens, cp, np.inf)
 
 
@@ -56,6 +58,7 @@ def ring_kernel(lens, cp):
 
 @njit(cache=True)
 def perdoc_kernel(lens, cp):
+    """Per-Doc: every document cut into 2N chunks, rank i holding chunks i and 2N-1-i of each."""
     # emitted directly in (rank, doc, start) order: rank i's early chunk of a document precedes its late
     # chunk, and only rank N-1's two chunks touch (they are merged)
     num_docs = lens.shape[0]

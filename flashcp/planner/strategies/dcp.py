@@ -11,7 +11,7 @@ only the K/V that is needed. flashcp's version, written from that formulation fo
   net spread over lambda ranks costs b's K/V sent to lambda - 1 of them: the partitioner's objective is the
   total exact-need K/V volume of the plan (docs/DESIGN.md section 2, summed over ranks).
 - Partitioning: Mt-KaHyPar (``mtkahypar``, pip extra ``flashcp[hypergraph]``), k = N blocks, objective
-  KM1, imbalance epsilon 0.01 on the vertex weights (scaled into its 32-bit range, ``_vertex_weights``),
+  KM1, imbalance epsilon 0.01 on the vertex weights (scaled into its 32-bit range, ``vertex_weights``),
   deterministic preset, one thread, seed 0.
 - Plan: each block goes to its part; then the equal-token quotas are restored as Algorithm 1's Whole-Doc
   step does (``_repair``): while a rank holds more than its quota, the rank most over it moves the head of its
@@ -30,7 +30,16 @@ import numpy as np
 
 from flashcp.costmodel.workload import token_quotas, workload
 
-__all__ = ["DCP_EPSILON", "MISSING", "dcp_available", "dcp_plan", "dcp_rows"]
+__all__ = [
+    "DCP_EPSILON",
+    "MISSING",
+    "dcp_available",
+    "dcp_blocks",
+    "dcp_plan",
+    "dcp_rows",
+    "partition_blocks",
+    "vertex_weights",
+]
 
 DCP_EPSILON = 0.01
 """Allowed imbalance of the partition's block workloads (mtkahypar's epsilon)."""
@@ -63,7 +72,7 @@ def _partitioner():
     return mtkahypar, _initializer()
 
 
-def _blocks(lens: np.ndarray, chunk: int):
+def dcp_blocks(lens: np.ndarray, chunk: int):
     """Blocks (doc, start, length) of every document, in document order."""
     doc, start, length = [], [], []
     for d, n in enumerate(lens.tolist()):
@@ -74,7 +83,7 @@ def _blocks(lens: np.ndarray, chunk: int):
     return np.array(doc, np.int64), np.array(start, np.int64), np.array(length, np.int64)
 
 
-def _vertex_weights(work: np.ndarray) -> np.ndarray:
+def vertex_weights(work: np.ndarray) -> np.ndarray:
     """Block workloads as Mt-KaHyPar's vertex weights, their total at most about ``WEIGHT_LIMIT``.
 
     Unchanged while the total fits, else divided by the smallest whole factor that brings it there (rounded,
@@ -88,7 +97,7 @@ def _vertex_weights(work: np.ndarray) -> np.ndarray:
     return np.maximum(1, (work + scale // 2) // scale)
 
 
-def _partition(doc, start, length, cp: int) -> np.ndarray:
+def partition_blocks(doc, start, length, cp: int) -> np.ndarray:
     """Part (rank) of every block from Mt-KaHyPar: KM1 over the need nets, balanced workloads."""
     mtkahypar, init = _partitioner()
     nets, weights = [], []
@@ -99,7 +108,7 @@ def _partition(doc, start, length, cp: int) -> np.ndarray:
         if end - b > 1:  # a document's last block is needed by no other block
             nets.append(list(range(b, end)))
             weights.append(int(length[b]))
-    work = _vertex_weights(workload(start, length))
+    work = vertex_weights(workload(start, length))
     if not nets:
         nets, weights = [[0]], [1]  # the partitioner wants at least one net; a single pin costs nothing
     context = init.context_from_preset(mtkahypar.PresetType.DETERMINISTIC)
@@ -139,8 +148,8 @@ def _repair(lens: np.ndarray, pieces: list[list[int]], cp: int) -> list[list[int
 def dcp_plan(lens, cp: int, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """DCP's plan of one sequence (``lens`` (num_docs,)): the four shard arrays, sorted and merged."""
     lens = np.asarray(lens, np.int64)
-    doc, start, length = _blocks(lens, chunk)
-    part = _partition(doc, start, length, cp) if cp > 1 else np.zeros(doc.size, np.int64)
+    doc, start, length = dcp_blocks(lens, chunk)
+    part = partition_blocks(doc, start, length, cp) if cp > 1 else np.zeros(doc.size, np.int64)
     pieces = _repair(lens, [[int(d), int(s), int(n), int(r)] for d, s, n, r in zip(doc, start, length, part)], cp)
     # sort by (rank, position) and merge touching pieces of one document on one rank, as every plan
     pieces.sort(key=lambda p: (p[3], p[0], p[1]))

@@ -1,6 +1,8 @@
 """The paper's Algorithm 1 (``flashcp``; rules in flashcp.planner.strategies), and ``flashcp_bounded``, the
 same search stopped at ``max_zigzag`` Per-Doc documents (a ``flashcp2`` candidate: exactly the plan of
 Algorithm 1 whenever it needs no more).
+
+Arrays as flashcp.planner.strategies describes them (the piece buffer and ``early``/``late`` as in ``pieces``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from flashcp._numba import njit
 from flashcp.costmodel.sort import sort_range
 from flashcp.costmodel.workload import max_over_mean, token_quotas_kernel, workload
 from flashcp.planner.strategies.pieces import (
+    add_piece,
     argmin_work,
     descending_order,
     emit_zigzag,
@@ -20,6 +23,7 @@ from flashcp.planner.strategies.pieces import (
     most_over,
     move_head,
     new_pieces,
+    new_rank_totals,
     zigzag_sizes,
 )
 
@@ -39,13 +43,9 @@ def _alg1_whole_doc(lens, cp, quotas, order, num_perdoc, work, tokens, pdoc, pst
     for idx in range(num_perdoc, order.shape[0]):
         doc = order[idx]
         rank = argmin_work(work, cp)
-        pdoc[count] = doc
-        pstart[count] = 0
-        plen[count] = lens[doc]
-        prank[count] = rank
         below[count] = top[rank]
         top[rank] = count
-        count += 1
+        count = add_piece(doc, 0, lens[doc], rank, pdoc, pstart, plen, prank, count)
         work[rank] += workload(0, lens[doc])
         tokens[rank] += lens[doc]
     while True:
@@ -91,8 +91,7 @@ def flashcp_bounded(lens, cp, target, limit, max_zigzag):
         perdoc = order[:num_perdoc].copy()
         sort_range(perdoc, 0, num_perdoc)
         zigzag_sizes(lens[perdoc], cp, early, late)
-        work = np.zeros(cp, np.int64)
-        tokens = np.zeros(cp, np.int64)
+        work, tokens = new_rank_totals(cp)
         count = 0
         for j in range(num_perdoc):
             first = count

@@ -1,7 +1,8 @@
 """Numba kernel of ``flashcp+``, the improved strategy (rules in flashcp.planner.strategies).
 
 Non-zigzag pieces live in a buffer ``pdoc, pstart, plen, prank`` (count); zigzag documents (the heads of the
-popped documents) live in ``early``/``late`` (rows in document order) and are emitted at the end.
+popped documents) live in ``early``/``late`` ((num_rows, cp) int64, rows in document order) and are emitted
+at the end. Other arrays as flashcp.planner.strategies describes them.
 """
 
 from __future__ import annotations
@@ -12,16 +13,21 @@ from flashcp._numba import njit
 from flashcp.costmodel.sort import order_of
 from flashcp.costmodel.workload import max_over_mean, token_quotas_kernel, workload
 from flashcp.planner.strategies.pieces import (
+    add_piece,
     argmin_work,
     descending_order,
     emit_zigzag,
     finish_pieces,
     lightest_under,
+    lightest_with_room,
     most_over,
     move_head,
     new_pieces,
+    new_rank_totals,
     zigzag_sizes,
 )
+
+__all__ = ["flashcp_plus_bounded", "flashcp_plus_kernel"]
 
 
 @njit(cache=True)
@@ -44,14 +50,11 @@ def _tail_len(length, load, mean, room, cp):
 
 
 @njit(cache=True)
-def _add_piece(doc, start, length, rank, pdoc, pstart, plen, prank, count, work, tokens):
-    pdoc[count] = doc
-    pstart[count] = start
-    plen[count] = length
-    prank[count] = rank
+def _add_counted(doc, start, length, rank, pdoc, pstart, plen, prank, count, work, tokens):
+    """``add_piece``, its workload and tokens added to its rank's ``work`` and ``tokens``."""
     work[rank] += workload(start, length)
     tokens[rank] += length
-    return count + 1
+    return add_piece(doc, start, length, rank, pdoc, pstart, plen, prank, count)
 
 
 @njit(cache=True)
@@ -206,17 +209,9 @@ def _window_swaps(lens, cp, target, work, tokens, pdoc, pstart, plen, prank, cou
             t = plen[best]
             length = plen[x]
             plen[x] = best_p
-            pdoc[count] = pdoc[x]
-            pstart[count] = best_p
-            plen[count] = t
-            prank[count] = b
-            count += 1
+            count = add_piece(pdoc[x], best_p, t, b, pdoc, pstart, plen, prank, count)
             if best_p + t < length:
-                pdoc[count] = pdoc[x]
-                pstart[count] = best_p + t
-                plen[count] = length - best_p - t
-                prank[count] = a
-                count += 1
+                count = add_piece(pdoc[x], best_p + t, length - best_p - t, a, pdoc, pstart, plen, prank, count)
             prank[best] = a
             work[a] -= best_p * t
             work[b] += best_p * t
@@ -231,8 +226,7 @@ def _window_swaps(lens, cp, target, work, tokens, pdoc, pstart, plen, prank, cou
 def _build(lens, cp, quotas, order, num_popped, anchored, mean, target, pdoc, pstart, plen, prank):
     """One candidate plan; returns (imbalance ratio, piece count) with all pieces in the buffer."""
     num_docs = lens.shape[0]
-    work = np.zeros(cp, np.int64)
-    tokens = np.zeros(cp, np.int64)
+    work, tokens = new_rank_totals(cp)
     estimate = np.zeros(cp, np.int64)
     head = np.zeros(num_docs, np.int64)
     count = 0
@@ -244,8 +238,8 @@ def _build(lens, cp, quotas, order, num_popped, anchored, mean, target, pdoc, ps
             anchor = argmin_work(estimate, cp)
             tail = _tail_len(length, estimate[anchor], mean, quotas[anchor] - tokens[anchor], cp)
             if tail > 0:
-                count = _add_piece(doc, length - tail, tail, anchor, pdoc, pstart, plen, prank, count, work,
-                                   tokens)
+                count = _add_counted(doc, length - tail, tail, anchor, pdoc, pstart, plen, prank, count, work,
+                                     tokens)
                 estimate[anchor] += workload(length - tail, tail)
         head[doc] = length - tail
         for r in range(cp):
@@ -277,13 +271,10 @@ def _build(lens, cp, quotas, order, num_popped, anchored, mean, target, pdoc, ps
     # greedy: least workload among ranks with room for the whole document, else least workload
     for j in range(num_popped, num_docs):
         doc = order[j]
-        rank = -1
-        for r in range(cp):
-            if tokens[r] + lens[doc] <= quotas[r] and (rank < 0 or work[r] < work[rank]):
-                rank = r
+        rank = lightest_with_room(tokens, quotas, work, lens[doc], cp)
         if rank < 0:
             rank = argmin_work(work, cp)
-        count = _add_piece(doc, 0, lens[doc], rank, pdoc, pstart, plen, prank, count, work, tokens)
+        count = _add_counted(doc, 0, lens[doc], rank, pdoc, pstart, plen, prank, count, work, tokens)
     count = _repair_tokens(lens, cp, quotas, work, tokens, pdoc, pstart, plen, prank, count)
     for j in range(num_popped):
         row = row_of[order[j]]

@@ -3,7 +3,7 @@
 Both cut the packed sequence into equal chunks of ``chunk`` tokens (the last one shorter), give every chunk
 a rank, and emit the chunk's pieces cut at document bounds. ``tests/naive.py`` holds plain-Python references
 that must produce identical plans; ``tests/planner/strategies/test_peers.py`` checks ``ptrr`` against torch's
-own scheduler.
+own scheduler. Arrays as flashcp.planner.strategies describes them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,17 @@ import numpy as np
 from flashcp._numba import njit
 from flashcp.costmodel.sort import last_at_or_before, order_of
 from flashcp.costmodel.workload import offsets_of, token_quotas_kernel, workload
-from flashcp.planner.strategies.pieces import emit_span, finish_pieces, finish_within, lightest_under, new_pieces
+from flashcp.planner.strategies.pieces import (
+    emit_span,
+    finish_pieces,
+    finish_within,
+    lightest_under,
+    lightest_with_room,
+    new_pieces,
+    new_rank_totals,
+)
+
+__all__ = ["magi_kernel", "magi_within", "place_span", "ptrr_kernel", "ptrr_process_times"]
 
 
 @njit(cache=True)
@@ -95,19 +105,12 @@ def magi_within(lens, cp, chunk, limit):
     order = order_of(work)[::-1]
     capacity = 2 * num_chunks + lens.shape[0] + 2 * cp + 4
     pdoc, pstart, plen, prank = new_pieces(capacity)
-    load = np.zeros(cp, np.int64)
-    tokens = np.zeros(cp, np.int64)
+    load, tokens = new_rank_totals(cp)
     count = 0
     for i in order:
-        size = starts[i + 1] - starts[i]
-        best = -1
-        for r in range(cp):  # the least-loaded rank with room for the whole chunk (ties: lowest rank)
-            if quotas[r] - tokens[r] >= size and (best < 0 or load[r] < load[best]):
-                best = r
-        if best < 0:
-            for r in range(cp):  # none: the least-loaded rank with any room takes the chunk's head
-                if tokens[r] < quotas[r] and (best < 0 or load[r] < load[best]):
-                    best = r
+        best = lightest_with_room(tokens, quotas, load, starts[i + 1] - starts[i], cp)
+        if best < 0:  # none: the least-loaded rank with any room takes the chunk's head
+            best = lightest_under(tokens, quotas, load, cp)
         count = place_span(offsets, starts[i], starts[i + 1], best, quotas, tokens, load, -1, cp, pdoc, pstart,
                        plen, prank, count)
     return finish_within(pdoc, pstart, plen, prank, count, lens, cp, limit)
@@ -143,8 +146,7 @@ def ptrr_kernel(lens, cp, chunk):
     order = order_of(times.max() - times)
     capacity = 2 * num_blocks + lens.shape[0] + 2 * cp + 4
     pdoc, pstart, plen, prank = new_pieces(capacity)
-    load = np.zeros(cp, np.int64)
-    tokens = np.zeros(cp, np.int64)
+    load, tokens = new_rank_totals(cp)
     count = 0
     for p in range(num_blocks):
         i = order[p]

@@ -1,11 +1,16 @@
 """Building blocks every strategy kernel shares, on contiguous int64 arrays.
 
-- a piece buffer: parallel arrays ``pdoc, pstart, plen, prank`` with a count, filled by the strategies
-  (``new_pieces``);
+- a piece buffer: parallel arrays ``pdoc, pstart, plen, prank`` (capacity,) int64 with a count of the pieces
+  filled so far, made by ``new_pieces`` and appended to by ``add_piece``; per-rank totals ``(load, tokens)``
+  (``new_rank_totals``) and the rank choices of the greedy steps (``lightest_with_room``, ``lightest_under``);
 - ``finish_pieces``: drop empty pieces, sort, merge (``finish_within``: the same, refusing more than
   ``limit`` shards);
 - ``zigzag_sizes`` / ``emit_zigzag``: the Per-Doc chunk sizes with the round-robin remainder rule;
 - the Whole-Doc moves of Algorithm 1 (``move_head`` and the rank choices it uses).
+
+Arrays as flashcp.planner.strategies describes them; besides, ``early``/``late`` (num_rows, cp) int64 and
+their rows ``early_row``/``late_row`` (cp,) int64: a zigzag document's chunk sizes, rank i's early and late
+chunk.
 """
 
 from __future__ import annotations
@@ -16,12 +21,46 @@ from flashcp._numba import njit
 from flashcp.costmodel.sort import order_of, sort_range
 from flashcp.costmodel.workload import max_over_mean, offsets_of, workload
 
+__all__ = [
+    "add_piece",
+    "argmin_work",
+    "descending_order",
+    "emit_span",
+    "emit_zigzag",
+    "finish_pieces",
+    "finish_within",
+    "lightest_under",
+    "lightest_with_room",
+    "most_over",
+    "move_head",
+    "new_pieces",
+    "new_rank_totals",
+    "zigzag_sizes",
+]
 
 @njit(cache=True)
 def new_pieces(capacity):
     """An empty piece buffer of ``capacity`` pieces: ``(pdoc, pstart, plen, prank)``, int64 each."""
     return (np.empty(capacity, np.int64), np.empty(capacity, np.int64), np.empty(capacity, np.int64),
             np.empty(capacity, np.int64))
+
+
+@njit(cache=True)
+def add_piece(doc, start, length, rank, pdoc, pstart, plen, prank, count):
+    """Append the piece ``[start, start + length)`` of document ``doc`` on ``rank`` at index ``count`` of the
+    piece buffer ``pdoc, pstart, plen, prank`` ((capacity,) int64 each); returns the new count."""
+    pdoc[count] = doc
+    pstart[count] = start
+    plen[count] = length
+    prank[count] = rank
+    return count + 1
+
+
+@njit(cache=True)
+def new_rank_totals(cp):
+    """Zeroed per-rank totals ``(load, tokens)``, (cp,) int64 each: the workload (or another weight) and the
+    tokens a strategy has placed on every rank so far."""
+    return np.zeros(cp, np.int64), np.zeros(cp, np.int64)
 
 
 @njit(cache=True)
@@ -56,10 +95,7 @@ def finish_pieces(pdoc, pstart, plen, prank, count, lens):
             fill[prank[i]] += 1
     for r in range(num_ranks):
         sort_range(packed, first[r], first[r + 1])
-    out_doc = np.empty(keep, np.int64)
-    out_start = np.empty(keep, np.int64)
-    out_len = np.empty(keep, np.int64)
-    out_rank = np.empty(keep, np.int64)
+    out_doc, out_start, out_len, out_rank = new_pieces(keep)
     m = 0
     for j in range(keep):
         i = packed[j] & mask
@@ -119,19 +155,11 @@ def emit_zigzag(doc, first, early_row, late_row, cp, pdoc, pstart, plen, prank, 
     """Append one zigzag document's 2N chunks (starting at token ``first``) to the piece buffer."""
     start = first
     for i in range(cp):
-        pdoc[count] = doc
-        pstart[count] = start
-        plen[count] = early_row[i]
-        prank[count] = i
+        count = add_piece(doc, start, early_row[i], i, pdoc, pstart, plen, prank, count)
         start += early_row[i]
-        count += 1
     for i in range(cp - 1, -1, -1):
-        pdoc[count] = doc
-        pstart[count] = start
-        plen[count] = late_row[i]
-        prank[count] = i
+        count = add_piece(doc, start, late_row[i], i, pdoc, pstart, plen, prank, count)
         start += late_row[i]
-        count += 1
     return count
 
 
@@ -151,17 +179,14 @@ def emit_span(offsets, doc, pos, end, rank, pdoc, pstart, plen, prank, count):
         while offsets[doc + 1] <= pos:
             doc += 1
         take = min(end, offsets[doc + 1]) - pos
-        pdoc[count] = doc
-        pstart[count] = pos - offsets[doc]
-        plen[count] = take
-        prank[count] = rank
-        count += 1
+        count = add_piece(doc, pos - offsets[doc], take, rank, pdoc, pstart, plen, prank, count)
         pos += take
     return doc, count
 
 
 @njit(cache=True)
 def argmin_work(work, cp):
+    """The rank with the least ``work`` ((cp,) int64; ties: the lower rank)."""
     best = 0
     for r in range(1, cp):
         if work[r] < work[best]:
@@ -177,6 +202,17 @@ def most_over(tokens, quotas, cp):
         if tokens[r] > quotas[r] and (over < 0 or tokens[r] - quotas[r] > tokens[over] - quotas[over]):
             over = r
     return over
+
+
+@njit(cache=True)
+def lightest_with_room(tokens, quotas, load, size, cp):
+    """The rank with the least ``load`` among those with room for ``size`` more tokens under their quotas
+    (ties: the lower rank), or -1 when none has; ``tokens``, ``quotas``, ``load``: (cp,) int64."""
+    best = -1
+    for r in range(cp):
+        if quotas[r] - tokens[r] >= size and (best < 0 or load[r] < load[best]):
+            best = r
+    return best
 
 
 @njit(cache=True)
@@ -202,12 +238,8 @@ def move_head(piece, moved, over, under, pdoc, pstart, plen, prank, count, work,
         prank[piece] = under
         head = piece
     else:
-        pdoc[count] = pdoc[piece]
-        pstart[count] = pstart[piece]
-        plen[count] = moved
-        prank[count] = under
         head = count
-        count += 1
+        count = add_piece(pdoc[piece], pstart[piece], moved, under, pdoc, pstart, plen, prank, count)
         pstart[piece] += moved
         plen[piece] -= moved
     work[over] -= shift

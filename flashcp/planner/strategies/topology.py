@@ -5,7 +5,8 @@ same workloads, tokens and exact-need volumes, only a different node for each ra
 topology (``gpus_per_node`` ranks per node, rank r on node ``r // gpus_per_node``), ``relabel_kernel`` swaps
 ranks between nodes so that less exact-need traffic crosses them: first the largest cross-node rows of one
 rank (sent or received, what the slow link's time follows), then the total crossing. Rules in
-flashcp.planner.strategies; reference in ``tests/naive.py``.
+flashcp.planner.strategies; reference in ``tests/naive.py``. Arrays as flashcp.planner.strategies describes
+them; ``traffic`` is (cp, cp) int64 (``traffic_matrix``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 from hypothesis import given
 
-from flashcp.planner.registry import plan_sequence
+from flashcp.planner.planning import plan_sequence
 from tests.plans import as_tuples, assert_same_as_reference, examples, mixed_sequences
 
 

@@ -6,7 +6,7 @@ import pytest
 from flashcp.costmodel.comm import exact_need_sent
 from flashcp.costmodel.workload import token_quotas, workload
 from flashcp.planner.plan import SequencePlan
-from flashcp.planner.registry import plan_sequence
+from flashcp.planner.planning import plan_sequence
 from flashcp.planner.strategies import dcp as hypergraph
 
 
@@ -15,10 +15,11 @@ def test_refuses_in_one_sentence_without_the_package(monkeypatch, tmp_path):
 
     import flashcp.planner.registry as strategies
     from flashcp.cli import cli
+    from flashcp.planner.params import kernel_args
 
     entry = _without_package(strategies.STRATEGIES["dcp"])
     with pytest.raises(ValueError, match="needs the hypergraph partitioner mtkahypar"):
-        strategies.kernel_args(entry, {"chunk_size": 512})
+        kernel_args(entry, {"chunk_size": 512})
     root = tmp_path / "d"
     assert CliRunner().invoke(cli, ["synth", str(root), "--dist", "wlb", "--num-seqs", "2", "--context-len", "4096",
                                     "--no-tokens"]).exit_code == 0
@@ -45,8 +46,8 @@ def test_connectivity_objective_is_the_exact_need_volume():
     for _ in range(4):
         lens = rng.integers(1, 5000, rng.integers(2, 20)).astype(np.int64)
         cp = int(rng.integers(2, 6))
-        doc, start, length = hypergraph._blocks(lens, 256)
-        part = hypergraph._partition(doc, start, length, cp)
+        doc, start, length = hypergraph.dcp_blocks(lens, 256)
+        part = hypergraph.partition_blocks(doc, start, length, cp)
         km1 = 0
         for b in range(doc.size):
             later = np.flatnonzero((doc == doc[b]) & (start >= start[b]))
@@ -74,10 +75,10 @@ def test_plans_are_valid_with_exact_quotas(cp):
 
 def test_vertex_weights_fit_the_partitioners_32_bits():
     small = np.array([1, 5, 1000], np.int64)
-    assert np.array_equal(hypergraph._vertex_weights(small), small)  # unchanged while they fit
-    work = workload(*hypergraph._blocks(np.array([1048576, 3], np.int64), 1024)[1:])
+    assert np.array_equal(hypergraph.vertex_weights(small), small)  # unchanged while they fit
+    work = workload(*hypergraph.dcp_blocks(np.array([1048576, 3], np.int64), 1024)[1:])
     assert int(work.sum()) > 2**31  # one 1M document: 5.5e11 query-key pairs
-    got = hypergraph._vertex_weights(work)
+    got = hypergraph.vertex_weights(work)
     assert int(got.sum()) < 2**31 - 1 and got.min() >= 1
     scale = work.sum() / got.sum()
     assert np.all(np.abs(got * scale - work) <= np.maximum(scale, 1e-3 * work))  # proportional, rounded

@@ -1,7 +1,7 @@
 """Algorithm 1 (flashcp.planner.strategies.flashcp) on sequences whose plans are known by hand."""
 
 from flashcp.costmodel.comm import PlanMetrics
-from flashcp.planner.registry import plan_sequence
+from flashcp.planner.planning import plan_sequence
 
 
 def test_flashcp_keeps_documents_whole_when_they_balance():

@@ -1,4 +1,4 @@
-"""magi, ptrr, the step-time objective and flashcp2: kernels against plain-Python references and torch."""
+"""flashcp2: its kernels against the plain-Python references, its plans against flashcp+, its parameters."""
 
 import json
 
@@ -8,10 +8,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flashcp.costmodel.objective import cached_model, plan_step_seconds
-from flashcp.costmodel.shape import AttentionShape
+from flashcp.costmodel.workload import max_over_mean, rank_workloads_kernel
 from flashcp.planner import batch
 from flashcp.planner.plan import SequencePlan
-from flashcp.planner.registry import plan_sequence
+from flashcp.planner.planning import plan_sequence
+from flashcp.planner.registry import get_strategy
 from flashcp.planner.strategies import flashcp2 as _search
 from tests.naive import (
     naive_affinity,
@@ -21,16 +22,6 @@ from tests.naive import (
 from tests.plans import as_tuples, examples, sequences
 
 MODEL = cached_model(None, 32, 32, 128, 1)
-SHAPE = AttentionShape(num_heads=32, num_kv_heads=32, head_dim=128)
-
-
-# --- magi and ptrr
-
-
-# --- the objective
-
-
-# --- flashcp2
 
 
 @examples(40)
@@ -65,9 +56,10 @@ def test_candidates_within_a_limit_are_the_kernels_or_empty(case, chunk, limit):
              (magi_kernel(lens, cp, chunk), magi_within(lens, cp, chunk, limit)),
              (llama3_kernel(lens, cp), llama3_within(lens, cp, limit)),
              (_search.affinity_kernel(lens, cp, chunk, 0.03),
-              _search._affinity_assign(lens, cp, _search._affinity_chunks(lens, chunk), 0.03, limit))]
+              _search.affinity_assign(lens, cp, _search.affinity_chunks(lens, chunk), 0.03, limit))]
     for plain, within in pairs:
-        if _search._imbalance(plain[1], plain[2], plain[3], cp) <= limit:
+        work = rank_workloads_kernel(plain[1], plain[2], plain[3], cp)
+        if max_over_mean(work.max(), work.sum(), cp) <= limit:
             assert all(np.array_equal(a, b) for a, b in zip(plain, within, strict=True))
         else:
             assert all(a.size == 0 for a in within)
@@ -188,7 +180,7 @@ def test_local_search_equals_reference_and_moves():
 
 def test_needs_compile_is_false_once_compiled():
     plan_sequence("magi", [5, 6, 7], 2)
-    assert not batch.needs_compile("magi")
+    assert not batch.needs_compile(get_strategy("magi"))
 
 
 # --- token slack
@@ -246,7 +238,7 @@ def test_token_slack_plans_are_recorded_and_verified(tmp_path):
 @pytest.mark.parametrize("comm", ["full", "allgather", "a2a", "ring"])
 def test_runtime_runs_plans_with_unequal_tokens(comm):
     torch = pytest.importorskip("torch")
-    from flashcp.runtime.emulate import emulate_cp_attention
+    from tests.emulate import emulate_cp_attention
     from tests.naive import naive_document_attention
 
     lens = [40, 25, 31, 8]  # 104 tokens over 3 ranks: 38 / 33 / 33 instead of 35 / 35 / 34

@@ -1,6 +1,6 @@
 """flashcp+ (flashcp.planner.strategies.flashcp_plus): better balanced than Algorithm 1, the heavy tail whole."""
 
-from flashcp.planner.registry import plan_sequence
+from flashcp.planner.planning import plan_sequence
 
 
 def test_flashcp_plus_beats_flashcp_on_a_mixed_sequence():

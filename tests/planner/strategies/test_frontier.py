@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from flashcp.costmodel.comm import exchange_volumes
 from flashcp.costmodel.objective import cached_model, plan_step_seconds
 from flashcp.costmodel.profile import load_profile
-from flashcp.costmodel.shape import AttentionShape
-from flashcp.planner.registry import parse_topology, plan_sequence
+from flashcp.planner.params import parse_topology
+from flashcp.planner.planning import plan_sequence
 from flashcp.planner.strategies import flashcp2 as _search
 from flashcp.planner.strategies.flashcp import flashcp_bounded
 from flashcp.planner.strategies.flashcp_plus import flashcp_plus_bounded
@@ -24,7 +24,6 @@ from tests.naive import (
 from tests.plans import as_tuples, examples, packed, sequences
 
 MODEL = cached_model(None, 32, 32, 128, 1)
-SHAPE = AttentionShape(num_heads=32, num_kv_heads=32, head_dim=128)
 
 
 # --- bounded candidates

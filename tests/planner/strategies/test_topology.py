@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from flashcp.costmodel.comm import exact_need_received, exchange_volumes
 from flashcp.planner.plan import SequencePlan
-from flashcp.planner.registry import plan_sequence
+from flashcp.planner.planning import plan_sequence
 from flashcp.planner.strategies import flashcp2 as _search
 from flashcp.planner.strategies import topology as _topology
 from tests.naive import (
@@ -25,7 +25,7 @@ def test_relabel_equals_reference_and_keeps_the_plan(case, per_node):
     shards = as_tuples(plan)
     traffic = _topology.traffic_matrix(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
     assert traffic.tolist() == naive_traffic(shards, cp)
-    placed = _search._on_nodes(np.asarray(lens, np.int64), plan.shard_doc, plan.shard_start, plan.shard_len,
+    placed = _search.on_nodes(np.asarray(lens, np.int64), plan.shard_doc, plan.shard_start, plan.shard_len,
                                plan.shard_rank, cp, per_node)
     got = list(zip(*(a.tolist() for a in placed)))
     assert got == naive_relabel(shards, cp, per_node)
@@ -42,7 +42,7 @@ def test_relabel_cuts_cross_node_rows():
     for lens in packed("prolong", 6, 131072, seed=4):
         plan = plan_sequence("flashcp+", lens, 16)
         before = exchange_volumes(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, 16, 8)
-        placed = _search._on_nodes(lens, plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, 16, 8)
+        placed = _search.on_nodes(lens, plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, 16, 8)
         after = exchange_volumes(*placed, 16, 8)
         peak = (max(before.sent_far.max(), before.received_far.max()),
                 max(after.sent_far.max(), after.received_far.max()))

@@ -1,0 +1,15 @@
+"""Recurrent layers under CP: Gated DeltaNet (Qwen3-Next) and Mamba-2 SSD (Nemotron-H), with their short
+causal convolution, run over a plan's pieces of documents.
+
+- ``chunked``: the pure-PyTorch chunked kernels (segments with initial and final states);
+- ``meta``: ``RecurrentMeta.from_plan``, each rank's pieces and where their predecessors are;
+- ``cp``: the layers across CP ranks (affine state maps, one all-gather per layer; the scheme and its bytes
+  per piece are in its docstring).
+"""
+
+from flashcp.runtime.recurrent.chunked import causal_conv1d, chunk_gated_delta_rule, chunk_ssd
+from flashcp.runtime.recurrent.cp import cp_causal_conv1d, cp_gated_delta_rule, cp_ssd
+from flashcp.runtime.recurrent.meta import RecurrentMeta
+
+__all__ = ["RecurrentMeta", "causal_conv1d", "chunk_gated_delta_rule", "chunk_ssd", "cp_causal_conv1d",
+           "cp_gated_delta_rule", "cp_ssd"]
