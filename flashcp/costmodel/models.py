@@ -32,8 +32,8 @@ from typing import Any
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.errors import FlashcpError
 
-__all__ = ["BUILTIN_MODELS", "DEFAULT_MODEL", "KINDS", "LayerKind", "ModelError", "ModelSpec", "model_from_config",
-           "resolve_model"]
+__all__ = ["BUILTIN_MODELS", "CLASS_DEFAULTS", "DEFAULT_MODEL", "KINDS", "LayerKind", "ModelError", "ModelSpec",
+           "model_from_config", "resolve_model"]
 
 KINDS = ("full", "window", "chunk")
 """Attention kinds flashcp prices: full causal, sliding window of W tokens, chunks of K tokens."""
@@ -271,7 +271,7 @@ DEFAULT_MODEL = "llama-3-8b"
 
 # ---- reading a Hugging Face config.json ------------------------------------------------------------------------
 
-_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma": {"head_dim": 256, "vocab_size": 256000},
     "gemma2": {"head_dim": 256, "vocab_size": 256000, "sliding_window": 4096, "attn_logit_softcapping": 50.0},
     "gemma3_text": {"head_dim": 256, "vocab_size": 262208, "sliding_window": 4096, "sliding_window_pattern": 6},
@@ -291,7 +291,7 @@ the generic rule (head_dim = hidden / heads, no window, no chunk, no soft-cap): 
 _WINDOW_PATTERNS: dict[str, int] = {"gemma2": 2, "gpt_oss": 2, "cohere2": 4, "olmo3": 4, "exaone4": 4}
 """Families whose ``sliding_window`` applies to ``period - 1`` of every ``period`` layers when a config has no
 ``layer_types`` (transformers' own fallback); ``sliding_window_pattern`` overrides it, Gemma 3's default is
-in ``_CLASS_DEFAULTS``. Any other family with a window has it on every layer (Mistral, Mixtral, Phi-3)."""
+in ``CLASS_DEFAULTS``. Any other family with a window has it on every layer (Mistral, Mixtral, Phi-3)."""
 
 _QWEN_WINDOW_RULES = {"qwen2": True, "qwen3": True, "qwen3_moe": False}
 """Families where ``use_sliding_window`` windows the layers from ``max_window_layers`` on (True) or every layer
@@ -389,7 +389,7 @@ class _Config:
                     hidden = self.get("hidden_size")
                     return 4 * hidden if isinstance(hidden, int) else None
                 return value
-        return _CLASS_DEFAULTS.get(self.model_type, {}).get(field, default)
+        return CLASS_DEFAULTS.get(self.model_type, {}).get(field, default)
 
     def required(self, field: str, meaning: str) -> int:
         value = self.get(field)

@@ -12,8 +12,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from flashcp.costmodel.models import (  # noqa: E402
-    _CLASS_DEFAULTS,
     BUILTIN_MODELS,
+    CLASS_DEFAULTS,
     DEFAULT_MODEL,
     LayerKind,
     ModelError,
@@ -189,7 +189,7 @@ def test_sparse_published_gemma3_config_reads_with_class_defaults():
 def test_class_defaults_are_transformers_defaults():
     from transformers import CONFIG_MAPPING
 
-    for model_type, defaults in _CLASS_DEFAULTS.items():
+    for model_type, defaults in CLASS_DEFAULTS.items():
         config = CONFIG_MAPPING[model_type]()
         for field, value in defaults.items():
             actual = getattr(config, "_" + field if field == "sliding_window_pattern" else field)
