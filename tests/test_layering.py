@@ -274,3 +274,14 @@ def test_the_assert_check_can_fail():
     cannot = ["assert 'some words'", "assert (x, 'message')", "assert x == x", "assert 1 < 2", "assert f'{x}'"]
     can = ["assert x == 1", "assert a < b", "assert f(x) == f(y)"]
     assert [_cannot_fail(ast.parse(s).body[0].test) for s in cannot + can] == [True] * 5 + [False] * 3
+
+
+def test_no_two_modules_import_each_other():
+    """A module and the one it imports are never the other way round too (a package and its own modules aside)."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = module_name(path)
+        modules[name] = {imported for _, imported in imports_of(path.read_text(), name, path.name == "__init__.py")}
+    pairs = sorted({tuple(sorted((a, b))) for a, imported in modules.items() for b in imported
+                    if b in modules and b != a and a in modules[b] and not _within(a, b) and not _within(b, a)})
+    assert not pairs, f"modules importing each other: {pairs}"

@@ -77,7 +77,7 @@ def arrow_array(values: np.ndarray, value_type: pa.DataType) -> pa.Array:
     values = np.asarray(values)
     wanted = np.dtype(_NUMPY_TYPES[value_type])
     if values.size and wanted.kind == "i" and values.dtype != wanted:
-        info = np.iinfo(wanted)
+        info = np.iinfo(wanted.type)  # type: ignore[type-var]  # an integer dtype: kind 'i' above
         low, high = values.min(), values.max()
         if low < info.min or high > info.max:
             raise pa.ArrowInvalid(f"value {low if low < info.min else high} does not fit {value_type}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numba
 import numpy as np
@@ -137,20 +138,22 @@ def _try_kernel(strategy: Strategy) -> None:
     ValueError in one sentence if either fails: a kernel numba cannot type with the planner's arguments would
     otherwise fail at plan time with a page of typing errors.
     """
-    if strategy.kernel is None or numba.config.DISABLE_JIT:
+    if strategy.kernel is None or numba.config.DISABLE_JIT:  # type: ignore[attr-defined]  # set at import
         return
     names = ("lens", "cp", *strategy.kernel_params)
     arg_types = tuple(_KERNEL_TYPES[name] for name in names)
     call = f"kernel({', '.join(f'{name}: {_KERNEL_TYPES[name]}' for name in names)})"
     try:
-        strategy.kernel.compile(arg_types)
-        returned = strategy.kernel.overloads[arg_types].signature.return_type
+        kernel: Any = strategy.kernel  # a numba Dispatcher (__post_init__ checks it); numba ships no types
+        kernel.compile(arg_types)
+        returned = kernel.overloads[arg_types].signature.return_type
     except (NumbaError, TypeError) as e:
         raise ValueError(f"strategy '{strategy.name}': numba cannot compile its kernel as the planner calls it, "
                          f"{call} ({type(e).__name__}: {_first_cause(e)})") from None
     vector = types.Array(types.int64, 1, "C")
     if not (isinstance(returned, types.BaseTuple) and len(returned) == 4
-            and all(isinstance(t, types.Array) and t.dtype == types.int64 and t.ndim == 1 for t in returned)):
+            and all(isinstance(t, types.Array) and t.dtype == types.int64 and t.ndim == 1
+                    for t in returned)):  # type: ignore[attr-defined]  # numba's tuple types iterate
         raise ValueError(f"strategy '{strategy.name}': its {call} returns {returned}, not the four "
                          f"(doc, start, len, rank) {vector} arrays the planner needs")
     try:

@@ -77,6 +77,8 @@ def init_local_gloo(rank: int, world_size: int, port: int, timeout: timedelta | 
     One intra-op thread per rank: the ranks share the machine's cores.
     """
     torch.set_num_threads(1)
-    extra = {} if timeout is None else {"timeout": timeout}
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            **extra)
+    init_method = f"tcp://127.0.0.1:{port}"
+    if timeout is None:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    else:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
