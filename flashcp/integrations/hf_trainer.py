@@ -105,8 +105,8 @@ def _priced_model(model: nn.Module) -> ModelSpec | None:
         return None
     try:
         return as_model_spec(config)
-    except ModelError:
-        return None
+    except (ModelError, TypeError):  # advisory only: a config the reader trips on (Ernie 4.5 VL's per-layer
+        return None                  # expert widths raise TypeError there) must not stop training
 
 
 class _CPStream(IterableDataset):

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from flashcp.costmodel.comm import batch_node_received, node_receive_summary
-from flashcp.costmodel.models import DEFAULT_MODEL, ModelSpec, resolve_model
+from flashcp.costmodel.models import DEFAULT_MODEL, ModelSpec, as_model_spec
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.data.dataset import Dataset, numpy_values
 from flashcp.errors import FlashcpError
@@ -193,7 +193,7 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
                  name: str | None = None, progress: Callable[[int], None] | None = None,
                  on_note: Callable[[str], None] | None = None, overrides: dict | None = None,
                  run_jobs: Callable | None = None, compare: int = COMPARE_DEFAULT,
-                 model: ModelSpec | str | None = None) -> PlanResult:
+                 model: ModelSpec | str | dict | None = None) -> PlanResult:
     """Plan every sequence of the dataset at ``root`` and write ``plans/<name>/``; returns its plan.json.
 
     ``name`` defaults to ``cp{N}-{strategy}`` and must be a plain folder name. An existing plan of that name
@@ -209,12 +209,12 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
     ``run_jobs(jobs, workers, progress)`` runs the per-file jobs elsewhere (``flashcp.engines.ray_plan``) and
     returns their results in order; by default they run here or in local worker processes.
 
-    ``model`` (a ``ModelSpec``, or a built-in name or config path for ``resolve_model``; None:
-    ``DEFAULT_MODEL``) is what every price is made for: ``flashcp2``'s objective (its shape parameters are set
+    ``model`` (a ``ModelSpec``, a built-in name, a config path or a Hugging Face config, ``as_model_spec``;
+    None: ``DEFAULT_MODEL``) is what every price is made for: ``flashcp2``'s objective (its shape parameters are set
     to the model's, and one given in ``overrides`` that differs is refused), ``seq_cost`` and the comparison.
     plan.json records it (``model``); a plan made for another model is a different request.
     """
-    spec = resolve_model(DEFAULT_MODEL if model is None else model) if not isinstance(model, ModelSpec) else model
+    spec = as_model_spec(DEFAULT_MODEL if model is None else model)
     dataset = Dataset(root)
     if target_imbalance is not None and not (math.isfinite(target_imbalance) and target_imbalance >= 1):
         raise FlashcpError(f"--target-imbalance must be a finite number of at least 1.0, got {target_imbalance}")

@@ -199,7 +199,7 @@ class CPLoader:
         self._read_cap = 2
         self._model_warned = False
         if spec is not None:
-            self.check_model(spec)
+            self._check_model(spec)
 
     def check_model(self, model: ModelSpec | str | dict | Any) -> None:
         """Warn once (``UserWarning``) when the stored plan was priced for another model than ``model``.
@@ -209,7 +209,10 @@ class CPLoader:
         before plan.json recorded its model counts as priced for its shape (H = H_kv = 32, D = 128 unless its
         parameters say otherwise). Online planning (no stored plan) checks nothing.
         """
-        spec = _model_spec(model)
+        self._check_model(_model_spec(model))
+
+    def _check_model(self, spec: ModelSpec) -> None:
+        # stacklevel 3: the warning names the line that built the loader or called check_model
         if self.store is None or self._model_warned:
             return
         planned = self.store.model
@@ -225,8 +228,9 @@ class CPLoader:
             self._model_warned = True
             warnings.warn(f"plan '{self.plan_name}' was priced for {what} but the model trained is {spec.name} "
                           f"({spec.num_heads} heads / {spec.num_kv_heads} K/V x {spec.head_dim}, "
-                          f"{spec.num_layers} layers), so its balance is another model's: re-plan with "
-                          "'flashcp plan --model' naming this model", UserWarning, stacklevel=2)
+                          f"{spec.num_layers} layer{'s' if spec.num_layers != 1 else ''}), so its balance is "
+                          "another model's: re-plan with "
+                          "'flashcp plan --model' naming this model", UserWarning, stacklevel=3)
 
     @classmethod
     def from_mesh(cls, data_dir: str | Path, plan: str | None, mesh, *, dp_dim: str | None = "dp",
