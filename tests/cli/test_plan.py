@@ -211,6 +211,8 @@ def test_show_and_ls_name_the_model(dataset, tmp_path):
     result = run("show", root, "--plan", "cp2-flashcp", "--seq", 1)
     assert result.exit_code == 0, result.output
     assert "model: qwen3-8b: 36 layers (36 full), 32 heads / 8 K/V x 128" in result.output
+    shown = json.loads(run("show", root, "--plan", "cp2-flashcp", "--seq", 1, "--json").stdout)
+    assert shown["model"]["name"] == "qwen3-8b" and shown["model"]["num_kv_heads"] == 8
     result = run("show", root, "--plan", "old", "--seq", 1)
     assert result.exit_code == 0, result.output
     assert "model: no model recorded (made before plans recorded one): priced for H=32, H_kv=32, D=128, 1 layer(s)" \
