@@ -72,6 +72,7 @@ except ImportError as e:  # an optional dependency
     raise ImportError("flashcp.integrations.hf_trainer needs transformers and accelerate: pip install "
                       "'flashcp[hf]'") from e
 
+from flashcp.costmodel.models import ModelError, ModelSpec, as_model_spec
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
 from flashcp.fileio import write_json_atomic
@@ -91,6 +92,21 @@ LOADER_STATE_NAME = "flashcp_loader.json"
 _LOADER_STATE_FORMAT = 1
 _SAMPLING = {"random": True, "sequential": False}  # train_sampling_strategy -> CPLoader shuffle
 _SKIPPED: dict[str, Any] = {"flashcp_skipped": True}  # what the Trainer discards on resume: nothing is read
+
+
+def _priced_model(model: nn.Module) -> ModelSpec | None:
+    """The ``ModelSpec`` of ``model``'s config, which the loader checks the plan against.
+
+    The loader warns once when the plan was priced for another model. None for a config flashcp cannot price
+    (a recurrent or latent-attention layer): such a model trains, there is just no plan price to compare.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(config, "to_dict", None)):
+        return None
+    try:
+        return as_model_spec(config)
+    except (ModelError, TypeError):  # advisory only: a config the reader trips on (Ernie 4.5 VL's per-layer
+        return None                  # expert widths raise TypeError there) must not stop training
 
 
 class _CPStream(IterableDataset):
@@ -311,9 +327,10 @@ class CPTrainerMixin:
         shuffle = _SAMPLING[args.train_sampling_strategy]
         if self.cp_groups is not None:
             loader = CPLoader.from_mesh(self.cp_data, self.cp_plan, self.cp_groups.mesh, seed=seed, shuffle=shuffle,
-                                        balance_window=self.cp_balance_window)
+                                        balance_window=self.cp_balance_window, model=_priced_model(self.model))
         else:
-            loader = CPLoader(self.cp_data, self.cp_plan, 0, 1, seed=seed, shuffle=shuffle)
+            loader = CPLoader(self.cp_data, self.cp_plan, 0, 1, seed=seed, shuffle=shuffle,
+                              model=_priced_model(self.model))
         if len(loader) == 0:
             raise FlashcpError(f"dataset {self.cp_data} holds no sequences")
         self._cp_stream = _CPStream(loader, math.ceil(len(loader) / self.dp_size), self.cp_vocab_size)

@@ -496,3 +496,31 @@ def test_what_would_fail_later_is_refused_at_construction(planned, tmp_path):
                       args=training_arguments(str(output_dir), ddp_backend=None))
         assert "\n" not in str(refused.value)
     assert tree(root) == before
+
+
+def test_a_plan_for_another_model_warns_once(planned, tmp_path):
+    """The trainer hands the loader its model's config: a plan priced for another model warns once, one
+    priced for this model's config never."""
+    import shutil
+    import warnings
+
+    from flashcp.integrations.hf_trainer import CPTrainer
+    from flashcp.planner.pipeline import plan_dataset
+
+    root = shutil.copytree(planned[0], tmp_path / "data")
+    model = make_model("qwen2")
+    plan_dataset(root, 1, "flashcp", compare=0, model="llama-3-8b", name="llama")
+    plan_dataset(root, 1, "flashcp", compare=0, model=model.config, name="own")
+    args = training_arguments(str(tmp_path / "out"), ddp_backend=None)
+    trainer = CPTrainer(model=model, args=args, train_dataset=str(root), plan="llama")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.get_train_dataloader()
+        trainer.get_train_dataloader()  # a second loader of the same trainer says it again: one per loader
+    told = [str(w.message) for w in caught if "priced for" in str(w.message)]
+    assert len(told) == 2 and "plan 'llama' was priced for model llama-3-8b but the model trained is qwen2" in told[0]
+    trainer = CPTrainer(model=model, args=args, train_dataset=str(root), plan="own")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.get_train_dataloader()
+    assert not [w for w in caught if "priced for" in str(w.message)]
