@@ -11,6 +11,7 @@ from flashcp.costmodel.models import BUILTIN_MODELS, model_from_config
 from flashcp.errors import FlashcpError
 from flashcp.planner.pipeline import plan_dataset
 from flashcp.runtime import CPLoader
+from tests.naive_meta import assert_same_batches
 from tests.plans import write_dataset
 
 CONTEXT, CP = 256, 2
@@ -85,15 +86,13 @@ def _tiny_mha_config() -> dict:
 
 
 def test_online_planning_plans_for_the_model(planned):
-    from tests.runtime.test_online import _same_batches
-
     plan_dataset(planned, CP, "flashcp2", compare=0, model="qwen3-8b", name="qwen3")
     for rank in range(CP):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             online = CPLoader(planned, None, rank, CP, model="qwen3-8b", seed=2)
             stored = CPLoader(planned, "qwen3", rank, CP, model="qwen3-8b", seed=2)
-        _same_batches(list(online), list(stored))
+        assert_same_batches(list(online), list(stored))
     assert online._online.params["num_kv_heads"] == 8 and online._online.params["layers"] == 36
 
 
