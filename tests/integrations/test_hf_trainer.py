@@ -16,6 +16,12 @@ Evaluation: a second dataset (5 packed sequences) with plans for cp 1 and 2. Its
 ``evaluate`` with all 5 sequences in one batch (so its ``eval_loss`` is the mean over every label token of the set,
 as CPTrainer's), at the same steps of the same training; CPTrainer's ``eval_loss`` must equal it within
 ``LOSS_TOL``, on 2 ranks as CP 2 and as DP 2 (whose last round has one replica past the end).
+
+Batches (``per_device_train_batch_size`` / ``per_device_eval_batch_size`` > 1), float64 models: a third launch of
+2 gloo ranks (CP 2 and DP 2, with and without accumulation, CPSFTTrainer, evaluation in rounds with sequences past
+the end) and one process against a float64 plain Trainer whose loss keeps float64 (``wide_causal_lm_loss``):
+parameters within ``F64_TOLS`` (measured 2e-14), grad norms and eval_loss equal, and the logged loss within a
+float32 ulp (the Trainer sums it in a float32 tensor).
 """
 
 from __future__ import annotations
