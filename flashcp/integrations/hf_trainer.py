@@ -343,6 +343,16 @@ class CPTrainerMixin:
                                     batch_size)
         return DataLoader(self._cp_stream, batch_size=None, collate_fn=_keep, num_workers=0)
 
+    def num_examples(self, dataloader: DataLoader) -> int:
+        """Sequences per Trainer epoch over all replicas (the Trainer logs it and prices samples per second by it).
+
+        The train dataloader's length counts micro-batches of ``per_device_train_batch_size`` sequences per replica.
+        """
+        stream = getattr(dataloader, "dataset", None)
+        if isinstance(stream, _CPStream):
+            return stream.length * stream.batch_size * self.dp_size
+        return super().num_examples(dataloader)  # type: ignore[misc]
+
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
                           device: torch.device) -> tuple[list, int | None]:
         """The next ``num_batches`` micro-batches and the label tokens of the global batch they belong to.

@@ -498,6 +498,7 @@ def test_one_process_batches_equal_the_plain_trainer(planned, eval_planned, tmp_
                         eval_dataset=str(eval_root), eval_plan="cp1")
     trainer.train()
     trainer.evaluate()
+    assert trainer.num_examples(trainer.get_train_dataloader()) == NUM_SEQS  # 4 micro-batches of 2 sequences
     check_eval_equal(trainer.state.log_history, evaluations, "one process, batch 2", tol=F64_EVAL_TOL)
     result = {"log_history": trainer.state.log_history, "params": dict(trainer.model.named_parameters())}
     check_equal(result, reference, "one process, batch 2", **F64_TOLS)
