@@ -101,6 +101,11 @@ class Batch:
     """Data file the sequence comes from."""
     row: int
     """Row of the sequence in that file."""
+    plan: SequencePlan | None = None
+    """The sequence's plan, which ``attn`` was built from (None for a batch built by hand);
+    ``flashcp.runtime.batching.concat_batches`` builds the meta of several sequences from it."""
+    doc_lens: np.ndarray | None = None
+    """(num_docs,) int64: the sequence's document lengths (None for a batch built by hand)."""
 
     def to(self, device: torch.device | str, non_blocking: bool = False, comm: str | None = None,
            kv_bytes: int = 2) -> Batch:
@@ -441,7 +446,8 @@ class CPLoader:
                           tokens_C[np.minimum(global_pos + 1, tokens_C.size - 1)]).astype(np.int64)
         return Batch(input_ids=torch.from_numpy(tokens_C[global_pos].astype(np.int64)),
                      position_ids=torch.from_numpy(position), labels=torch.from_numpy(labels), attn=attn,
-                     num_label_tokens=int(doc_lens.sum() - doc_lens.size), file_index=file_index, row=row)
+                     num_label_tokens=int(doc_lens.sum() - doc_lens.size), file_index=file_index, row=row,
+                     plan=plan, doc_lens=doc_lens)
 
 
 def stream_rows(data_dir: str | Path, *, seed: int = 0, epoch: int = 0, shuffle: bool = True) -> np.ndarray:
