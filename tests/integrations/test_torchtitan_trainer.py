@@ -106,6 +106,21 @@ def test_the_command_line_builds_a_flashcp_trainer_config():
     assert not config.validator.enable and config.training.seq_len == 4096
 
 
+def test_the_example_registry_parses():
+    config = ConfigManager().parse_args(["--module", "examples.torchtitan_flashcp", "--config", "tiny",
+                                         "--dataloader.data_dir", "DATA", "--dataloader.plan", "cp2-flashcp2"])
+    assert type(config) is FlashcpTrainer.Config and config.training.seq_len == 2048
+    assert config.dataloader.plan == "cp2-flashcp2" and not config.checkpoint.enable
+
+
+def test_the_dataloader_refuses_what_it_cannot_feed(data_dir):
+    loader = FlashcpDataLoader.Config(data_dir=data_dir, plan="cp2-flashcp2")
+    with pytest.raises(ValueError, match="got training.local_batch_size 8; set it to 1"):
+        loader.build(dp_world_size=1, dp_rank=0, seq_len=CONTEXT, local_batch_size=8)
+    with pytest.raises(ValueError, match="pass --dataloader.data_dir DATA"):
+        FlashcpDataLoader.Config().build(dp_world_size=1, dp_rank=0, seq_len=CONTEXT, local_batch_size=1)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(parallelism=dict(tensor_parallel_degree=2)), "data and context parallelism only, got tensor parallel"),
     (dict(parallelism=dict(spmd_backend="spmd_types")), "runs torchtitan's 'partial_dtensor' SPMD backend"),
