@@ -31,8 +31,8 @@ from flashcp.errors import FlashcpError
 from flashcp.fileio import atomic_path
 
 __all__ = ["MARKER_NAME", "OutputKind", "check_output", "check_removable", "check_script_output",
-           "enclosing_dataset", "is_marked", "json_report", "make_marked_dir", "mark_dir", "png_plot", "remove_marked",
-           "write_json_output", "write_output"]
+           "enclosing_dataset", "folder_json", "is_marked", "json_report", "make_marked_dir", "mark_dir", "png_plot",
+           "remove_marked", "write_json_output", "write_output"]
 
 MARKER_NAME = ".flashcp-made"
 """The file that proves flashcp made a staging or backup folder."""
@@ -219,15 +219,25 @@ def mark_dir(path: Path, what: str) -> None:
         tmp.write_text(text)
 
 
+def folder_json(path: Path, name: str) -> dict | None:
+    """The JSON object in the file ``name`` of the folder ``path``, or None (never raises).
+
+    None when ``path`` is not a real folder (a symlink is not) or the file is missing, unreadable or not a JSON
+    object.
+    """
+    if path.is_symlink() or not path.is_dir():
+        return None
+    try:
+        value = json.loads((path / name).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def is_marked(path: Path) -> bool:
     """True when ``path`` is a real folder (not a symlink) holding flashcp's marker."""
-    if path.is_symlink() or not path.is_dir():
-        return False
-    try:
-        value = json.loads((path / MARKER_NAME).read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    return isinstance(value, dict) and value.get("format") == _MARKER_FORMAT
+    marker = folder_json(path, MARKER_NAME)
+    return marker is not None and marker.get("format") == _MARKER_FORMAT
 
 
 def check_removable(path: Path, what: str) -> None:

@@ -3,7 +3,7 @@
 The training tests (tests/train/test_dist.py, test_parallel.py, test_accumulation.py, test_loop.py,
 tests/integrations/test_torchtitan.py; test_hf_trainer.py for its datasets) follow one recipe:
 
-1. a packed dataset with plans (``planned_dataset``), its sequences as ``(tokens, doc_lens)``;
+1. a packed dataset of random rows with plans (``planned_dataset``), its sequences as ``(tokens, doc_lens)``;
 2. the reference: one process trains each global batch whole, with a document-masked dense attention
    (``global_batch_training``; the global batches of a run of ``dp`` replicas: ``stream_batches``);
 3. on the ranks: ``train_steps`` over the loader's batches, epoch after epoch (``batches_forever``);
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from flashcp.train import fold_vocab, train_step
 from tests.naive import naive_document_attention, naive_sequence_views
-from tests.plans import write_dataset, write_plan
+from tests.plans import random_rows, write_dataset, write_plan
 
 ForwardLoss = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray], torch.Tensor]
 """``forward(model, ids, positions, labels, doc_lens) -> summed token loss`` of one whole sequence (a 0-d tensor);
@@ -186,10 +186,17 @@ def resume_failures(run_training, options, *, steps: int, stop: int, full_ckpt: 
     return failures
 
 
-def planned_dataset(root: Path, rows: list[np.ndarray], context_len: int, rng: np.random.Generator,
-                    plans: dict[str, tuple[Callable, int]], **write_options) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Write one data file of ``rows`` (document lengths per sequence) and, per ``name: (build, cp)``, the plan
-    ``build(doc_lens, cp)`` of every row; returns the sequences as ``(tokens, doc_lens)`` in file order."""
+def planned_dataset(root: Path, context_len: int, plans: dict[str, tuple[Callable, int]], *, seed: int,
+                    num_seqs: int, cuts: tuple[int, int], fixed_rows: dict[int, np.ndarray] | None = None,
+                    **write_options) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Write one data file of ``num_seqs`` random rows of document lengths (``random_rows`` with ``cuts``; row
+    ``i`` replaced by ``fixed_rows[i]``) and, per ``name: (build, cp)``, the plan ``build(doc_lens, cp)`` of every
+    row; returns the sequences as ``(tokens, doc_lens)`` in file order. The rows and the tokens come from one
+    generator seeded with ``seed``."""
+    rng = np.random.default_rng(seed)
+    rows = random_rows(rng, num_seqs, context_len, cuts)
+    for i, doc_lens in (fixed_rows or {}).items():
+        rows[i] = doc_lens
     dataset, tokens = write_dataset(root, [rows], context_len, rng, **write_options)
     for name, (build, cp) in plans.items():
         write_plan(dataset, name, [[build(lens, cp) for lens in rows]], cp)

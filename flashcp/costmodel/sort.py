@@ -62,13 +62,13 @@ def sort_range(values, lo, hi):
 
 
 @njit(cache=True)
-def first_at_or_after(values, value):
-    """The smallest ``i`` with ``values[i] >= value`` in ascending ``values`` (``searchsorted(.., 'left')``)."""
+def _count_before(values, value, inclusive):
+    """How many entries of ascending ``values`` are below ``value`` (at or below it with ``inclusive``)."""
     lo = 0
     hi = values.shape[0]
     while lo < hi:
         mid = (lo + hi) // 2
-        if values[mid] < value:
+        if values[mid] < value or (inclusive and values[mid] == value):
             lo = mid + 1
         else:
             hi = mid
@@ -76,17 +76,15 @@ def first_at_or_after(values, value):
 
 
 @njit(cache=True)
+def first_at_or_after(values, value):
+    """The smallest ``i`` with ``values[i] >= value`` in ascending ``values`` (``searchsorted(.., 'left')``)."""
+    return _count_before(values, value, False)
+
+
+@njit(cache=True)
 def last_at_or_before(offsets, value):
     """The largest ``i`` with ``offsets[i] <= value`` in ascending ``offsets`` (``searchsorted(.., 'right') - 1``)."""
-    lo = 0
-    hi = offsets.shape[0]
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if offsets[mid] <= value:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+    return _count_before(offsets, value, True) - 1
 
 
 @njit(cache=True)

@@ -27,6 +27,7 @@ import json
 import os
 import pickle
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,15 @@ from torch import nn
 
 from flashcp.errors import FlashcpError
 from flashcp.fileio import atomic_path, write_json_atomic
-from flashcp.outputs import OutputKind, check_output, check_removable, make_marked_dir, mark_dir, remove_marked
+from flashcp.outputs import (
+    OutputKind,
+    check_output,
+    check_removable,
+    folder_json,
+    make_marked_dir,
+    mark_dir,
+    remove_marked,
+)
 from flashcp.train.step import agree_on_errors, group_rank
 
 __all__ = ["CHECKPOINT_FILE", "CHECKPOINT_FORMAT", "SHARDED_CHECKPOINT", "SHARDED_MARKER",
@@ -64,6 +73,20 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def _write_error(path: str | Path, write: Callable[[], None]) -> FlashcpError | None:
+    """Call ``write``: None when it succeeds, else the FlashcpError for ``agree_on_errors`` to raise on every rank.
+
+    An OSError becomes a FlashcpError naming the checkpoint ``path``.
+    """
+    try:
+        write()
+    except FlashcpError as e:
+        return e
+    except OSError as e:
+        return FlashcpError(f"cannot write checkpoint {path}: {e.strerror or e}")
+    return None
+
+
 def save_checkpoint(path: str | Path, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     loader: Any, config: dict, group=None, schedule: dict | None = None) -> None:
     """Write the checkpoint of a run that has done ``step`` steps; call on every rank of the CP ``group``.
@@ -81,14 +104,13 @@ def save_checkpoint(path: str | Path, *, step: int, model: nn.Module, optimizer:
                  "loader": loader.state_dict()}
         if schedule is not None:
             state["schedule"] = dict(schedule)
-        try:
+
+        def write() -> None:
             check_output(path, CHECKPOINT_FILE)  # again: something may have appeared there while training
             with atomic_path(path) as tmp:
                 torch.save(state, tmp)
-        except FlashcpError as e:
-            error = e
-        except OSError as e:
-            error = FlashcpError(f"cannot write checkpoint {path}: {e.strerror or e}")
+
+        error = _write_error(path, write)
     agree_on_errors(error, group)  # also the barrier: every rank sees the file when this returns
 
 
@@ -143,14 +165,8 @@ SHARDED_MARKER = "flashcp.json"
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
     """True when ``path`` is a folder written by ``save_sharded_checkpoint`` (its ``flashcp.json`` is ours)."""
-    path = Path(path)
-    if path.is_symlink() or not path.is_dir():
-        return False
-    try:
-        meta = json.loads((path / SHARDED_MARKER).read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    return isinstance(meta, dict) and meta.get("format") == CHECKPOINT_FORMAT and "step" in meta and "loader" in meta
+    meta = folder_json(Path(path), SHARDED_MARKER)
+    return meta is not None and meta.get("format") == CHECKPOINT_FORMAT and "step" in meta and "loader" in meta
 
 
 SHARDED_CHECKPOINT = OutputKind(what="a flashcp sharded checkpoint", option="--ckpt",
@@ -209,13 +225,7 @@ def save_sharded_checkpoint(path: str | Path, *, step: int, model: nn.Module, op
         error = e
     agree_on_errors(error, group)  # every rank has looked before rank 0 touches anything
     if rank == 0:
-        try:
-            remove_marked(staging, f"checkpoint {path}")  # a previous save killed midway
-            make_marked_dir(staging, f"staging folder of checkpoint {path.name}")
-        except FlashcpError as e:
-            error = e
-        except OSError as e:
-            error = FlashcpError(f"cannot write checkpoint {path}: {e.strerror or e}")
+        error = _write_error(path, lambda: _make_staging(path, staging))
     agree_on_errors(error, group)
     # the model's own state_dict (FSDP2: its DTensor shards), so state_dict hooks that rename tensors (torchtitan's
     # fused QKV saves wq/wk/wv) apply; torch's get_state_dict maps every key back to a module attribute
@@ -226,7 +236,7 @@ def save_sharded_checkpoint(path: str | Path, *, step: int, model: nn.Module, op
     except Exception as e:  # noqa: BLE001 - DCP wraps every rank's OSError in its own exception, on every rank
         raise FlashcpError(f"cannot write checkpoint {path}: {_first_line(e)}") from None
     if rank == 0:
-        try:
+        def publish() -> None:
             meta = {"format": CHECKPOINT_FORMAT, "step": int(step), "config": dict(config),
                     "loader": loader.state_dict()}
             if schedule is not None:
@@ -238,11 +248,14 @@ def save_sharded_checkpoint(path: str | Path, *, step: int, model: nn.Module, op
                 os.replace(path, old)
             os.replace(staging, path)
             remove_marked(old, f"checkpoint {path}")
-        except FlashcpError as e:
-            error = e
-        except OSError as e:
-            error = FlashcpError(f"cannot write checkpoint {path}: {e.strerror or e}")
+
+        error = _write_error(path, publish)
     agree_on_errors(error, group)
+
+
+def _make_staging(path: Path, staging: Path) -> None:
+    remove_marked(staging, f"checkpoint {path}")  # a previous save killed midway
+    make_marked_dir(staging, f"staging folder of checkpoint {path.name}")
 
 
 def _check_complete(path: Path) -> None:

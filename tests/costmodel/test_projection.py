@@ -76,15 +76,20 @@ def test_overlap_never_slower_and_breakdown_adds_up(profile):
                 assert parts == pytest.approx(step.total, rel=1e-9)
 
 
+def random_plans(seed: int, draws: int, *, max_len: int, max_docs: int, max_pieces: int, cut_prob: float):
+    """``(doc_lens, cp, random_plan)`` of ``draws`` random sequences (below ``max_docs`` documents shorter than
+    ``max_len``, cp 1 to 4), skipping the draws with fewer tokens than ranks."""
+    rng = np.random.default_rng(seed)
+    for _ in range(draws):
+        doc_lens = rng.integers(1, max_len, size=int(rng.integers(1, max_docs)))
+        cp = int(rng.integers(1, 5))
+        if doc_lens.sum() >= cp:
+            yield doc_lens, cp, random_plan(doc_lens, cp, rng, max_pieces=max_pieces, cut_prob=cut_prob)
+
+
 def test_projection_matches_the_runtime_meta():
     """Local-only shards, the auto comm choice and a2a send volumes agree with CPAttnMeta's."""
-    rng = np.random.default_rng(7)
-    for _ in range(60):
-        doc_lens = rng.integers(1, 30, size=int(rng.integers(1, 8)))
-        cp = int(rng.integers(1, 5))
-        if doc_lens.sum() < cp:
-            continue
-        plan = random_plan(doc_lens, cp, rng, max_pieces=5, cut_prob=0.2)
+    for doc_lens, _, plan in random_plans(7, 60, max_len=30, max_docs=8, max_pieces=5, cut_prob=0.2):
         metas = build_rank_metas(plan, doc_lens)
         mask = local_only_mask(plan)
         volumes = comm_volumes(plan)
@@ -99,13 +104,7 @@ def test_projection_matches_the_runtime_meta():
 
 
 def test_exact_need_sent_equals_reference():
-    rng = np.random.default_rng(11)
-    for _ in range(40):
-        doc_lens = rng.integers(1, 20, size=int(rng.integers(1, 6)))
-        cp = int(rng.integers(1, 5))
-        if doc_lens.sum() < cp:
-            continue
-        plan = random_plan(doc_lens, cp, rng, max_pieces=4, cut_prob=0.3)
+    for _, cp, plan in random_plans(11, 40, max_len=20, max_docs=6, max_pieces=4, cut_prob=0.3):
         args = (plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
         shards = list(zip(*(a.tolist() for a in args[:4])))
         sent = exact_need_sent(*args)

@@ -16,6 +16,19 @@ from flashcp.cli import cli
 WORDS = ["alpha", "beta", "gamma", "délta", "ε", "zeta", "eta", "theta", "\n", "日本語"]
 
 
+BAD_LINES = (
+    (97, 5, b'{"text": "cut off\n'),
+    (89, 7, b"\n"),
+    (83, 9, b'{"title": "no text"}\n'),
+    (79, 11, b'{"text": "caf\xe9"}\n'),
+    (67, 15, b'{"text": 5}\n'),
+    (71, 13, b'{"text": ""}\n'),
+)
+"""``(period, offset, line)``: line ``i`` of a JSONL file is ``line`` when ``i % period == offset`` (the first
+that matches, in this order): a cut-off record, a blank line, no text field, invalid UTF-8, a non-string text,
+an empty document."""
+
+
 def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
@@ -30,18 +43,9 @@ def make_corpus(folder: Path, scale: int = 1, seed: int = 0) -> list[Path]:
         path = folder / f"web-{part}.jsonl"
         with open(path, "wb") as f:
             for i in range(350 * scale):
-                if i % 97 == 5:
-                    f.write(b'{"text": "cut off\n')
-                elif i % 89 == 7:
-                    f.write(b"\n")
-                elif i % 83 == 9:
-                    f.write(b'{"title": "no text"}\n')
-                elif i % 79 == 11:
-                    f.write(b'{"text": "caf\xe9"}\n')
-                elif i % 67 == 15:
-                    f.write(b'{"text": 5}\n')
-                elif i % 71 == 13:
-                    f.write(b'{"text": ""}\n')
+                bad = next((line for period, offset, line in BAD_LINES if i % period == offset), None)
+                if bad is not None:
+                    f.write(bad)
                 else:
                     f.write(json.dumps({"text": text(rng, 1500 if i % 40 == 0 else rng.randint(1, 120))}).encode())
                     f.write(b"\n")

@@ -21,6 +21,7 @@ from tests.faults.workspace import (
     docs,
     one_sentence,
     pack_args,
+    packed_template,
     run,
     tree,
     unchanged,
@@ -32,11 +33,7 @@ from tests.faults.workspace import (
 @pytest.fixture(scope="module")
 def template(tmp_path_factory):
     """A packed dataset (byte tokenizer, 64-token sequences, 3 data files) with one plan, and its input."""
-    base = tmp_path_factory.mktemp("faults")
-    src = write_jsonl(base / "in.jsonl", docs(40))
-    result = run(*pack_args(src, base / "data"))
-    assert result.exit_code == 0, result.output
-    assert run("plan", base / "data", "--cp", 2, "--strategy", "flashcp").exit_code == 0
+    base = packed_template(tmp_path_factory.mktemp("faults"), 40, [(2, "flashcp")])
     assert len(Dataset(base / "data").files) >= 2
     return base
 

@@ -20,13 +20,11 @@ from flashcp.train.launch import free_port
 from tests.faults.workspace import (
     ROOT,
     ReadOnly,
-    docs,
-    pack_args,
+    packed_template,
     run,
     tree,
     unchanged,
     workspace,
-    write_jsonl,
 )
 
 TINY = ["--steps", "1", "--prefetch", "0", "--dim", "16", "--heads", "2", "--kv-heads", "1", "--vocab", "16",
@@ -36,12 +34,7 @@ TINY = ["--steps", "1", "--prefetch", "0", "--dim", "16", "--heads", "2", "--kv-
 @pytest.fixture(scope="module")
 def template(tmp_path_factory):
     """A packed dataset (byte tokenizer, 64-token sequences) with a cp1 and a cp2 plan."""
-    base = tmp_path_factory.mktemp("outputs")
-    src = write_jsonl(base / "in.jsonl", docs(12))
-    assert run(*pack_args(src, base / "data")).exit_code == 0
-    for cp in (1, 2):
-        assert run("plan", base / "data", "--cp", cp, "--strategy", "llama3").exit_code == 0
-    return base
+    return packed_template(tmp_path_factory.mktemp("outputs"), 12, [(1, "llama3"), (2, "llama3")])
 
 
 @pytest.fixture

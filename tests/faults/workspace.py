@@ -69,6 +69,19 @@ def pack_args(inputs, out, *extra, context_len: int = 64):
             "--rows-per-file", 4, "--row-group-rows", 2, *extra]
 
 
+def packed_template(base: Path, num_docs: int, plans: list[tuple[int, str]]) -> Path:
+    """``base`` with ``in.jsonl`` (``docs(num_docs)``) packed into ``base/data`` (``pack_args``: byte tokenizer,
+    64-token sequences) and a plan ``--cp CP --strategy STRATEGY`` for each of ``plans``; every command must
+    succeed."""
+    src = write_jsonl(base / "in.jsonl", docs(num_docs))
+    result = run(*pack_args(src, base / "data"))
+    assert result.exit_code == 0, result.output
+    for cp, strategy in plans:
+        result = run("plan", base / "data", "--cp", cp, "--strategy", strategy)
+        assert result.exit_code == 0, result.output
+    return base
+
+
 def copy_tree(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, symlinks=True)
     return dst

@@ -46,7 +46,6 @@ from tests.dist import torchrun  # noqa: E402
 from tests.equivalence import planned_dataset  # noqa: E402
 from tests.hf_trainer_worker import LR, SEED, make_model, training_arguments  # noqa: E402
 from tests.integrations.hf_zoo import tiny_model  # noqa: E402
-from tests.plans import random_rows  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 HAS_TRL = importlib.util.find_spec("trl") is not None
@@ -63,11 +62,10 @@ def planned(tmp_path_factory):
     from flashcp.planner.planning import plan_sequence
 
     root = tmp_path_factory.mktemp("hf_trainer") / "data"
-    rng = np.random.default_rng(5)
-    rows = random_rows(rng, NUM_SEQS, CONTEXT, (3, 9))
-    rows[1] = np.r_[1, 1, 200, 54]  # one-token documents and one long document spread over every rank
     plans = {f"cp{cp}": (partial(plan_sequence, "flashcp"), cp) for cp in (1, 2, 4)}
-    sequences = planned_dataset(root, rows, CONTEXT, rng, plans, row_group_rows=4, vocab_size=64)
+    # row 1: one-token documents and one long document spread over every rank
+    sequences = planned_dataset(root, CONTEXT, plans, seed=5, num_seqs=NUM_SEQS, cuts=(3, 9),
+                                fixed_rows={1: np.r_[1, 1, 200, 54]}, row_group_rows=4, vocab_size=64)
     return root, {(0, i): sequence for i, sequence in enumerate(sequences)}
 
 
@@ -77,10 +75,9 @@ def eval_planned(tmp_path_factory):
     from flashcp.planner.planning import plan_sequence
 
     root = tmp_path_factory.mktemp("hf_trainer_eval") / "eval"
-    rng = np.random.default_rng(11)
-    rows = random_rows(rng, NUM_EVAL_SEQS, CONTEXT, (2, 7))
     plans = {f"cp{cp}": (partial(plan_sequence, "flashcp"), cp) for cp in (1, 2)}
-    return root, planned_dataset(root, rows, CONTEXT, rng, plans, row_group_rows=2, vocab_size=64)
+    return root, planned_dataset(root, CONTEXT, plans, seed=11, num_seqs=NUM_EVAL_SEQS, cuts=(2, 7),
+                                 row_group_rows=2, vocab_size=64)
 
 
 def stream_order(root, count: int, *, shuffle: bool) -> list[tuple[int, int]]:

@@ -70,7 +70,6 @@ from tests.equivalence import (  # noqa: E402
     train_steps,
 )
 from tests.naive import naive_document_attention  # noqa: E402
-from tests.plans import random_rows  # noqa: E402
 
 CONTEXT, NUM_SEQS, STEPS = 512, 4, 3
 VOCAB, DIM, LAYERS, HEADS, KV_HEADS = 64, 32, 2, 4, 2
@@ -122,11 +121,10 @@ def reference_training(arch: str, sequences, dp: int) -> Reference:
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
     root = tmp_path_factory.mktemp("titan") / "data"
-    rng = np.random.default_rng(8)
-    rows = random_rows(rng, NUM_SEQS, CONTEXT, (2, 7))
-    rows[1] = np.r_[1, 1, CONTEXT - 3, 1]  # one-token documents and one document over every rank
     plans = {f"cp2-{strategy}": (partial(plan_sequence, strategy), 2) for strategy in STRATEGIES}
-    sequences = planned_dataset(root, rows, CONTEXT, rng, plans, row_group_rows=2)
+    # row 1: one-token documents and one document over every rank
+    sequences = planned_dataset(root, CONTEXT, plans, seed=8, num_seqs=NUM_SEQS, cuts=(2, 7),
+                                fixed_rows={1: np.r_[1, 1, CONTEXT - 3, 1]}, row_group_rows=2)
     references = {(dp, arch): reference_training(arch, sequences, dp) for dp in (1, 2) for arch in ARCHS}
     return str(root), references
 

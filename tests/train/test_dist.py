@@ -40,7 +40,7 @@ from tests.equivalence import (
     tiny_forward_loss,
     train_steps,
 )
-from tests.plans import llama3_like_plan, plan_builders, random_rows
+from tests.plans import llama3_like_plan, plan_builders
 
 REPO = Path(__file__).resolve().parents[2]
 HAS_HF = importlib.util.find_spec("transformers") is not None
@@ -60,13 +60,12 @@ make_model = partial(equivalence.make_model, seed=SEED, **SHAPE)
 def planned(tmp_path_factory):
     """The dataset, plans ``cp{N}-{builder}`` for N in 2, 4 (and cp8 for the refusal), the sequences."""
     root = tmp_path_factory.mktemp("train") / "data"
-    rng = np.random.default_rng(11)
-    rows = random_rows(rng, NUM_SEQS, CONTEXT, (3, 9))
-    rows[1] = np.r_[1, 1, 200, 54]  # one-token documents and one long document spread over every rank
     builders = plan_builders()
     plans = {f"cp{cp}-{name}": (build, cp) for cp in WORLD_SIZES for name, build in builders.items()}
     plans["cp8-llama3-like"] = (llama3_like_plan, 8)
-    sequences = planned_dataset(root, rows, CONTEXT, rng, plans, row_group_rows=2)
+    # row 1: one-token documents and one long document spread over every rank
+    sequences = planned_dataset(root, CONTEXT, plans, seed=11, num_seqs=NUM_SEQS, cuts=(3, 9),
+                                fixed_rows={1: np.r_[1, 1, 200, 54]}, row_group_rows=2)
     return root, list(builders), sequences
 
 

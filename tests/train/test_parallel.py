@@ -41,7 +41,6 @@ from tests.equivalence import (
     train_steps,
 )
 from tests.naive import naive_document_attention
-from tests.plans import random_rows
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 CONTEXT, NUM_SEQS, STEPS = 64, 6, 3
@@ -60,12 +59,10 @@ make_model = partial(equivalence.make_model, seed=SEED, **SHAPE)
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
     root = tmp_path_factory.mktemp("mesh") / "data"
-    rng = np.random.default_rng(21)
-    rows = random_rows(rng, NUM_SEQS, CONTEXT, (1, 6))
-    rows[2] = np.array([CONTEXT])  # one document over every rank
     plans = {f"cp{cp}-{strategy}": (partial(plan_sequence, strategy), cp)
              for cp in sorted({cp for _, cp in MESHES} | {2}) for strategy in STRATEGIES}
-    sequences = planned_dataset(root, rows, CONTEXT, rng, plans, row_group_rows=4)
+    sequences = planned_dataset(root, CONTEXT, plans, seed=21, num_seqs=NUM_SEQS, cuts=(1, 6),
+                                fixed_rows={2: np.array([CONTEXT])}, row_group_rows=4)  # row 2: one document
     # the global batch of a step: the stream's next dp sequences; its loss: token-mean over the global batch
     references = {(dp, kind): global_batch_training(make_model(kind, cp=False), forward_loss_of(kind),
                                                     stream_batches(sequences, dp, STEPS), vocab_size=VOCAB, lr=LR)

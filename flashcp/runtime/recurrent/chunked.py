@@ -108,14 +108,26 @@ def chunk_gated_delta_rule(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV: torc
                                 initial_state_NHKV, chunk_size, out_dtype=q_TGK.dtype)
 
 
+def _repeat_groups(a_TGX: torch.Tensor, b_TGX: torch.Tensor, num_heads: int, dtype: torch.dtype, *, rule: str,
+                   names: tuple[str, str], heads: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` in ``dtype``, each of their G groups repeated for the ``H // G`` heads that read it: (T, H, X).
+
+    ValueError, worded by ``rule``, the two ``names`` and the word for the ``heads``, unless ``a`` and ``b``
+    have one shape and G divides H.
+    """
+    if a_TGX.shape != b_TGX.shape or num_heads % b_TGX.shape[1]:
+        raise ValueError(f"{rule}, got {names[0]} {tuple(a_TGX.shape)}, {names[1]} {tuple(b_TGX.shape)} and "
+                         f"{num_heads} {heads}")
+    group = num_heads // b_TGX.shape[1]
+    a, b = (x.to(dtype).repeat_interleave(group, dim=1) for x in (a_TGX, b_TGX))
+    return a, b
+
+
 def prepare_qk(q_TGK, k_TGK, num_heads: int, scale: float | None, use_qk_l2norm: bool):
     """The queries and keys per value head in the compute dtype, normalised and q scaled: (T, H, K) each."""
-    if q_TGK.shape != k_TGK.shape or num_heads % k_TGK.shape[1]:
-        raise ValueError(f"q and k must be (T, Hk, K) alike with H % Hk == 0, got q {tuple(q_TGK.shape)}, "
-                         f"k {tuple(k_TGK.shape)} and {num_heads} value heads")
-    dtype = compute_dtype(q_TGK.dtype)
-    group = num_heads // k_TGK.shape[1]
-    q, k = (x.to(dtype).repeat_interleave(group, dim=1) for x in (q_TGK, k_TGK))
+    q, k = _repeat_groups(q_TGK, k_TGK, num_heads, compute_dtype(q_TGK.dtype),
+                          rule="q and k must be (T, Hk, K) alike with H % Hk == 0", names=("q", "k"),
+                          heads="value heads")
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     return q * (q.shape[-1] ** -0.5 if scale is None else scale), k
@@ -187,12 +199,9 @@ def chunk_ssd(x_THP: torch.Tensor, dt_TH: torch.Tensor, A_H: torch.Tensor, B_TGS
     Returns y (T, H, P) in x's dtype and the state after each segment (N, H, P, S) in the compute dtype.
     """
     num_heads = x_THP.shape[1]
-    if B_TGS.shape != C_TGS.shape or num_heads % B_TGS.shape[1]:
-        raise ValueError(f"B and C must be (T, G, S) alike with H % G == 0, got B {tuple(B_TGS.shape)}, "
-                         f"C {tuple(C_TGS.shape)} and {num_heads} heads")
     dtype = compute_dtype(x_THP.dtype)
-    group = num_heads // B_TGS.shape[1]
-    B, C = (t.to(dtype).repeat_interleave(group, dim=1) for t in (B_TGS, C_TGS))
+    B, C = _repeat_groups(B_TGS, C_TGS, num_heads, dtype, rule="B and C must be (T, G, S) alike with H % G == 0",
+                          names=("B", "C"), heads="heads")
     x, dt, A = x_THP.to(dtype), dt_TH.to(dtype), A_H.to(dtype)
     bounds = _segments(cu_seqlens, x.shape[0])
     padding = _Padding(bounds, chunk_size, x.device)
