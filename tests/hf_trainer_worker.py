@@ -1,11 +1,11 @@
 """Run CPTrainer cases on torchrun ranks for tests/integrations/test_hf_trainer.py (one launch per world size).
 
 ``python -m torch.distributed.run --nproc-per-node N tests/hf_trainer_worker.py SPEC.json``: SPEC holds the
-dataset folder, an output folder and a list of cases; for each case every rank builds the same seeded tiny
-model and trains it with CPTrainer (or CPSFTTrainer), and rank 0 saves ``{name}.pt`` with the Trainer's log
-history and the final parameters (gathered when FSDP shards them). A case may skip training (``"train": false``)
-and evaluate after it (``"evaluate": true``). A case whose construction or training
-raises ValueError records the message instead (``{"error": ...}``), on every rank alike.
+dataset folder, an output folder and a list of cases; for each case every rank builds the same seeded tiny model
+(``"dtype"``: float32 unless the case names another) and trains it with CPTrainer (or CPSFTTrainer), and rank 0
+saves ``{name}.pt`` with the Trainer's log history and the final parameters (gathered when FSDP shards them). A
+case may skip training (``"train": false``) and evaluate after it (``"evaluate": true``). A case whose
+construction or training raises ValueError records the message instead (``{"error": ...}``), on every rank alike.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ SEED = 7
 LR = 1e-2
 
 
-def make_model(arch: str, attn_implementation: str = "cp_attention"):
+def make_model(arch: str, attn_implementation: str = "cp_attention", dtype: str = "float32"):
     from flashcp.integrations.hf import tiny_hf_model
 
     torch.manual_seed(SEED)
-    return tiny_hf_model(arch, **SHAPE, attn_implementation=attn_implementation)
+    return tiny_hf_model(arch, **SHAPE, attn_implementation=attn_implementation, dtype=getattr(torch, dtype))
 
 
 def training_arguments(output_dir: str, **overrides):
@@ -65,7 +65,7 @@ def run_case(case: dict, data: str, out: Path) -> dict:
     from flashcp.train.parallel import full_parameters
 
     args = training_arguments(str(out / case["name"]), **case.get("args", {}))
-    model = make_model(case["arch"])
+    model = make_model(case["arch"], dtype=case.get("dtype", "float32"))
     kwargs: dict = dict(model=model, args=args, train_dataset=data, plan=case["plan"], **case.get("trainer_kwargs", {}))
     if case.get("trainer") == "sft":
         kwargs["processing_class"] = tiny_tokenizer()

@@ -237,3 +237,14 @@ def assert_same_meta(got, expected, where="meta"):
                 assert_same_meta(getattr(got, f.name), getattr(expected, f.name), f"{where}.{f.name}")
     else:
         assert type(got) is type(expected) and got == expected, f"{where}: {got!r} != {expected!r}"
+
+
+def assert_same_batches(got, expected):
+    """Two lists of CPLoader batches hold the same sequences, tokens, labels and metas."""
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert (a.file_index, a.row) == (b.file_index, b.row)
+        for name in ("input_ids", "position_ids", "labels"):
+            assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
+        assert a.num_label_tokens == b.num_label_tokens
+        assert_same_meta(a.attn, b.attn, f"file {a.file_index} row {a.row} rank {a.attn.rank}")

@@ -6,22 +6,27 @@ summary (``planning.summarize``, what ``plan.json`` stores): imbalance ratio (me
 comm saving against a full-KV all-gather (paper Eq. 5, ``cost.comm_saving``) and the exact-need saving against
 what a rank receives in that all-gather (``cost.exact_need_saving``; ``received_pct`` is its complement, lower
 is better). Beside them: shards per sequence and per rank, mean shard length (short shards make slow kernels),
-the mean projected step time of one layer (``flashcp.costmodel.objective``: default H100 profile, H = H_kv = 32,
-D = 128, auto comm, local shards overlapping the exchange; with ``price_tokens`` also the per-token layers;
+the mean projected step time of one layer (``flashcp.costmodel.objective``: default H100 profile, one layer of
+the bench's model, ``--model``, Llama-3-8B by default: H = 32, H_kv = 8, D = 128; auto comm, local shards
+overlapping the exchange; with ``price_tokens`` also the per-token layers;
 with ``gpus_per_node`` inter-node rows at the profile's ``inter_node_gbps``) and the seconds spent planning
 the row (a shared machine: compare within one run only); optionally the CPU milliseconds per sequence.
 
 A strategy spec may carry a target, ``flashcp+@1.05``, and parameters after a colon, separated by ``;``:
-``magi:chunk_size=2048``, ``flashcp2:effort=4``, ``flashcp2:effort=2;token_slack=0.05``.
+``magi:chunk_size=2048``, ``flashcp2:effort=4``, ``flashcp2:effort=2;token_slack=0.05``. ``flashcp2`` plans
+for the bench's model; shape parameters in a spec (``flashcp2:num_kv_heads=32``) override the model's for that
+spec's planning only (its plans are still priced for the model, the column every strategy shares).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from flashcp.bench.systems import PlanBook
+from flashcp.costmodel.models import ModelSpec
 
 __all__ = ["parse_strategy", "plan_quality", "quality_targets"]
 
@@ -38,12 +43,13 @@ def _value(text: str) -> int | float | str:
     return text
 
 
-def parse_strategy(spec: str) -> tuple[str, str, dict]:
+def parse_strategy(spec: str, model: ModelSpec | None = None) -> tuple[str, str, dict]:
     """``(spec, strategy name, resolved parameters)`` of ``name[@target][:key=value;...]``.
 
-    ValueError (one sentence) for an unknown strategy, parameter or bad value.
+    ``model``: the shape parameters a strategy takes (``flashcp2``'s) default to its shape; those the spec
+    names override it. ValueError (one sentence) for an unknown strategy, parameter or bad value.
     """
-    from flashcp.planner.params import resolve_params
+    from flashcp.planner.params import model_params, resolve_params
     from flashcp.planner.registry import get_strategy
 
     head, _, rest = spec.partition(":")
@@ -58,24 +64,34 @@ def parse_strategy(spec: str) -> tuple[str, str, dict]:
         target_imbalance = float(target) if target else None
     except ValueError:
         raise ValueError(f"strategy '{spec}': the target after '@' must be a number, got '{target}'") from None
-    return spec, name, resolve_params(get_strategy(name), target_imbalance, **overrides)
+    chosen = get_strategy(name)
+    if model is not None:
+        overrides = {**model_params(chosen, {}, model), **overrides}
+    return spec, name, resolve_params(chosen, target_imbalance, **overrides)
 
 
 def plan_quality(book: PlanBook, sources, strategies: list[str], cps: list[int], context_len: int,
                  num_seqs: int, price_tokens: bool = False, gpus_per_node: int = 0,
-                 time_sequences: bool = False) -> dict:
+                 time_sequences: bool = False, model: ModelSpec | None = None) -> dict:
     """Rows of plan metrics, one per (source, cp, strategy spec); see the module docstring.
+
+    ``model``: what every plan is priced for, one layer of it (None: ``DEFAULT_MODEL``); the result names it
+    (``model``, ``ModelSpec.as_dict()``).
 
     ``gpus_per_node`` > 0 prices every plan with that many ranks per node (``--gpus-per-node``) and adds the
     busiest rank's intra- and inter-node receive; ``time_sequences`` also plans every sequence on its own and
     reports the CPU milliseconds per sequence (p50, p99, max).
     """
     from flashcp.costmodel.comm import batch_node_received
-    from flashcp.costmodel.objective import batch_step_seconds, cached_model
+    from flashcp.costmodel.models import DEFAULT_MODEL, resolve_model
+    from flashcp.costmodel.objective import batch_step_seconds, model_vector
+    from flashcp.costmodel.profile import load_profile
     from flashcp.planner.planning import plan_rows, summarize
 
-    specs = [parse_strategy(s) for s in strategies]
-    model = cached_model(None, 32, 32, 128, 1, price_tokens, gpus_per_node)
+    spec_model = model or resolve_model(DEFAULT_MODEL)
+    shape = replace(spec_model.attention_shape(), layers=1)
+    specs = [parse_strategy(s, spec_model) for s in strategies]
+    vector = model_vector(load_profile(None), shape, with_tokens=price_tokens, gpus_per_node=gpus_per_node)
     rows = []
     for source in sources:
         c = source.dataset_context_len or context_len
@@ -85,11 +101,13 @@ def plan_quality(book: PlanBook, sources, strategies: list[str], cps: list[int],
         for cp in cps:
             for spec, name, params in specs:
                 started = time.perf_counter()
-                planned = plan_rows(offsets, lens, cp, name, params)
+                own_shape = any(params.get(key, getattr(shape, key)) != getattr(shape, key)
+                                for key in ("num_heads", "num_kv_heads", "head_dim"))
+                planned = plan_rows(offsets, lens, cp, name, params, shape=None if own_shape else shape)
                 seconds = time.perf_counter() - started
                 summary = summarize(planned.imbalance, planned.ag_comm_tokens, planned.a2a_comm_tokens, c, cp)
                 steps = batch_step_seconds(planned.shard_offsets, planned.shard_doc, planned.shard_start,
-                                           planned.shard_len, planned.shard_rank, cp, model)
+                                           planned.shard_len, planned.shard_rank, cp, vector)
                 shards = np.diff(planned.shard_offsets)
                 row = {"source": source.label, "context_len": c, "cp": cp, "strategy": spec,
                        "params": params, "num_seqs": len(sequences), **summary,
@@ -107,7 +125,8 @@ def plan_quality(book: PlanBook, sources, strategies: list[str], cps: list[int],
                 if time_sequences:
                     row.update(_sequence_ms(offsets, lens, cp, name, params))
                 rows.append(row)
-    return {"rows": rows, "price_tokens": price_tokens, "targets": quality_targets(rows)}
+    return {"rows": rows, "price_tokens": price_tokens, "model": spec_model.as_dict(),
+            "targets": quality_targets(rows)}
 
 
 def _sequence_ms(offsets: np.ndarray, lens: np.ndarray, cp: int, name: str, params: dict) -> dict:

@@ -55,9 +55,12 @@ def _pct(x: float) -> str:
 def _quality(console: Console, quality: dict) -> None:
     rows = quality["rows"]
     priced = "per-token layers priced" if quality.get("price_tokens") else "attention and exchange"
+    model = quality.get("model")  # reports written before the bench named its model priced H=32, H_kv=32
+    shape = f"{model['name']} (H={model['num_heads']}, H_kv={model['num_kv_heads']}, D={model['head_dim']})" \
+        if model else "H=32 H_kv=32 D=128 (no model)"
     table = _table(f"Plan quality ({rows[0]['num_seqs']} sequences per source; exact-need received: the busiest "
-                   "rank's receive as a share of a full K/V all-gather's; step ms: projected, one layer, "
-                   f"H100 H=32 D=128, {priced})", "source", "C", "cp", "strategy", "imbal mean", "p50", "max",
+                   f"rank's receive as a share of a full K/V all-gather's; step ms: projected, one layer of "
+                   f"{shape}, H100, {priced})", "source", "C", "cp", "strategy", "imbal mean", "p50", "max",
                    "all-gather saving", "exact-need received", "shards/rank", "mean shard len", "step ms",
                    "plan s")
     nodes = any("inter_pct" in r for r in rows)

@@ -23,6 +23,7 @@ from flashcp.bench.runtime_cpu import cpu_cases, runtime_cpu
 from flashcp.bench.sequences import SequenceSource, open_source
 from flashcp.bench.speed import end_to_end, planner_speed
 from flashcp.bench.systems import PlanBook, System, available_strategies, default_systems, improved_strategy
+from flashcp.costmodel.models import DEFAULT_MODEL, resolve_model
 from flashcp.costmodel.profile import HardwareProfile
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.outputs import json_report
@@ -57,6 +58,9 @@ class BenchConfig:
     """Strategy specs for plan quality (``flashcp+@1.05``, ``flashcp2:effort=4``); None: every strategy."""
     price_tokens: bool = False
     """Plan quality's projected step time also prices the per-token layers (plans made with token slack)."""
+    model: str = DEFAULT_MODEL
+    """The model plan quality prices (one layer of it) and ``flashcp2`` plans for: a built-in name or a
+    Hugging Face config path (``resolve_model``)."""
     gpus_per_node: int = 0
     """Plan quality prices every plan with this many CP ranks per node and reports inter-node receive (0: one
     node)."""
@@ -115,6 +119,7 @@ class BenchConfig:
     """Notes gathered while configuring (shown with the results)."""
 
     def __post_init__(self):
+        resolve_model(self.model)  # a bad name or config: ModelError (a ValueError), before any work
         unknown = set(self.scenarios) - set(SCENARIOS + EXTRA_SCENARIOS)
         if unknown:
             raise ValueError(f"unknown scenario {sorted(unknown)[0]!r}: choose from "
@@ -214,7 +219,7 @@ def run_bench(config: BenchConfig, profile: HardwareProfile, log=print) -> dict:
         specs = list(config.strategies or strategies)
         timed("quality", lambda: plan_quality(book, sources, specs, list(config.cps), config.context_len,
                                               config.num_seqs, config.price_tokens, config.gpus_per_node,
-                                              config.time_sequences),
+                                              config.time_sequences, resolve_model(config.model)),
               f"planning {config.num_seqs} sequence(s) of {config.context_len:,} tokens from each of {labels} "
               f"with {len(specs)} strategies at cp {cps}")
     if "ring-cost" in config.scenarios:

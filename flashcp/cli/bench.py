@@ -42,6 +42,9 @@ def _names(value: str | None) -> tuple[str, ...] | None:
 @click.option("--strategies", metavar="LIST",
               help="Strategies for plan quality, each NAME[@TARGET][:KEY=VALUE;...], e.g. "
                    "'flashcp+@1.05,flashcp2:effort=4' (default: every strategy).")
+@click.option("--model", "model_name", metavar="NAME|CONFIG",
+              help="Plan quality's model: flashcp2 plans for it and every plan is priced for one layer of it; a "
+                   "built-in name or a Hugging Face config.json [default: llama-3-8b].")
 @click.option("--price-tokens", is_flag=True,
               help="Plan quality's step ms also prices the per-token layers (to compare token-slack plans).")
 @click.option("--gpus-per-node", type=click.IntRange(min=0), default=None,
@@ -95,8 +98,8 @@ def _names(value: str | None) -> tuple[str, ...] | None:
               "bench report there is replaced; anything else is refused).")
 @click.option("--plot", "plot_path", type=click.Path(),
               help="Write the figure-style charts to this PNG.")
-def command(data, quick, scenarios, dists, cps, strategies, price_tokens, gpus_per_node, time_sequences, heads,
-            context_len, seqs, speed_seqs,
+def command(data, quick, scenarios, dists, cps, strategies, model_name, price_tokens, gpus_per_node,
+            time_sequences, heads, context_len, seqs, speed_seqs,
             e2e_seqs, e2e_strategies, workers,
             runtime_context_len, runtime_cp, runtime_cases, runtime_seqs, runtime_reps, runtime_heads,
             runtime_kv_heads, runtime_head_dim, dp_sizes, balance_window,
@@ -131,7 +134,7 @@ def command(data, quick, scenarios, dists, cps, strategies, price_tokens, gpus_p
         raise click.BadParameter("--plot needs the latency scenario", param_hint="--plot")
     try:
         config = bench_config(quick=quick, data=data, dists=_names(dists), scenarios=chosen,
-                              cps=_ints(cps, "--cp"), strategies=_names(strategies),
+                              cps=_ints(cps, "--cp"), strategies=_names(strategies), model=model_name,
                               price_tokens=price_tokens or None, gpus_per_node=gpus_per_node,
                               time_sequences=time_sequences or None, heads=_ints(heads, "--heads"),
                               context_len=context_len,

@@ -1,4 +1,4 @@
-"""``flashcp ls``: the dataset in one line and one line per plan (strategy, cp, quality, stale or not).
+"""``flashcp ls``: the dataset in one line and one line per plan (strategy, cp, quality, model, stale or not).
 
 Plans are listed by cp (numerically), then strategy, then name; folders without a readable cp come last.
 """
@@ -46,7 +46,9 @@ def list_dataset(dataset: Dataset) -> dict:
             continue
         s = store.meta.get("summary") or {}
         plans.append({**entry, "status": status, "strategy": store.strategy, "cp": store.cp,
-                      "params": store.meta.get("params"), "sequences": s.get("sequences"),
+                      "params": store.meta.get("params"),
+                      "model": None if store.model is None else store.model.name,
+                      "model_description": store.describe_model(), "sequences": s.get("sequences"),
                       "imbalance_mean": s.get("imbalance_mean"), "imbalance_max": s.get("imbalance_max"),
                       "ag_saving_mean": s.get("ag_saving_mean"), "a2a_saving_mean": s.get("a2a_saving_mean")})
     plans.sort(key=lambda p: _plan_order(p, plans_root / p["name"]))
@@ -100,6 +102,7 @@ def command(data: str, as_json: bool) -> None:
             continue
         imbalance = "-" if p["imbalance_mean"] is None else \
             f"{p['imbalance_mean']:.4f} mean / {p['imbalance_max']:.4f} max"
+        model = p["model"] or "no model recorded (H=32, H_kv=32 priced)"
         console.print(f"{name}  {p['strategy']:<9} cp {p['cp']:<3} {p['sequences'] or 0:>9,} sequences  "
                       f"imbalance {imbalance}  saving {_pct(p['ag_saving_mean'])} all-gather / "
-                      f"{_pct(p['a2a_saving_mean'])} exact-need  {p['status']}")
+                      f"{_pct(p['a2a_saving_mean'])} exact-need  model {model}  {p['status']}")

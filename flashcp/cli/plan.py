@@ -14,6 +14,7 @@ from rich.table import Table
 
 from flashcp.cli.console import console, emit_json, info, progress, set_json_output
 from flashcp.cli.options import engine_options
+from flashcp.costmodel.models import BUILTIN_MODELS, DEFAULT_MODEL, resolve_model
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
 from flashcp.planner.compare import BASELINES, COMPARE_DEFAULT
@@ -54,8 +55,9 @@ def summary_lines(meta: dict) -> tuple[list[tuple[str, dict]], list[str], bool]:
     compare = summary.get("compare") or {}
     legend = ("imb, p50, max: mean, median and largest max/mean rank workload; AG, EN: all-gather and "
               "exact-need saving against a full K/V all-gather")
+    kinds = _kinds_note(meta.get("model"))
     if not compare.get("sequences"):
-        return [(strategy, summary)], [legend], False
+        return [(strategy, summary)], [legend] + kinds, False
     model = compare["model"]
     legend += (f"; step ms: projected step time per sequence ({compare['profile']}; {model['layers']} layer(s) "
                f"of H={model['num_heads']}, H_kv={model['num_kv_heads']}, D={model['head_dim']}), the baselines' "
@@ -64,7 +66,17 @@ def summary_lines(meta: dict) -> tuple[list[tuple[str, dict]], list[str], bool]:
                                                     if name != strategy]
     sampled = compare["sequences"] < summary["sequences"]
     rows = [(strategy, summary)] + compared if sampled else compared
-    return rows, [legend, _reading(compared, compare, sampled)], sampled
+    return rows, [legend, *kinds, _reading(compared, compare, sampled)], sampled
+
+
+def _kinds_note(model: dict | None) -> list[str]:
+    """The line saying a model's window and chunk layers are priced as full attention (none without them)."""
+    local = [run for run in (model or {}).get("layers", []) if run.get("kind") != "full"]
+    if not local:
+        return []
+    count = sum(run["count"] for run in local)
+    return [f"layer kinds: the model's {count} window/chunk layers are priced as full causal attention for now "
+            "(per-kind workload and exchange are not priced yet)"]
 
 
 def _reading(compared: list[tuple[str, dict]], compare: dict, sampled: bool) -> str:
@@ -100,6 +112,9 @@ def _reading(compared: list[tuple[str, dict]], compare: dict, sampled: bool) -> 
 @click.option("--topology", default=None, metavar="NODESxGPUS",
               help="flashcp2: the CP ranks' layout, e.g. 2x8 (rank r on node r // GPUS): inter-node K/V is "
                    "priced at the profile's inter_node_gbps and reported apart [default: the profile's].")
+@click.option("--model", "model_name", default=DEFAULT_MODEL, show_default=True, metavar="NAME|CONFIG",
+              help=f"The model every price is made for (flashcp2's objective, seq_cost, the comparison): one of "
+                   f"{', '.join(BUILTIN_MODELS)}, or a Hugging Face config.json (or a folder holding one).")
 @click.option("--chunk-size", type=click.IntRange(min=1), default=None,
               help="magi, ptrr: chunk tokens [default: 512 for magi, 128 for ptrr].")
 @click.option("--compare", type=click.IntRange(min=0), default=COMPARE_DEFAULT, show_default=True,
@@ -113,12 +128,13 @@ def _reading(compared: list[tuple[str, dict]], compare: dict, sampled: bool) -> 
 @engine_options("Plan here, or one Ray task per data file (the same bytes; needs pip install 'flashcp[ray]').")
 def command(data: str, cp: int, strategy: str, target_imbalance: float | None, objective: str | None,
             profile: str | None, effort: str | None, token_slack: float | None, topology: str | None,
-            chunk_size: int | None, compare: int, workers: int, name: str | None, force: bool,
+            model_name: str, chunk_size: int | None, compare: int, workers: int, name: str | None, force: bool,
             as_json: bool = False,
             engine: str = "local", ray_address: str | None = None) -> None:
     """Plan every sequence of DATA for CP size N; every plan is validated before it is written."""
     set_json_output(as_json)
     started = time.perf_counter()
+    model = resolve_model(model_name)  # a bad name or config fails before anything is read or written
     dataset = Dataset(data)
     if ray_address is not None and engine != "ray":
         raise FlashcpError("--ray-address needs --engine ray")
@@ -145,7 +161,7 @@ def command(data: str, cp: int, strategy: str, target_imbalance: float | None, o
         result = plan_dataset(data, cp, strategy, target_imbalance=target_imbalance, workers=workers,
                               force=force, name=name, progress=advance, on_note=on_note,
                               overrides={k: v for k, v in overrides.items() if v is not None},
-                              run_jobs=run_jobs, compare=compare)
+                              run_jobs=run_jobs, compare=compare, model=model)
     elapsed = time.perf_counter() - started
     meta = result.meta
     if as_json:
@@ -165,6 +181,7 @@ def command(data: str, cp: int, strategy: str, target_imbalance: float | None, o
     table = summary_table(rows, priced=bool(summary.get("compare", {}).get("sequences")),
                           split_after_first=split)
     console.print(title)
+    console.print(f"priced for {model.describe()}")
     # never cut: off a terminal the console is 80 columns wide, narrower than the table may be
     console.print(table, width=max(console.width, console.measure(table).maximum), crop=False)
     if "topology" in summary:

@@ -170,8 +170,11 @@ def command(data: str, plan_name: str | None, seq: int, as_json: bool) -> None:
     per_node = _gpus_per_node(store)
     if as_json:
         emit_json(_to_json(stored.plan, doc_lens, per_node, sequence=seq, data_file=dataset.files[index].path,
-                           row=row, plan_name=store.name, strategy=store.strategy))
-    for line in render(stored.plan, doc_lens, title, per_node):
+                           row=row, plan_name=store.name, strategy=store.strategy,
+                           model=None if store.model is None else store.model.as_dict()))
+    lines = render(stored.plan, doc_lens, title, per_node)
+    lines.insert(1, f"model: {store.describe_model()}")
+    for line in lines:
         console.print(line)
 
 

@@ -33,7 +33,7 @@ from flashcp.costmodel.shape import AttentionShape
 from flashcp.errors import FlashcpError
 
 __all__ = ["BUILTIN_MODELS", "CLASS_DEFAULTS", "DEFAULT_MODEL", "KINDS", "LayerKind", "ModelError", "ModelSpec",
-           "model_from_config", "resolve_model"]
+           "as_model_spec", "model_from_config", "resolve_model"]
 
 KINDS = ("full", "window", "chunk")
 """Attention kinds flashcp prices: full causal, sliding window of W tokens, chunks of K tokens."""
@@ -373,6 +373,25 @@ def resolve_model(text: str) -> ModelSpec:
         return model_from_config(path)
     raise ModelError(f"unknown model {text!r}: name a built-in model ({', '.join(BUILTIN_MODELS)}) or a Hugging Face "
                      "config.json (or a folder holding one)")
+
+
+def as_model_spec(model: ModelSpec | str | dict[str, Any] | Any) -> ModelSpec:
+    """The ``ModelSpec`` of what a caller has at hand: a spec, a built-in name or config path, or a config.
+
+    A Hugging Face config as its dict (``config.json``'s content) or as the config object itself (anything with
+    ``to_dict()``, e.g. ``model.config``). Raises ModelError as ``resolve_model`` and ``model_from_config`` do.
+    """
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, str | Path):
+        return resolve_model(str(model))
+    if isinstance(model, dict):
+        return model_from_config(model)
+    to_dict = getattr(model, "to_dict", None)
+    if callable(to_dict):
+        return model_from_config(to_dict())
+    raise ModelError(f"a model must be a ModelSpec, a built-in name, a config path or a Hugging Face config, got "
+                     f"{type(model).__name__}")
 
 
 class _Config:

@@ -22,8 +22,9 @@ attention implementation it has no mask function for, and the attention function
 The Hugging Face ``Trainer`` with flashcp CP is ``CPTrainer`` (and TRL's ``SFTTrainer``, ``CPSFTTrainer``), in
 ``flashcp.integrations.hf_trainer`` (which builds on this module, not the other way round).
 
-Shape legend: ``B`` batch (always 1: one packed sequence per rank), ``T`` this rank's tokens, ``H`` query
-heads, ``K`` key/value heads, ``D`` head dim, ``V`` vocabulary.
+Shape legend: ``B`` batch (always 1: a rank's packed sequences, several run as one by
+``flashcp.runtime.batching.concat_batches``), ``T`` this rank's tokens, ``H`` query heads, ``K`` key/value heads,
+``D`` head dim, ``V`` vocabulary.
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ def flashcp_attention_forward(module: nn.Module | None, query: torch.Tensor, key
         raise ValueError("the cp_attention implementation needs this rank's CPAttnMeta: call the model with "
                          "**hf_attention_kwargs(batch.attn, group=...)")
     if query.shape[0] != 1:
-        raise ValueError(f"cp_attention takes one packed sequence per rank (batch size 1), got batch size "
+        raise ValueError(f"cp_attention takes a rank's tokens as one row (batch size 1; run several packed "
+                         f"sequences as one with flashcp.runtime.batching.concat_batches), got batch size "
                          f"{query.shape[0]}")
     if attention_mask is not None:
         raise ValueError("cp_attention takes the document mask from the plan; call the model without "

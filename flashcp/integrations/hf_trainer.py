@@ -7,47 +7,53 @@ and replaces the five things CP changes:
 
 - **Data.** The train dataloader is ``CPLoader`` over a flashcp dataset and plan. The launched world is a
   ``(dp, cp)`` mesh (``flashcp.train.parallel.build_mesh``): global rank ``g`` is CP rank ``g % cp`` of replica
-  ``g // cp``. A micro-batch is one packed sequence per replica (``per_device_train_batch_size=1``); each rank
-  holds its shards of it (``input_ids``, per-document ``position_ids``, next-token ``labels``) and the batch's
-  ``CPAttnMeta``. Data order: ``train_sampling_strategy`` ``"random"`` shuffles with ``data_seed`` (else
-  ``seed``), ``"sequential"`` keeps file order. A Trainer epoch is ``ceil(num_sequences / dp)`` micro-batches
-  of the loader's global stream, which runs on from one Trainer epoch to the next (``CPLoader``: nothing is
-  dropped or repeated at a data epoch's end).
+  ``g // cp``. A micro-batch is ``per_device_train_batch_size`` (``B``) packed sequences per replica, the
+  replica's next ``B`` of the loader's stream, run as one longer varlen sequence (``runtime.batching``: their
+  documents one after the other, each sequence's plan kept, so attention never crosses from one sequence to
+  another; one forward, one backward and one K/V exchange per layer for all ``B``, the memory of ``B``
+  sequences as in any Trainer). Each rank holds its shards of them (``input_ids``, per-document
+  ``position_ids``, next-token ``labels``) and their ``CPAttnMeta``. Data order: ``train_sampling_strategy``
+  ``"random"`` shuffles with ``data_seed`` (else ``seed``), ``"sequential"`` keeps file order. A Trainer epoch is
+  ``ceil(num_sequences / (dp * B))`` micro-batches of the loader's global stream, which runs on from one Trainer
+  epoch to the next (``CPLoader``: nothing is dropped or repeated at a data epoch's end).
 - **Attention.** The model attends through the registered ``cp_attention`` (its attention implementation is
   switched to it), called with the batch's meta and the CP group; no attention mask is used or accepted.
-- **Loss.** An optimizer step's global batch is ``gradient_accumulation_steps`` micro-batches on each of the
-  ``dp`` replicas. Each rank's loss is its local token-loss sum divided by the label tokens of that whole global
-  batch (counted from the plan, summed over the replicas), times the world size because DDP and FSDP average
-  gradients over the ranks; summed over ranks and micro-batches that is exactly the single-process mean loss of
-  the global batch, and the gradients are its gradients. The logged ``loss`` is that global-batch mean.
+- **Loss.** An optimizer step's global batch is ``gradient_accumulation_steps`` micro-batches of ``B``
+  sequences on each of the ``dp`` replicas (``B x gradient_accumulation_steps x dp`` sequences: the Trainer's
+  total train batch size, by which it counts steps, epochs and ``max_steps``). Each rank's loss is its local
+  token-loss sum divided by the label tokens of that whole global batch (counted from the plan, summed over the
+  replicas), times the world size because DDP and FSDP average gradients over the ranks; summed over ranks and
+  micro-batches that is exactly the single-process mean loss of the global batch, and the gradients are its
+  gradients. The logged ``loss`` is that global-batch mean.
 - **Evaluation.** ``eval_dataset`` is a flashcp dataset folder too, with its plan (``eval_plan``, for the same
   ``cp``). ``evaluate()`` (and ``eval_strategy="steps"`` / ``"epoch"`` during training) runs every sequence of it
-  once, in file order, each under CP with the document mask: replica ``d`` takes sequences ``d, d + dp, ...``, and
-  in the last round a replica past the end runs a sequence anyway (an FSDP forward is collective) and counts
-  nothing. Each rank sums its token losses; the sums and the label counts are added over all ranks, so
-  ``eval_loss`` is the summed next-token loss over every label token of the set divided by their number: what
-  one process computes on the whole set at once. It is logged like the Trainer's own (``eval_loss``,
+  once, in file order, each under CP with the document mask, ``per_device_eval_batch_size`` sequences run as one
+  per replica and round as in training: replica ``d`` takes sequences ``d, d + dp, ...``, and in the last round a
+  sequence past the end is run anyway (an FSDP forward is collective) and counts nothing. Each rank sums its
+  token losses; the sums and the label counts are added over all ranks, so ``eval_loss`` is the summed
+  next-token loss over every label token of the set divided by their number: what one process computes on the
+  whole set at once, whatever the batch size. It is logged like the Trainer's own (``eval_loss``,
   ``eval_runtime``, ``eval_samples_per_second``, ``eval_steps_per_second``) and passed to the callbacks.
-  ``per_device_eval_batch_size`` does not change it (one packed sequence per replica at a time).
 - **Checkpoints.** Each checkpoint folder also holds ``flashcp_loader.json`` (the loader's global position,
   written before the Trainer's own files); ``resume_from_checkpoint`` restores it, and the micro-batches the
   Trainer skips on resume are placeholders that read nothing, so the run continues at the same sequence.
 
 What the Trainer cannot honour under CP is refused with one sentence: a model flashcp cannot train exactly under CP
-(``flashcp.integrations.hf_support``: a layer kind cp_attention does not run, an unverified architecture), a
-``per_device_train_batch_size`` other than 1, ``dataloader_num_workers`` above 0, ``auto_find_batch_size``, a
-``train_dataset`` that is not a flashcp dataset folder, a plan whose ``cp`` differs from the ``cp`` argument or does
-not divide the launched world, a ``data_collator``, an ``eval_dataset`` that is not a planned flashcp dataset
-folder, ``compute_metrics`` and ``preprocess_logits_for_metrics`` (a sequence's logits are split over the CP ranks),
-``predict``, label smoothing, a ``compute_loss_func``, DataParallel (several GPUs in one process), DeepSpeed,
-accelerate's own context / sequence / tensor parallelism, and, in a batch, an ``attention_mask`` with padding.
+(``flashcp.integrations.hf_support``: a layer kind cp_attention does not run, an unverified architecture),
+``dataloader_num_workers`` above 0, ``auto_find_batch_size``, a ``train_dataset`` that is not a flashcp dataset
+folder, a plan whose ``cp`` differs from the ``cp`` argument or does not divide the launched world, a
+``data_collator``, an ``eval_dataset`` that is not a planned flashcp dataset folder, ``compute_metrics`` and
+``preprocess_logits_for_metrics`` (a sequence's logits are split over the CP ranks), ``predict``, label smoothing, a
+``compute_loss_func``, DataParallel (several GPUs in one process), DeepSpeed, accelerate's own context / sequence /
+tensor parallelism, and, in a batch, an ``attention_mask`` with padding.
 
 TRL: ``CPSFTTrainer`` (this module's attribute, built on first access; needs ``pip install 'flashcp[trl]'``) is
 the same overrides on ``trl.SFTTrainer``: the SFT configuration, model loading by name, PEFT adapters and
 activation offloading stay SFTTrainer's; data, attention, loss and checkpoints are flashcp's (SFTTrainer's
 dataset preparation is skipped: the data is packed and tokenized already).
 
-Shape legend: ``B`` batch (1), ``T`` this rank's tokens, ``V`` vocabulary.
+Shape legend: ``B`` the model's batch dimension (1: a micro-batch's sequences run as one), ``T`` this rank's
+tokens of them, ``V`` vocabulary.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -72,6 +79,7 @@ except ImportError as e:  # an optional dependency
     raise ImportError("flashcp.integrations.hf_trainer needs transformers and accelerate: pip install "
                       "'flashcp[hf]'") from e
 
+from flashcp.costmodel.models import ModelError, ModelSpec, as_model_spec
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
 from flashcp.fileio import write_json_atomic
@@ -79,7 +87,8 @@ from flashcp.integrations.hf import ATTN_IMPLEMENTATION, hf_attention_kwargs, re
 from flashcp.integrations.hf_support import check_hf_model
 from flashcp.outputs import enclosing_dataset
 from flashcp.planner.plan_reader import PlanStore
-from flashcp.runtime.loader import Batch, CPLoader
+from flashcp.runtime.batching import concat_batches
+from flashcp.runtime.loader import IGNORE_INDEX, Batch, CPLoader
 from flashcp.train.loss import causal_lm_loss_sum
 from flashcp.train.parallel import ParallelGroups, build_mesh
 
@@ -93,16 +102,37 @@ _SAMPLING = {"random": True, "sequential": False}  # train_sampling_strategy -> 
 _SKIPPED: dict[str, Any] = {"flashcp_skipped": True}  # what the Trainer discards on resume: nothing is read
 
 
-class _CPStream(IterableDataset):
-    """The Trainer's view of a CPLoader: ``len`` micro-batches per Trainer epoch, one sequence each.
+def _priced_model(model: nn.Module) -> ModelSpec | None:
+    """The ``ModelSpec`` of ``model``'s config, which the loader checks the plan against.
 
-    The loader's global stream continues from one iteration (Trainer epoch) to the next. ``skip_next`` makes
-    the next iteration start with that many placeholders, for the Trainer to discard on resume.
+    The loader warns once when the plan was priced for another model. None for a config flashcp cannot price
+    (a recurrent or latent-attention layer): such a model trains, there is just no plan price to compare.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(config, "to_dict", None)):
+        return None
+    try:
+        return as_model_spec(config)
+    except (ModelError, TypeError):  # advisory only: a config the reader trips on (Ernie 4.5 VL's per-layer
+        return None                  # expert widths raise TypeError there) must not stop training
+
+
+class _CPStream(IterableDataset):
+    """The Trainer's view of a CPLoader: ``len`` micro-batches per Trainer epoch, ``batch_size`` sequences each.
+
+    A micro-batch is the loader's next ``batch_size`` sequences of this replica run as one
+    (``runtime.batching.concat_batches``). The loader's global stream continues from one iteration (Trainer
+    epoch) to the next. ``skip_next`` makes the next iteration start with that many placeholders, for the
+    Trainer to discard on resume. With ``count_first``, only the first that many sequences of the stream count
+    (evaluation): a later one is run (an FSDP forward is collective) with its labels ignored.
     """
 
-    def __init__(self, loader: CPLoader, length: int, vocab_size: int | None = None):
+    def __init__(self, loader: CPLoader, length: int, vocab_size: int | None = None, batch_size: int = 1,
+                 count_first: int | None = None):
         self.loader, self.length, self.skip_next, self.vocab_size = loader, length, 0, vocab_size
+        self.batch_size, self.count_first = batch_size, count_first
         self._source: Iterator[Batch] | None = None
+        self._taken = 0  # loader steps taken: this replica's sequence of step k is stream sequence k * dp + d
 
     def __len__(self) -> int:
         return self.length
@@ -110,12 +140,20 @@ class _CPStream(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         skip, self.skip_next = self.skip_next, 0
         for index in range(self.length):
-            yield _SKIPPED if index < skip else self._micro_batch(self._checked(self._next()))
+            if index < skip:
+                yield _SKIPPED
+            else:
+                yield self._micro_batch(concat_batches([self._next() for _ in range(self.batch_size)]))
 
     def _next(self) -> Batch:
         if self._source is None:
             self._source = self._endless()
-        return next(self._source)
+        batch = self._checked(next(self._source))
+        stream_index = self._taken * self.loader.dp_size + self.loader.dp_rank
+        self._taken += 1
+        if self.count_first is not None and stream_index >= self.count_first:
+            batch = replace(batch, labels=torch.full_like(batch.labels, IGNORE_INDEX), num_label_tokens=0)
+        return batch
 
     def _endless(self) -> Iterator[Batch]:
         while True:  # the loader counts its data epochs itself
@@ -180,7 +218,7 @@ class CPTrainerMixin:
         for name in ("data_collator", "compute_loss_func", "compute_metrics", "preprocess_logits_for_metrics"):
             if kwargs.get(name) is not None:
                 raise ValueError(f"CPTrainer cannot honour {name}: " + {
-                    "data_collator": "its batches are built from the plan (one packed sequence per rank)",
+                    "data_collator": "its batches are built from the plan (packed sequences run as one per rank)",
                     "compute_loss_func": "its loss is the next-token loss over the global batch's labels",
                     "compute_metrics": "each rank holds only its shard of a sequence's logits, so its evaluation "
                                        "reports eval_loss alone",
@@ -196,7 +234,7 @@ class CPTrainerMixin:
                              f"plan {eval_dataset} --cp N'), got {eval_plan!r}")
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is None:
-            raise ValueError("CPTrainer needs TrainingArguments (args=...); set per_device_train_batch_size=1")
+            raise ValueError("CPTrainer needs TrainingArguments (args=...)")
         _check_arguments(training_args)
         if not isinstance(plan, str) or not plan:
             raise ValueError(f"CPTrainer needs the name of a plan of {train_dataset} (a folder under its plans/, "
@@ -305,19 +343,32 @@ class CPTrainerMixin:
     # ---- data ------------------------------------------------------------------------------------------------
 
     def get_train_dataloader(self) -> DataLoader:
-        """A DataLoader over this rank's CPLoader (one packed sequence per micro-batch, no collation)."""
+        """A DataLoader over this rank's CPLoader: per micro-batch ``per_device_train_batch_size`` sequences as one."""
         args = self.args
         seed = args.data_seed if args.data_seed is not None else args.seed
         shuffle = _SAMPLING[args.train_sampling_strategy]
         if self.cp_groups is not None:
             loader = CPLoader.from_mesh(self.cp_data, self.cp_plan, self.cp_groups.mesh, seed=seed, shuffle=shuffle,
-                                        balance_window=self.cp_balance_window)
+                                        balance_window=self.cp_balance_window, model=_priced_model(self.model))
         else:
-            loader = CPLoader(self.cp_data, self.cp_plan, 0, 1, seed=seed, shuffle=shuffle)
+            loader = CPLoader(self.cp_data, self.cp_plan, 0, 1, seed=seed, shuffle=shuffle,
+                              model=_priced_model(self.model))
         if len(loader) == 0:
             raise FlashcpError(f"dataset {self.cp_data} holds no sequences")
-        self._cp_stream = _CPStream(loader, math.ceil(len(loader) / self.dp_size), self.cp_vocab_size)
+        batch_size = args.per_device_train_batch_size
+        self._cp_stream = _CPStream(loader, math.ceil(len(loader) / (self.dp_size * batch_size)), self.cp_vocab_size,
+                                    batch_size)
         return DataLoader(self._cp_stream, batch_size=None, collate_fn=_keep, num_workers=0)
+
+    def num_examples(self, dataloader: DataLoader) -> int:
+        """Sequences per Trainer epoch over all replicas (the Trainer logs it and prices samples per second by it).
+
+        The train dataloader's length counts micro-batches of ``per_device_train_batch_size`` sequences per replica.
+        """
+        stream = getattr(dataloader, "dataset", None)
+        if isinstance(stream, _CPStream):
+            return stream.length * stream.batch_size * self.dp_size
+        return super().num_examples(dataloader)  # type: ignore[misc]
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
                           device: torch.device) -> tuple[list, int | None]:
@@ -414,8 +465,9 @@ class CPTrainerMixin:
                                         balance_window=0)
         else:
             loader = CPLoader(self.cp_eval_data, self.cp_eval_plan, 0, 1, shuffle=False, balance_window=0)
-        num_sequences = len(loader)
-        stream = _CPStream(loader, math.ceil(num_sequences / self.dp_size), self.cp_vocab_size)
+        num_sequences, batch_size = len(loader), self.args.per_device_eval_batch_size
+        stream = _CPStream(loader, math.ceil(num_sequences / (self.dp_size * batch_size)), self.cp_vocab_size,
+                           batch_size, count_first=num_sequences)  # later ones: the next pass, not counted
         model = self.model
         was_training = model.training
         model.eval()
@@ -424,13 +476,12 @@ class CPTrainerMixin:
         labels = 0
         try:
             with torch.no_grad():
-                for step, micro_batch in enumerate(stream):
+                for micro_batch in stream:
                     inputs = self._prepare_inputs(micro_batch)  # type: ignore[attr-defined]
                     with self.compute_loss_context_manager():  # type: ignore[attr-defined]
                         local, _ = self._loss_sum(model, inputs)
-                    if step * self.dp_size + loader.dp_rank < num_sequences:  # else a sequence of the next pass
-                        loss_sum += local.double()
-                        labels += int(micro_batch["num_label_tokens"]) if loader.rank == 0 else 0
+                    loss_sum += local.double()
+                    labels += int(micro_batch["num_label_tokens"]) if loader.rank == 0 else 0
         finally:
             model.train(was_training)
         totals = torch.stack((loss_sum, torch.tensor(float(labels), dtype=torch.float64, device=device)))
@@ -487,16 +538,14 @@ class CPTrainerMixin:
 
 def _check_arguments(args) -> None:
     """Refuse TrainingArguments CPTrainer cannot honour (one sentence each)."""
-    if args.per_device_train_batch_size != 1:
-        raise ValueError(f"CPTrainer trains one packed sequence per rank and micro-batch, got "
-                         f"per_device_train_batch_size={args.per_device_train_batch_size}; set it to 1 and raise "
-                         "gradient_accumulation_steps instead")
     if args.dataloader_num_workers:
         raise ValueError(f"CPTrainer builds each rank's batch in its training process (reading, tokens and the "
                          f"attention meta, a few ms per batch), so worker processes cannot help, got "
                          f"dataloader_num_workers={args.dataloader_num_workers}; set it to 0")
     if args.auto_find_batch_size:
-        raise ValueError("CPTrainer's batch size is one packed sequence per rank; set auto_find_batch_size=False")
+        raise ValueError("CPTrainer's micro-batch is per_device_train_batch_size packed sequences of the data's "
+                         "fixed context length, so there is no batch size to search for; set "
+                         "auto_find_batch_size=False")
     if args.label_smoothing_factor:
         raise ValueError(f"CPTrainer's loss has no label smoothing, got label_smoothing_factor="
                          f"{args.label_smoothing_factor}; set it to 0")
@@ -510,7 +559,7 @@ class CPTrainer(CPTrainerMixin, Trainer):  # type: ignore[misc]
 
     Launch ``dp x cp`` ranks with torchrun; every rank runs the same script::
 
-        trainer = CPTrainer(model=model, args=TrainingArguments(..., per_device_train_batch_size=1),
+        trainer = CPTrainer(model=model, args=TrainingArguments(..., per_device_train_batch_size=2),
                             train_dataset="DATA", plan="cp4-flashcp2",
                             eval_dataset="EVAL", eval_plan="cp4-flashcp2")
         trainer.train()

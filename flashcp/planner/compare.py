@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from flashcp.costmodel.shape import AttentionShape
+from flashcp.planner.params import SHAPE_PARAMS
 from flashcp.planner.planning import PlannedRows, plan_rows, summarize
 from flashcp.planner.registry import DEFAULT_STRATEGY, get_strategy
 
@@ -33,7 +35,8 @@ def step_params(strategy: str, params: dict) -> dict:
     """The objective parameters (profile, model shape) the comparison prices plans with.
 
     A plan's own for a strategy that minimises the step time (``flashcp2``), else ``flashcp2``'s defaults (the
-    bench's H100 profile, one layer of H = H_kv = 32, D = 128), so every row of a comparison has one price.
+    bench's H100 profile, one layer of H = H_kv = 32, D = 128), so every row of a comparison has one price. A
+    plan made for a model (``flashcp plan --model``) is priced for its shape, given apart (``shape=``).
     """
     if "model" in get_strategy(strategy).kernel_params:
         return params
@@ -93,13 +96,14 @@ def metrics_summary(parts: list[tuple], context_len: int, cp: int) -> dict:
 
 
 def compare_summary(compared: list[dict[str, tuple]], context_len: int, cp: int, compare: int, step: int,
-                    priced_by: dict) -> dict:
+                    priced_by: dict, shape: AttentionShape | None = None) -> dict:
     """plan.json's ``baselines``, ``baselines_every_nth_sequence`` and ``compare`` of the per-file results.
 
     ``compared``: every file's ``compare_rows`` metrics joined (strategy name -> metric tuple, the plan's
     strategy first). ``baselines`` (name -> metrics, ``step_seconds_mean`` included) and
     ``baselines_every_nth_sequence`` (0: no comparison); ``compare``: how many sequences were compared, the
-    price's profile and model shape, and the plan's own metrics on those sequences (``strategy``).
+    price's profile and model shape (``shape``, else the shape parameters of ``priced_by``), and the plan's
+    own metrics on those sequences (``strategy``).
     """
     names = list(compared[0]) if compared else []
     summaries = {name: metrics_summary([c[name] for c in compared], context_len, cp) for name in names}
@@ -112,7 +116,8 @@ def compare_summary(compared: list[dict[str, tuple]], context_len: int, cp: int,
 
         out["compare"].update(
             profile=load_profile(priced_by.get("profile")).name,
-            model={key: int(priced_by.get(key, default)) for key, default in
-                   (("num_heads", 32), ("num_kv_heads", 32), ("head_dim", 128), ("layers", 1))},
+            model={key: int(getattr(shape, key)) for key in SHAPE_PARAMS} if shape is not None else
+            {key: int(priced_by.get(key, default)) for key, default in
+             (("num_heads", 32), ("num_kv_heads", 32), ("head_dim", 128), ("layers", 1))},
             strategy=summaries[names[0]])
     return out

@@ -9,17 +9,24 @@ kernel it registers (``registry.register``), and ``flashcp.planner.planning`` to
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 
 from flashcp.costmodel.limits import MAX_CONTEXT_LEN, MAX_CP, check_context_len
+from flashcp.costmodel.models import ModelSpec
+from flashcp.costmodel.shape import AttentionShape
 
-__all__ = ["OBJECTIVES", "check_shape", "check_topology", "format_topology", "gpus_per_node", "kernel_args",
-           "objective_model", "parse_topology", "plan_gpus_per_node", "resolve_params"]
+__all__ = ["OBJECTIVES", "SHAPE_PARAMS", "check_shape", "check_topology", "format_topology", "gpus_per_node",
+           "kernel_args", "model_params", "objective_model", "parse_topology", "plan_gpus_per_node",
+           "resolve_params"]
 
 OBJECTIVES = ("time",)
 """Objectives ``flashcp2`` optimises: ``time`` = the projected step time."""
+
+SHAPE_PARAMS = ("num_heads", "num_kv_heads", "head_dim", "layers")
+"""``flashcp2``'s model shape parameters: what ``AttentionShape.from_params`` reads, what a model sets."""
 
 
 def resolve_params(strategy: Any, target_imbalance: float | None = None, **overrides) -> dict:
@@ -103,27 +110,64 @@ def check_topology(params: dict, cp: int) -> None:
             raise ValueError(f"topology {topology} holds {nodes * gpus} ranks, not the {cp} of --cp {cp}")
 
 
-def objective_model(params: dict) -> np.ndarray:
-    """The step-time model vector of ``flashcp2`` parameters (profile file, model shape, topology); cached."""
+def model_params(strategy: Any, overrides: dict, model: ModelSpec) -> dict:
+    """``overrides`` with the shape parameters a strategy takes (``SHAPE_PARAMS``) set to ``model``'s shape.
+
+    A plan made for a model is priced for that model alone: a shape parameter given in ``overrides`` that
+    differs from the model's is refused (ValueError in one sentence); one equal to it is kept. A strategy
+    without shape parameters gets ``overrides`` back unchanged (its prices take the shape apart, ``shape=``).
+    """
+    shape = model.attention_shape()
+    out = dict(overrides)
+    for name in SHAPE_PARAMS:
+        if name not in strategy.defaults:
+            continue
+        wanted = getattr(shape, name)
+        given = out.get(name)
+        if given is not None and given != wanted:
+            raise ValueError(f"{strategy.name}'s {name}={given} conflicts with the model {model.name} "
+                             f"({name} {wanted}): drop the parameter, or name a model of that shape")
+        out[name] = wanted
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _shape_model(profile: str | None, shape: AttentionShape, with_tokens: bool,
+                 per_node: int | None) -> np.ndarray:
+    from flashcp.costmodel.objective import model_vector
+    from flashcp.costmodel.profile import load_profile
+
+    return model_vector(load_profile(profile), shape, with_tokens=with_tokens, gpus_per_node=per_node)
+
+
+def objective_model(params: dict, shape: AttentionShape | None = None) -> np.ndarray:
+    """The step-time model vector of ``flashcp2`` parameters (profile file, model shape, topology); cached.
+
+    ``shape``: the shape to price (a model's ``attention_shape()``, its per-token FLOPs included); None: the
+    shape parameters in ``params`` (``AttentionShape.from_params``). Do not modify the returned vector.
+    """
+    with_tokens = float(params.get("token_slack", 0.0)) > 0
+    if shape is not None:
+        return _shape_model(params.get("profile"), shape, with_tokens, gpus_per_node(params))
     from flashcp.costmodel.objective import cached_model
 
     return cached_model(params.get("profile"), int(params.get("num_heads", 32)),
                         int(params.get("num_kv_heads", 32)), int(params.get("head_dim", 128)),
-                        int(params.get("layers", 1)), float(params.get("token_slack", 0.0)) > 0,
-                        gpus_per_node(params))
+                        int(params.get("layers", 1)), with_tokens, gpus_per_node(params))
 
 
-def kernel_args(strategy: Any, params: dict) -> dict:
+def kernel_args(strategy: Any, params: dict, shape: AttentionShape | None = None) -> dict:
     """The batch kernel's ``KERNEL_PARAMS`` (``target``, ``chunk``, ``effort``, ``model``, ``slack``).
 
-    Built from a strategy's parameters; the step-time model (and its profile file) only for a kernel taking it.
+    Built from a strategy's parameters; the step-time model (and its profile file) only for a kernel taking
+    it, priced for ``shape`` (None: the parameters' own shape, ``objective_model``).
     """
     from flashcp.planner.ilp.polish import parse_effort
 
     refusal = strategy.missing() if strategy.missing is not None else None
     if refusal:
         raise ValueError(refusal)
-    model = objective_model(params) if "model" in strategy.kernel_params else None
+    model = objective_model(params, shape) if "model" in strategy.kernel_params else None
     return {"target": float(params.get("target_imbalance", 1.0)), "chunk": int(params.get("chunk_size", 1)),
             "effort": parse_effort(params.get("effort", 0))[0], "model": model,
             "slack": float(params.get("token_slack", 0.0))}

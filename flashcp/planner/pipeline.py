@@ -28,6 +28,8 @@ import numpy as np
 import pyarrow as pa
 
 from flashcp.costmodel.comm import batch_node_received, node_receive_summary
+from flashcp.costmodel.models import DEFAULT_MODEL, ModelSpec, as_model_spec
+from flashcp.costmodel.shape import AttentionShape
 from flashcp.data.dataset import Dataset, numpy_values
 from flashcp.errors import FlashcpError
 from flashcp.fileio import exit_with_parent
@@ -42,7 +44,14 @@ from flashcp.planner.compare import (
     metrics_summary,
     step_params,
 )
-from flashcp.planner.params import check_shape, kernel_args, objective_model, plan_gpus_per_node, resolve_params
+from flashcp.planner.params import (
+    check_shape,
+    kernel_args,
+    model_params,
+    objective_model,
+    plan_gpus_per_node,
+    resolve_params,
+)
 from flashcp.planner.plan_writer import PlanFileWriter, PlanSlot, plan_name, write_plan_json
 from flashcp.planner.planning import check_rows, plan_flat, plan_rows
 from flashcp.planner.registry import get_strategy
@@ -83,6 +92,8 @@ class FileJob:
     compare_step: int
     """Every ``compare_step``-th sequence of the dataset is compared with the baselines; 0: none is."""
     staging: str
+    shape: AttentionShape | None = None
+    """The model shape every price uses (the plan's model's ``attention_shape()``); None: the parameters'."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,7 +120,7 @@ def plan_data_file(job: FileJob) -> FileResult:
     dataset = Dataset(job.root, check_files=False)  # the parent checked them
     where = f"data file {dataset.files[job.file_index].path}"
     names = compared_names(job.strategy) if job.compare_step else []
-    model = objective_model(step_params(job.strategy, job.params)) if names else None
+    model = objective_model(step_params(job.strategy, job.params), job.shape) if names else None
     metrics: list[tuple] = []
     compared: dict[str, list[tuple]] = {name: [] for name in names}
     per_node = plan_gpus_per_node(job.params)
@@ -121,7 +132,8 @@ def plan_data_file(job: FileJob) -> FileResult:
         for group in range(dataset.parquet(job.file_index).num_row_groups):
             offsets, lens = read_row_group_lens(dataset, job.file_index, group)
             check_rows(offsets, lens, job.context_len, where, first_row=first)
-            planned = plan_rows(offsets, lens, job.cp, job.strategy, job.params, where=where, first_row=first)
+            planned = plan_rows(offsets, lens, job.cp, job.strategy, job.params, where=where, first_row=first,
+                                shape=job.shape)
             writer.write(planned.table())
             metrics.append((planned.imbalance, planned.ag_comm_tokens, planned.a2a_comm_tokens))
             if node_received is not None:
@@ -156,9 +168,9 @@ def warm_up(job: FileJob) -> None:
     offsets, lens = np.array([0, 1], np.int64), np.array([job.context_len], np.int64)
     chosen = get_strategy(job.strategy)
     if chosen.kernel is not None:  # a strategy planned in Python (dcp) has nothing to load
-        plan_flat(chosen, offsets, lens, job.cp, job.params, polish=False)
+        plan_flat(chosen, offsets, lens, job.cp, job.params, polish=False, shape=job.shape)
     if job.compare_step:
-        model = objective_model(step_params(job.strategy, job.params))
+        model = objective_model(step_params(job.strategy, job.params), job.shape)
         for name in BASELINES:
             plan_rows(offsets, lens, job.cp, name).step_seconds(job.cp, model)
 
@@ -180,7 +192,8 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
                  target_imbalance: float | None = None, workers: int = 1, force: bool = False,
                  name: str | None = None, progress: Callable[[int], None] | None = None,
                  on_note: Callable[[str], None] | None = None, overrides: dict | None = None,
-                 run_jobs: Callable | None = None, compare: int = COMPARE_DEFAULT) -> PlanResult:
+                 run_jobs: Callable | None = None, compare: int = COMPARE_DEFAULT,
+                 model: ModelSpec | str | dict | None = None) -> PlanResult:
     """Plan every sequence of the dataset at ``root`` and write ``plans/<name>/``; returns its plan.json.
 
     ``name`` defaults to ``cp{N}-{strategy}`` and must be a plain folder name. An existing plan of that name
@@ -195,15 +208,22 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
     ``summary["baselines"]``, and the plan's own on the same sequences under ``summary["compare"]``.
     ``run_jobs(jobs, workers, progress)`` runs the per-file jobs elsewhere (``flashcp.engines.ray_plan``) and
     returns their results in order; by default they run here or in local worker processes.
+
+    ``model`` (a ``ModelSpec``, a built-in name, a config path or a Hugging Face config, ``as_model_spec``;
+    None: ``DEFAULT_MODEL``) is what every price is made for: ``flashcp2``'s objective (its shape parameters are set
+    to the model's, and one given in ``overrides`` that differs is refused), ``seq_cost`` and the comparison.
+    plan.json records it (``model``); a plan made for another model is a different request.
     """
+    spec = as_model_spec(DEFAULT_MODEL if model is None else model)
     dataset = Dataset(root)
     if target_imbalance is not None and not (math.isfinite(target_imbalance) and target_imbalance >= 1):
         raise FlashcpError(f"--target-imbalance must be a finite number of at least 1.0, got {target_imbalance}")
     try:
         chosen = get_strategy(strategy)
-        params = resolve_params(chosen, target_imbalance, **(overrides or {}))
+        params = resolve_params(chosen, target_imbalance, **model_params(chosen, overrides or {}, spec))
         check_shape(dataset.context_len, cp, params)
-        kernel_args(chosen, params)  # reads the profile: a bad one fails before any work
+        shape = spec.attention_shape()
+        kernel_args(chosen, params, shape)  # reads the profile: a bad one fails before any work
     except ValueError as e:
         raise FlashcpError(str(e)) from None
     if workers < 1:
@@ -218,7 +238,8 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
             raise FlashcpError(f"data file {data_file.path} has {rows} rows but the manifest says "
                                f"{data_file.rows}; re-create the dataset")
 
-    wanted = {"strategy": chosen.name, "cp": cp, "params": json.loads(json.dumps(params)), "compare": compare}
+    wanted = {"strategy": chosen.name, "cp": cp, "params": json.loads(json.dumps(params)), "compare": compare,
+              "model": json.loads(json.dumps(spec.as_dict()))}
     with PlanSlot(dataset, name, force=force, wanted=lambda meta: _difference(meta, wanted)) as slot:
         notes = list(slot.notes)
         if slot.up_to_date is not None:
@@ -237,13 +258,14 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
             for index, data_file in enumerate(dataset.files):
                 jobs.append(FileJob(root=str(dataset.root), file_index=index, first_row=first_row, cp=cp,
                                      strategy=chosen.name, params=params, context_len=dataset.context_len,
-                                     compare_step=step, staging=str(staging)))
+                                     compare_step=step, staging=str(staging), shape=shape))
                 first_row += data_file.rows
             results = (run_jobs or _run_jobs)(jobs, workers, progress)
             summary = _summary(results, dataset.context_len, cp, compare, step,
-                               step_params(chosen.name, params))
+                               step_params(chosen.name, params), shape)
             meta = write_plan_json(staging, dataset=dataset, strategy=chosen.name, params=params, cp=cp,
-                                   plan_files=[r.plan_file for r in results], summary=summary, name=name)
+                                   plan_files=[r.plan_file for r in results], summary=summary, name=name,
+                                   model=spec.as_dict())
             slot.commit()
         except OSError as e:
             raise FlashcpError(f"cannot write plan '{name}' in {dataset.root}: {e.strerror or e}") from None
@@ -253,10 +275,15 @@ def plan_dataset(root: str | Path, cp: int, strategy: str = "flashcp", *,
 def _difference(meta: dict, wanted: dict) -> str | None:
     """The first way an existing plan's plan.json differs from the plan ``wanted``, as a phrase (None: alike).
 
-    ``wanted``: strategy, cp, params (as JSON reads them back) and compare (plan.json's
-    ``summary.compare.requested``).
+    ``wanted``: strategy, cp, params (as JSON reads them back), compare (plan.json's
+    ``summary.compare.requested``) and model (``ModelSpec.as_dict()``; a plan made before plan.json recorded
+    its model differs from every model).
     """
     summary = meta.get("summary")
+    if meta.get("model") != wanted["model"]:
+        old = meta.get("model")
+        there = old.get("name") if isinstance(old, dict) else "none recorded (priced for H=32, H_kv=32, D=128)"
+        return f"--model {there} there, {wanted['model']['name']} now"
     made = {"strategy": meta.get("strategy"), "cp": meta.get("cp"), "params": meta.get("params"),
             "compare": (summary.get("compare") or {}).get("requested") if isinstance(summary, dict) else None}
     for key in ("strategy", "cp", "compare"):
@@ -295,14 +322,15 @@ def _run_jobs(jobs: list[FileJob], workers: int,
 
 
 def _summary(results: list[FileResult], context_len: int, cp: int, compare: int, step: int,
-             priced_by: dict) -> dict:
+             priced_by: dict, shape: AttentionShape) -> dict:
     """plan.json's ``summary``: the plan's metrics over every sequence, then the comparison.
 
     The comparison is ``compare.compare_summary``'s; a plan made for a topology adds its intra- and
     inter-node receive (``topology``).
     """
     summary = metrics_summary([r.metrics for r in results], context_len, cp)
-    summary.update(compare_summary([r.compared for r in results], context_len, cp, compare, step, priced_by))
+    summary.update(compare_summary([r.compared for r in results], context_len, cp, compare, step, priced_by,
+                                   shape))
     if results and all(r.node_received is not None for r in results):  # made for a topology
         summary["topology"] = node_receive_summary(np.concatenate([r.node_received for r in results]),
                                                    context_len, cp, results[0].gpus_per_node)

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flashcp import __version__
+from flashcp.costmodel.models import ModelError, ModelSpec
 from flashcp.costmodel.objective import sequence_flops
 from flashcp.costmodel.profile import HardwareProfile, profile_from_json
 from flashcp.costmodel.shape import AttentionShape
@@ -158,6 +159,14 @@ class PlanStore:
         if self.cp < 1:
             raise FlashcpError(f"{meta_path} is damaged (cp {self.cp}); re-run 'flashcp plan --force'")
         self.token_slack = float(self.meta.get("params", {}).get("token_slack") or 0.0)
+        self.model: ModelSpec | None = None
+        """The model the plan was priced for (plan.json's ``model``); None for a plan made before plans recorded
+        it, priced for the shape of its parameters (``cost_shape``, H = H_kv = 32, D = 128 by default)."""
+        if "model" in self.meta:
+            try:
+                self.model = ModelSpec.from_dict(self.meta["model"])
+            except ModelError as e:
+                raise FlashcpError(f"{meta_path} is damaged (its model: {e}); re-run 'flashcp plan --force'") from None
         self.check_fresh()
         if len(self.plan_files) != len(dataset.files):
             raise FlashcpError(f"plan '{name}' lists {len(self.plan_files)} plan files for the "
@@ -238,9 +247,23 @@ class PlanStore:
 
     @property
     def cost_shape(self) -> AttentionShape:
-        """The model shape the plan's ``seq_cost`` is priced with (``AttentionShape.from_params``)."""
+        """The model shape the plan's prices (``seq_cost``) are made with.
+
+        Its model's ``attention_shape()``; for a plan made before plan.json recorded a model, the shape of its
+        parameters (``AttentionShape.from_params``: H = H_kv = 32, D = 128, one layer unless they say more).
+        """
+        if self.model is not None:
+            return self.model.attention_shape()
         params = self.meta.get("params")
         return AttentionShape.from_params(params if isinstance(params, dict) else {})
+
+    def describe_model(self) -> str:
+        """One line naming the model the plan was priced for (``ModelSpec.describe``), or the old shape."""
+        if self.model is not None:
+            return self.model.describe()
+        shape = self.cost_shape
+        return (f"no model recorded (made before plans recorded one): priced for H={shape.num_heads}, "
+                f"H_kv={shape.num_kv_heads}, D={shape.head_dim}, {shape.layers} layer(s)")
 
     def _has_seq_cost(self, index: int) -> bool:
         return SEQ_COST in self._open(index).schema_arrow.names

@@ -183,10 +183,12 @@ def profile_record(path: str | Path) -> dict:
 
 
 def write_plan_json(plan_dir: Path, *, dataset: Dataset, strategy: str, params: dict, cp: int,
-                    plan_files: list[dict], summary: dict, name: str | None = None) -> dict:
+                    plan_files: list[dict], summary: dict, name: str | None = None,
+                    model: dict | None = None) -> dict:
     """Write ``plan.json`` last, atomically, and return it; ``name`` defaults to the folder's name.
 
-    A ``profile`` path among ``params`` is recorded with its content (``profile_record``).
+    A ``profile`` path among ``params`` is recorded with its content (``profile_record``); ``model``
+    (``ModelSpec.as_dict()``, the model every price was made for) as ``model``.
     """
     profile = params.get("profile") if isinstance(params, dict) else None
     meta = {
@@ -202,6 +204,8 @@ def write_plan_json(plan_dir: Path, *, dataset: Dataset, strategy: str, params: 
         "plan_files": plan_files,
         "summary": summary,
     }
+    if model is not None:
+        meta["model"] = model
     if profile is not None:
         meta["profile"] = profile_record(profile)
     write_json_atomic(plan_dir / PLAN_JSON, meta, strict=True)

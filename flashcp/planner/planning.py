@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from flashcp.costmodel.comm import comm_saving, exact_need_saving
+from flashcp.costmodel.models import ModelSpec
 from flashcp.costmodel.objective import batch_step_seconds, sequence_flops
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.errors import FlashcpError, PlanError
 from flashcp.planner import batch, check
 from flashcp.planner.ilp.polish import parse_effort, polish_rows
-from flashcp.planner.params import check_shape, kernel_args, resolve_params
+from flashcp.planner.params import check_shape, kernel_args, model_params, resolve_params
 from flashcp.planner.plan import SequencePlan
 from flashcp.planner.plan_writer import plan_table
 from flashcp.planner.registry import Strategy, get_strategy
@@ -40,15 +41,16 @@ _ERROR_TEXT = {
 
 
 def plan_flat(strategy: Strategy, row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, params: dict, *,
-              polish: bool = True):
+              polish: bool = True, shape: AttentionShape | None = None):
     """Plan every row of flat contiguous int64 ``(row_offsets, doc_lens)``: the one planning path.
 
     The strategy's batch kernel (or its Python ``rows``), then, for ``effort="ilp[:SECONDS]"`` and ``polish``,
-    the CP-SAT polish of every row. ``params``: resolved (``params.resolve_params``). Returns
+    the CP-SAT polish of every row. ``params``: resolved (``params.resolve_params``); ``shape``: the model
+    shape a step-time objective prices (None: the parameters' own). Returns
     ``(shard_offsets, doc, start, len, rank)``; not validated (``plan_rows`` validates, ``plan_sequence``
     builds a ``SequencePlan``, which checks itself).
     """
-    args = kernel_args(strategy, params)
+    args = kernel_args(strategy, params, shape)
     if strategy.rows is not None:  # planned in Python (dcp)
         planned = strategy.rows(row_offsets, doc_lens, cp, params)
     else:
@@ -60,20 +62,24 @@ def plan_flat(strategy: Strategy, row_offsets: np.ndarray, doc_lens: np.ndarray,
 
 
 def plan_sequence(strategy: str | Strategy, doc_lens, cp: int, *, target_imbalance: float | None = None,
-                  **overrides) -> SequencePlan:
+                  model: ModelSpec | None = None, **overrides) -> SequencePlan:
     """Plan one packed sequence with a strategy (its name, or its registry entry).
 
     ``doc_lens``: (num_docs,) positive integers; ``target_imbalance`` and ``overrides`` (``chunk_size``,
-    ``effort``, ``profile``, ...) default to the strategy's own. Raises ValueError for an unknown strategy or
-    bad input.
+    ``effort``, ``profile``, ...) default to the strategy's own. ``model``: the model a step-time objective
+    prices (``flashcp plan --model``); None: the shape parameters (``num_heads``, ...) as given or defaulted.
+    Raises ValueError for an unknown strategy, bad input, or a shape parameter conflicting with ``model``.
     """
     chosen = strategy if isinstance(strategy, Strategy) else get_strategy(strategy)
+    if model is not None:
+        overrides = model_params(chosen, overrides, model)
     params = resolve_params(chosen, target_imbalance, **overrides)
     lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
     if lens.ndim != 1 or lens.size == 0 or (lens <= 0).any():
         raise ValueError("doc_lens must be a non-empty 1-D array of positive lengths")
     check_shape(int(lens.sum()), cp, params)
-    _, doc, start, length, rank = plan_flat(chosen, np.array([0, lens.size], np.int64), lens, cp, params)
+    _, doc, start, length, rank = plan_flat(chosen, np.array([0, lens.size], np.int64), lens, cp, params,
+                                            shape=None if model is None else model.attention_shape())
     return SequencePlan(shard_doc=doc, shard_start=start, shard_len=length, shard_rank=rank, cp=cp)
 
 
@@ -162,16 +168,19 @@ def check_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, context_len: int, 
 
 
 def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: str | Strategy,
-              params: dict | None = None, *, where: str = "sequences", first_row: int = 0) -> PlannedRows:
+              params: dict | None = None, *, where: str = "sequences", first_row: int = 0,
+              shape: AttentionShape | None = None) -> PlannedRows:
     """Plan every row of flat ``(row_offsets, doc_lens)``, validate the plans; PlanError names a bad row.
 
-    Rows are named ``first_row`` + their index.
+    Rows are named ``first_row`` + their index. ``shape``: the model shape every price uses (the step-time
+    objective and ``seq_cost``; a model's ``attention_shape()``); None: the parameters' own
+    (``AttentionShape.from_params``).
     """
     chosen = strategy if isinstance(strategy, Strategy) else get_strategy(strategy)
     params = resolve_params(chosen) if params is None else params
     row_offsets = np.ascontiguousarray(row_offsets, dtype=np.int64)
     doc_lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
-    offsets, doc, start, length, rank = plan_flat(chosen, row_offsets, doc_lens, cp, params)
+    offsets, doc, start, length, rank = plan_flat(chosen, row_offsets, doc_lens, cp, params, shape=shape)
     slack = float(params.get("token_slack", 0.0))
     errors, imbalance, ag, a2a = check.check_batch(row_offsets, doc_lens, offsets, doc, start, length, rank, cp,
                                                     slack)
@@ -181,7 +190,7 @@ def plan_rows(row_offsets: np.ndarray, doc_lens: np.ndarray, cp: int, strategy: 
                         f"{_ERROR_TEXT[int(errors[bad])]}")
     return PlannedRows(shard_offsets=offsets, shard_doc=doc, shard_start=start, shard_len=length,
                        shard_rank=rank, imbalance=imbalance, ag_comm_tokens=ag, a2a_comm_tokens=a2a,
-                       seq_cost=sequence_flops(row_offsets, doc_lens, AttentionShape.from_params(params)))
+                       seq_cost=sequence_flops(row_offsets, doc_lens, shape or AttentionShape.from_params(params)))
 
 
 def strategy_metrics(sequences: Sequence[np.ndarray], cp: int, strategy: str,

@@ -48,7 +48,8 @@ Online planning (``plan=None``): for data that was never planned, each sequence 
 as ``flashcp plan`` validates (``planner.planning.plan_rows``): the plan ``flashcp plan --cp N`` would store.
 Every rank plans the same sequence alike, so no rank talks to another. The planner is imported only then
 (importing the runtime loads no planning kernel); its first use compiles or loads its kernels. Sequence costs
-for DP balance come from the data's document lengths under the strategy's default shape.
+for DP balance come from the data's document lengths under the model's shape (``model=``, else
+``DEFAULT_MODEL``'s, as ``flashcp plan``).
 
 Shape legend: ``T`` this rank's tokens of the sequence.
 """
@@ -56,6 +57,7 @@ Shape legend: ``T`` this rank's tokens of the sequence.
 from __future__ import annotations
 
 import bisect
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -65,8 +67,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from flashcp.costmodel.models import DEFAULT_MODEL, ModelError, ModelSpec, as_model_spec, resolve_model
 from flashcp.costmodel.objective import sequence_flops
-from flashcp.costmodel.shape import AttentionShape
 from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError, PlanError
 from flashcp.planner.plan import SequencePlan
@@ -99,6 +101,11 @@ class Batch:
     """Data file the sequence comes from."""
     row: int
     """Row of the sequence in that file."""
+    plan: SequencePlan | None = None
+    """The sequence's plan, which ``attn`` was built from (None for a batch built by hand);
+    ``flashcp.runtime.batching.concat_batches`` builds the meta of several sequences from it."""
+    doc_lens: np.ndarray | None = None
+    """(num_docs,) int64: the sequence's document lengths (None for a batch built by hand)."""
 
     def to(self, device: torch.device | str, non_blocking: bool = False, comm: str | None = None,
            kv_bytes: int = 2) -> Batch:
@@ -141,13 +148,16 @@ class CPLoader:
         shuffle: permute row groups and rows per epoch (else file order).
         balance_window: steps per DP balance window (module docstring); 0 keeps the stream order. Only used
             with ``dp_size > 1``.
+        model: the model being trained (a ``ModelSpec``, a built-in name, or a Hugging Face config as a dict or
+            object); a stored plan priced for another model warns once (``check_model``). None: not checked.
 
     Raises FlashcpError (one sentence) for a missing dataset or plan, a stale plan, a plan for another world
     size, a lengths-only dataset, or a rank or replica outside its group.
     """
 
     def __init__(self, data_dir: str | Path, plan: str | None, rank: int, world_size: int, *, dp_rank: int = 0,
-                 dp_size: int = 1, seed: int = 0, shuffle: bool = True, balance_window: int = 16):
+                 dp_size: int = 1, seed: int = 0, shuffle: bool = True, balance_window: int = 16,
+                 model: ModelSpec | str | dict | Any | None = None):
         if balance_window < 0:
             raise FlashcpError(f"balance_window must be 0 (off) or a number of steps, got {balance_window}")
         if dp_size < 1:
@@ -160,10 +170,11 @@ class CPLoader:
                                "--no-tokens'); the loader needs token ids")
         if not 0 <= rank < world_size:
             raise FlashcpError(f"rank {rank} is outside [0, {world_size})")
+        spec = None if model is None else _model_spec(model)
         self.store: PlanStore | None = None
         self._online: _OnlinePlanner | None = None
         if plan is None:
-            self._online = _OnlinePlanner(self.dataset.context_len, world_size)
+            self._online = _OnlinePlanner(self.dataset.context_len, world_size, spec)
         else:
             self.store = PlanStore(self.dataset, plan)
             if self.store.cp != world_size:
@@ -191,17 +202,51 @@ class CPLoader:
         self._orders: dict[int, tuple[list[tuple[_Unit, np.ndarray]], list[int]]] = {}
         self._reads: dict[tuple[int, int], tuple[Any, ...]] = {}
         self._read_cap = 2
+        self._model_warned = False
+        if spec is not None:
+            self._check_model(spec)
+
+    def check_model(self, model: ModelSpec | str | dict | Any) -> None:
+        """Warn once (``UserWarning``) when the stored plan was priced for another model than ``model``.
+
+        ``model``: as ``CPLoader``'s ``model=`` (FlashcpError for one that cannot be read). Models are the same
+        when every field but the name is (a built-in and its published ``config.json`` are). A plan made
+        before plan.json recorded its model counts as priced for its shape (H = H_kv = 32, D = 128 unless its
+        parameters say otherwise). Online planning (no stored plan) checks nothing.
+        """
+        self._check_model(_model_spec(model))
+
+    def _check_model(self, spec: ModelSpec) -> None:
+        # stacklevel 3: the warning names the line that built the loader or called check_model
+        if self.store is None or self._model_warned:
+            return
+        planned = self.store.model
+        if planned is not None:
+            other = {**planned.as_dict(), "name": spec.name} != spec.as_dict()
+            what = f"model {planned.name}"
+        else:
+            shape = self.store.cost_shape
+            other = (shape.num_heads, shape.num_kv_heads, shape.head_dim) != \
+                (spec.num_heads, spec.num_kv_heads, spec.head_dim)
+            what = f"H={shape.num_heads}, H_kv={shape.num_kv_heads}, D={shape.head_dim} (no model recorded)"
+        if other:
+            self._model_warned = True
+            warnings.warn(f"plan '{self.plan_name}' was priced for {what} but the model trained is {spec.name} "
+                          f"({spec.num_heads} heads / {spec.num_kv_heads} K/V x {spec.head_dim}, "
+                          f"{spec.num_layers} layer{'s' if spec.num_layers != 1 else ''}), so its balance is "
+                          "another model's: re-plan with "
+                          "'flashcp plan --model' naming this model", UserWarning, stacklevel=3)
 
     @classmethod
     def from_mesh(cls, data_dir: str | Path, plan: str | None, mesh, *, dp_dim: str | None = "dp",
                   cp_dim: str = "cp", seed: int = 0, shuffle: bool = True,
-                  balance_window: int = 16) -> CPLoader:
+                  balance_window: int = 16, model: ModelSpec | str | dict | Any | None = None) -> CPLoader:
         """The loader of this process's place in ``mesh``, a ``torch.distributed.device_mesh.DeviceMesh``.
 
         ``mesh`` must name a ``cp_dim`` dimension (the CP group, whose size must be the plan's ``cp``) and,
         unless ``dp_dim`` is None, a ``dp_dim`` dimension (the replicas). Other dimensions (e.g. tensor
         parallel) are allowed; their ranks read the same data. Raises FlashcpError (one sentence) for a mesh
-        without the named dimensions or whose cp size differs from the plan's.
+        without the named dimensions or whose cp size differs from the plan's. ``model``: as ``CPLoader``'s.
         """
         names = tuple(mesh.mesh_dim_names or ())
         wanted = [d for d in (dp_dim, cp_dim) if d is not None]
@@ -219,7 +264,7 @@ class CPLoader:
                                f"'flashcp plan --cp {cp}'")
         dp_rank = mesh.get_local_rank(dp_dim) if dp_dim is not None else 0
         return cls(data_dir, plan, mesh.get_local_rank(cp_dim), cp, dp_rank=dp_rank, dp_size=dp, seed=seed,
-                   shuffle=shuffle, balance_window=balance_window)
+                   shuffle=shuffle, balance_window=balance_window, model=model)
 
     def __len__(self) -> int:
         """Sequences per epoch (all replicas together)."""
@@ -401,7 +446,8 @@ class CPLoader:
                           tokens_C[np.minimum(global_pos + 1, tokens_C.size - 1)]).astype(np.int64)
         return Batch(input_ids=torch.from_numpy(tokens_C[global_pos].astype(np.int64)),
                      position_ids=torch.from_numpy(position), labels=torch.from_numpy(labels), attn=attn,
-                     num_label_tokens=int(doc_lens.sum() - doc_lens.size), file_index=file_index, row=row)
+                     num_label_tokens=int(doc_lens.sum() - doc_lens.size), file_index=file_index, row=row,
+                     plan=plan, doc_lens=doc_lens)
 
 
 def stream_rows(data_dir: str | Path, *, seed: int = 0, epoch: int = 0, shuffle: bool = True) -> np.ndarray:
@@ -447,12 +493,22 @@ def _global_rows(order: list[tuple[_Unit, np.ndarray]], file_first: np.ndarray) 
     return np.concatenate([*rows, np.zeros(0, np.int64)]).astype(np.int64)
 
 
-class _OnlinePlanner:
-    """Plans one sequence at a time as ``flashcp plan --cp N`` would: the default strategy, validated."""
+def _model_spec(model: ModelSpec | str | dict | Any) -> ModelSpec:
+    try:
+        return as_model_spec(model)
+    except ModelError as e:
+        raise FlashcpError(f"the loader's model cannot be read: {e}") from None
 
-    def __init__(self, context_len: int, cp: int):
+
+class _OnlinePlanner:
+    """Plans one sequence at a time as ``flashcp plan --cp N [--model M]`` would: the default strategy, validated.
+
+    ``model``: what the plans are priced for (None: ``DEFAULT_MODEL``, as ``flashcp plan``).
+    """
+
+    def __init__(self, context_len: int, cp: int, model: ModelSpec | None = None):
         # imported here: a loader of stored plans never loads a planning kernel
-        from flashcp.planner.params import check_shape, resolve_params
+        from flashcp.planner.params import check_shape, model_params, resolve_params
         from flashcp.planner.planning import plan_rows
         from flashcp.planner.registry import DEFAULT_STRATEGY, get_strategy
 
@@ -462,12 +518,14 @@ class _OnlinePlanner:
             raise FlashcpError(f"cannot plan sequences of {context_len} tokens for {cp} ranks: {e}") from None
         self.cp = cp
         self.strategy = get_strategy(DEFAULT_STRATEGY)
-        self.params = resolve_params(self.strategy)
-        self.shape = AttentionShape.from_params(self.params)
+        model = model or resolve_model(DEFAULT_MODEL)  # what 'flashcp plan' prices for by default
+        self.params = resolve_params(self.strategy, **model_params(self.strategy, {}, model))
+        self.shape = model.attention_shape()
         self._plan_rows = plan_rows
 
     def plan(self, doc_lens: np.ndarray, file_index: int, row: int) -> SequencePlan:
         """The validated plan of one sequence (row ``row`` of data file ``file_index``, for messages)."""
         planned = self._plan_rows(np.array([0, doc_lens.size], np.int64), doc_lens, self.cp, self.strategy,
-                                  self.params, where=f"data file {file_index}", first_row=row)
+                                  self.params, where=f"data file {file_index}", first_row=row,
+                                  shape=self.shape)
         return planned.row(0, self.cp)

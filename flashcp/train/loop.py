@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flashcp.costmodel.models import LayerKind, ModelSpec
 from flashcp.errors import FlashcpError
 from flashcp.models.tiny import TinyConfig, TinyDecoder
 from flashcp.runtime import CPLoader
@@ -204,6 +205,9 @@ class TrainModel:
     """Its summed loss over this rank's labels (``train_step``'s hook)."""
     fsdp: FsdpFn | None = None
     """How ``sharding="fsdp"`` wraps it (``shard_model``'s ``fsdp``); None: FSDP2 per decoder block."""
+    spec: ModelSpec | None = None
+    """The model as flashcp prices it: a stored plan priced for another model warns once
+    (``CPLoader.check_model``); None: not checked."""
 
 
 ModelBuilder = Callable[[TrainOptions, torch.device, int | None], TrainModel]
@@ -223,7 +227,11 @@ def build_tiny_model(options: TrainOptions, device: torch.device, context_len: i
     dtype = DTYPES[options.dtype or default_dtype(device)]
     config = TinyConfig(vocab_size=options.vocab_size, dim=options.dim, num_layers=options.num_layers,
                         num_heads=options.num_heads, num_kv_heads=options.num_kv_heads, ffn_dim=2 * options.dim)
-    return TrainModel(model=TinyDecoder(config).to(device, dtype), loss_sum_fn=tiny_loss_sum)
+    spec = None if config.num_layers < 1 else ModelSpec(
+        name="tiny", num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+        head_dim=config.dim // config.num_heads, hidden_size=config.dim, mlp_width=config.ffn_dim,
+        vocab_size=config.vocab_size, layers=(LayerKind(),) * config.num_layers)
+    return TrainModel(model=TinyDecoder(config).to(device, dtype), loss_sum_fn=tiny_loss_sum, spec=spec)
 
 
 @dataclass(slots=True)
@@ -340,6 +348,8 @@ def _set_up(options: TrainOptions, rank: int, world: int, device: torch.device,
         raise FlashcpError(f"dataset {options.data} holds no sequences")
     torch.manual_seed(options.seed)  # the same initial weights on every rank
     built = build_model(options, device, loader.context_len)
+    if built.spec is not None:
+        loader.check_model(built.spec)
     model, loss_sum_fn = built.model, built.loss_sum_fn
     if groups is not None:
         model = shard_model(model, groups, options.sharding, fsdp=built.fsdp)

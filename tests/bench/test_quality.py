@@ -31,3 +31,19 @@ def test_quality_strategy_specs(tmp_path):
     targets = json.loads(out.read_text())["quality"]["targets"]
     assert len(targets) == 1 + 4 + 1
     assert sum(f"target: wlb cp4 {t}" in result.output for t in ("flashcp2 max", "step", "receive")) == 3
+
+
+def test_quality_names_and_prices_its_model(tmp_path):
+    from flashcp.costmodel.models import BUILTIN_MODELS
+
+    out = tmp_path / "q.json"
+    result = _bench("--scenario", "quality", "--dist", "wlb", "--cp", "4", "--seqs", "2", "--context-len", "8192",
+                    "--model", "qwen3-8b", "--strategies", "flashcp2,flashcp2:num_kv_heads=32,flashcp+",
+                    "--json", str(out))
+    quality = json.loads(out.read_text())["quality"]
+    assert quality["model"] == BUILTIN_MODELS["qwen3-8b"].as_dict()
+    assert "one layer of qwen3-8b (H=32, H_kv=8, D=128)" in " ".join(result.output.split())
+    params = {r["strategy"]: r["params"] for r in quality["rows"]}
+    assert params["flashcp2"]["num_kv_heads"] == 8 and params["flashcp2"]["layers"] == 36
+    assert params["flashcp2:num_kv_heads=32"]["num_kv_heads"] == 32  # a spec's shape parameter overrides
+    assert "num_kv_heads" not in params["flashcp+"]

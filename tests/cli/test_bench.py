@@ -42,6 +42,7 @@ def test_bench_quick_smoke(tmp_path):
     (["--scenario", "warp"], "unknown scenario 'warp'"),
     (["--profile", "{missing}.json"], "cannot be read"),
     (["--measured", "--device", "cpu"], "--measured needs a CUDA device"),
+    (["--model", "llama-5"], "unknown model 'llama-5'"),
 ])
 def test_bench_refusals(tmp_path, args, words):
     args = [a.replace("{missing}", str(tmp_path / "missing")) for a in args]

@@ -86,3 +86,141 @@ def test_workers_give_identical_plans(tmp_path):
     assert [f["sha256"] for f in one["plan_files"]] == [f["sha256"] for f in two["plan_files"]]
     assert one["summary"] == two["summary"]
     assert run("verify", root).exit_code == 0
+
+
+def _mha_config(folder):
+    """A GPT-2 config of the shape plans were priced for before they recorded a model: one layer of H = H_kv =
+    32, D = 128 and a plain MLP of 4 x 4096 (``AttentionShape()``'s ``hidden_mult`` 4), written by transformers."""
+    from transformers import GPT2Config
+
+    GPT2Config(n_embd=4096, n_head=32, n_layer=1, n_inner=16384, vocab_size=1000).to_json_file(
+        folder / "config.json")
+    return folder
+
+
+def test_plan_model_builtin(dataset, tmp_path):
+    from flashcp.costmodel.models import BUILTIN_MODELS
+
+    root = fresh_copy(dataset, tmp_path)
+    result = run("plan", root, "--cp", 2, "--model", "Qwen3-8B", "--compare", 4)
+    assert result.exit_code == 0, result.output
+    assert "priced for qwen3-8b: 36 layers (36 full), 32 heads / 8 K/V x 128" in result.output
+    assert "36 layer(s) of H=32, H_kv=8, D=128" in result.output and "layer kinds" not in result.output
+    meta = json.loads((root / "plans" / "cp2-flashcp2" / "plan.json").read_text())
+    assert meta["model"] == BUILTIN_MODELS["qwen3-8b"].as_dict() and meta["model"]["name"] == "qwen3-8b"
+    assert {key: meta["params"][key] for key in ("num_heads", "num_kv_heads", "head_dim", "layers")} == \
+        {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "layers": 36}
+    assert meta["summary"]["compare"]["model"] == {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "layers": 36}
+    assert run("verify", root).exit_code == 0  # every stored seq_cost is the model's price
+
+
+def test_plan_model_default_and_windowed(dataset, tmp_path):
+    root = fresh_copy(dataset, tmp_path)
+    result = run("plan", root, "--cp", 2, "--strategy", "flashcp", "--compare", 2)
+    assert result.exit_code == 0, result.output
+    meta = json.loads((root / "plans" / "cp2-flashcp" / "plan.json").read_text())
+    assert meta["model"]["name"] == "llama-3-8b" and meta["params"] == {"target_imbalance": 1.05}
+    assert meta["summary"]["compare"]["model"] == {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "layers": 32}
+    result = run("plan", root, "--cp", 2, "--strategy", "flashcp", "--model", "gemma-3-12b", "--name", "gemma")
+    assert result.exit_code == 0, result.output
+    assert "layer kinds: the model's 40 window/chunk layers are priced as full causal attention" in result.output
+
+
+def test_plan_model_from_transformers_config(dataset, tmp_path):
+    from transformers import LlamaConfig
+
+    from flashcp.costmodel.models import model_from_config
+    from flashcp.costmodel.objective import sequence_flops
+    from flashcp.data.dataset import Dataset
+    from flashcp.planner.plan_reader import PlanStore
+
+    folder = tmp_path / "small-llama"
+    folder.mkdir()
+    LlamaConfig(num_key_value_heads=2, num_attention_heads=8, hidden_size=512, intermediate_size=1376,
+                num_hidden_layers=3, vocab_size=1000).to_json_file(folder / "config.json")
+    root = fresh_copy(dataset, tmp_path)
+    for model in (folder, folder / "config.json"):  # a folder holding the file, or the file
+        result = run("plan", root, "--cp", 2, "--model", model, "--compare", 2, "--force")
+        assert result.exit_code == 0, result.output
+        assert "priced for small-llama: 3 layers (3 full), 8 heads / 2 K/V x 64, hidden 512, MLP 1376" in result.output
+    meta = json.loads((root / "plans" / "cp2-flashcp2" / "plan.json").read_text())
+    spec = model_from_config(folder)
+    assert meta["model"] == spec.as_dict()
+    assert {key: meta["params"][key] for key in ("num_heads", "num_kv_heads", "head_dim", "layers")} == \
+        {"num_heads": 8, "num_kv_heads": 2, "head_dim": 64, "layers": 3}
+    dataset_now = Dataset(root)
+    store = PlanStore(dataset_now, "cp2-flashcp2")
+    assert store.model == spec and store.cost_shape == spec.attention_shape()
+    expected = sequence_flops(*dataset_now.read_doc_lens(0), spec.attention_shape())
+    assert store.seq_costs(0).tolist() == pytest.approx(expected.tolist(), rel=1e-12)
+
+
+def test_rerun_with_another_model(dataset, tmp_path):
+    from tests.faults.workspace import tree
+
+    root = fresh_copy(dataset, tmp_path)
+    assert run("plan", root, "--cp", 2, "--compare", 0).exit_code == 0
+    result = run("plan", root, "--cp", 2, "--compare", 0, "--model", "llama-3-8b")
+    assert result.exit_code == 0 and "is up to date" in result.output
+    before = tree(root)
+    result = run("plan", root, "--cp", 2, "--compare", 0, "--model", "mistral-7b-v0.1")
+    assert result.exit_code == 1 and "--model llama-3-8b there, mistral-7b-v0.1 now" in result.output
+    assert tree(root) == before
+    result = run("plan", root, "--cp", 2, "--compare", 0, "--model", "mistral-7b-v0.1", "--force")
+    assert result.exit_code == 0, result.output
+    meta = json.loads((root / "plans" / "cp2-flashcp2" / "plan.json").read_text())
+    assert meta["model"]["name"] == "mistral-7b-v0.1"
+
+
+@pytest.mark.parametrize("model,message", [
+    ("llama-5", "unknown model 'llama-5': name a built-in model (llama-3-8b,"),
+    ("", "unknown model ''"),
+    ("latent", "layer 0 is multi-head latent attention (kv_lora_rank=512), which flashcp cannot price"),
+    ("broken", "cannot read"),
+])
+def test_plan_bad_model(dataset, tmp_path, model, message):
+    from tests.faults.workspace import tree
+
+    root = fresh_copy(dataset, tmp_path)
+    assert run("plan", root, "--cp", 2, "--strategy", "llama3", "--compare", 0).exit_code == 0
+    if model == "latent":
+        model = tmp_path / "latent.json"
+        model.write_text(json.dumps({"model_type": "deepseek_v3", "num_attention_heads": 16, "hidden_size": 2048,
+                                     "num_hidden_layers": 4, "vocab_size": 1000, "intermediate_size": 4096,
+                                     "kv_lora_rank": 512}))
+    elif model == "broken":
+        model = tmp_path / "config.json"
+        model.write_text("{not json")
+    before = tree(root)
+    for args in ([], ["--force"]):
+        result = run("plan", root, "--cp", 2, "--model", model, *args)
+        assert result.exit_code == 1, result.output
+        assert message in result.output and result.output.count("error:") == 1
+        assert tree(root) == before, "nothing written"
+
+
+def test_show_and_ls_name_the_model(dataset, tmp_path):
+    root = fresh_copy(dataset, tmp_path)
+    assert run("plan", root, "--cp", 2, "--strategy", "flashcp", "--compare", 0, "--model", "qwen3-8b").exit_code == 0
+    assert run("plan", root, "--cp", 2, "--strategy", "flashcp", "--compare", 0, "--name", "old",
+               "--model", _mha_config(tmp_path)).exit_code == 0
+    meta_path = root / "plans" / "old" / "plan.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["model"]  # as plan.json was written before it recorded the model
+    meta_path.write_text(json.dumps(meta))
+    result = run("show", root, "--plan", "cp2-flashcp", "--seq", 1)
+    assert result.exit_code == 0, result.output
+    assert "model: qwen3-8b: 36 layers (36 full), 32 heads / 8 K/V x 128" in result.output
+    shown = json.loads(run("show", root, "--plan", "cp2-flashcp", "--seq", 1, "--json").stdout)
+    assert shown["model"]["name"] == "qwen3-8b" and shown["model"]["num_kv_heads"] == 8
+    result = run("show", root, "--plan", "old", "--seq", 1)
+    assert result.exit_code == 0, result.output
+    assert "model: no model recorded (made before plans recorded one): priced for H=32, H_kv=32, D=128, 1 layer(s)" \
+        in result.output
+    result = run("ls", root)
+    assert result.exit_code == 0, result.output
+    lines = {line.split()[0]: line for line in result.output.splitlines() if line.startswith(("cp2-", "old"))}
+    assert "model qwen3-8b" in lines["cp2-flashcp"] and "no model recorded" in lines["old"]
+    listing = json.loads(run("ls", root, "--json").stdout)
+    models = {p["name"]: p["model"] for p in listing["plans"]}
+    assert models == {"cp2-flashcp": "qwen3-8b", "old": None}

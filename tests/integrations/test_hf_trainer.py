@@ -16,6 +16,12 @@ Evaluation: a second dataset (5 packed sequences) with plans for cp 1 and 2. Its
 ``evaluate`` with all 5 sequences in one batch (so its ``eval_loss`` is the mean over every label token of the set,
 as CPTrainer's), at the same steps of the same training; CPTrainer's ``eval_loss`` must equal it within
 ``LOSS_TOL``, on 2 ranks as CP 2 and as DP 2 (whose last round has one replica past the end).
+
+Batches (``per_device_train_batch_size`` / ``per_device_eval_batch_size`` > 1), float64 models: a third launch of
+2 gloo ranks (CP 2 and DP 2, with and without accumulation, CPSFTTrainer, evaluation in rounds with sequences past
+the end) and one process against a float64 plain Trainer whose loss keeps float64 (``wide_causal_lm_loss``):
+parameters within ``F64_TOLS`` (measured 2e-14), grad norms and eval_loss equal, and the logged loss within a
+float32 ulp (the Trainer sums it in a float32 tensor).
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ REPO = Path(__file__).resolve().parents[2]
 HAS_TRL = importlib.util.find_spec("trl") is not None
 CONTEXT, NUM_SEQS, NUM_EVAL_SEQS = 256, 8, 5
 LOSS_TOL, GRAD_NORM_RTOL, PARAM_TOL = 1e-5, 1e-5, 1e-2 * LR
+# float64 models: only the order of sums differs; the Trainer sums the logged loss in a float32 tensor (1 ulp: 5e-7)
+F64_TOLS = dict(loss_tol=2e-6, grad_tol=1e-10, param_tol=1e-12)
+F64_EVAL_TOL = 1e-10
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +115,13 @@ class ReferenceData(torch.utils.data.Dataset):
         return self.items[i]
 
 
-def reference_run(planned, tmp_path, arch: str, *, dp: int, ga: int, steps: int, shuffle: bool = True,
-                  document_mask: bool = True, eval_sequences=None, evaluations: list | None = None, **overrides):
+def reference_run(planned, tmp_path, arch: str, *, dp: int, ga: int, steps: int, batch: int = 1,
+                  dtype: str = "float32", shuffle: bool = True, document_mask: bool = True, eval_sequences=None,
+                  evaluations: list | None = None, **overrides):
     """Losses per step and final parameters of a plain single-process Trainer on the same global batches.
+
+    A global batch of the CP run is ``batch x ga x dp`` sequences (micro-batches of ``batch`` on ``dp`` replicas,
+    ``ga`` of them per step): the reference accumulates them one sequence at a time. ``dtype``: the model's.
 
     With ``eval_sequences`` it evaluates on them in one batch (``overrides`` say when); ``evaluations`` receives
     the logged ``(step, eval_loss)`` pairs, then those of an ``evaluate()`` after training.
@@ -116,15 +129,16 @@ def reference_run(planned, tmp_path, arch: str, *, dp: int, ga: int, steps: int,
     from transformers import Trainer
 
     root, sequences = planned
-    order = stream_order(root, steps * ga * dp, shuffle=shuffle)
-    model = make_model(arch, attn_implementation="sdpa")
+    order = stream_order(root, steps * ga * dp * batch, shuffle=shuffle)
+    model = make_model(arch, attn_implementation="sdpa", dtype=dtype)
     if eval_sequences is not None:
         overrides["per_device_eval_batch_size"] = len(eval_sequences)
-    args = training_arguments(str(tmp_path / f"ref-{arch}"), gradient_accumulation_steps=ga * dp, max_steps=steps,
-                              train_sampling_strategy="sequential", ddp_backend=None, **overrides)
+    args = training_arguments(str(tmp_path / f"ref-{arch}"), gradient_accumulation_steps=ga * dp * batch,
+                              max_steps=steps, train_sampling_strategy="sequential", ddp_backend=None, **overrides)
     trainer = Trainer(model=model, args=args, train_dataset=ReferenceData([sequences[k] for k in order],
                                                                                  document_mask),
-                      eval_dataset=None if eval_sequences is None else ReferenceData(eval_sequences))
+                      eval_dataset=None if eval_sequences is None else ReferenceData(eval_sequences),
+                      compute_loss_func=wide_causal_lm_loss if dtype == "float64" else None)
     if steps:
         trainer.train()
     if evaluations is not None:
@@ -134,16 +148,27 @@ def reference_run(planned, tmp_path, arch: str, *, dp: int, ga: int, steps: int,
     return log, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def wide_causal_lm_loss(outputs, labels, num_items_in_batch=None):
+    """transformers' causal-LM loss without its cast of the logits to float32: a float64 reference stays float64.
+
+    The summed next-token loss over the label tokens, divided by ``num_items_in_batch`` (the Trainer's count over
+    the accumulated batch) or, in evaluation, by this batch's label tokens.
+    """
+    logits, target = outputs.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+    total = torch.nn.functional.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / (num_items_in_batch if num_items_in_batch is not None else (target != IGNORE_INDEX).sum())
+
+
 def eval_losses(log_history) -> list[tuple[int, float]]:
     return [(entry["step"], entry["eval_loss"]) for entry in log_history if "eval_loss" in entry]
 
 
-def check_eval_equal(log_history, reference: list[tuple[int, float]], where: str) -> None:
+def check_eval_equal(log_history, reference: list[tuple[int, float]], where: str, tol: float = LOSS_TOL) -> None:
     got = eval_losses(log_history)
     assert [s for s, _ in got] == [s for s, _ in reference], f"{where}: evaluated at {got}, reference {reference}"
     err = max(abs(a - b) for (_, a), (_, b) in zip(got, reference))
     print(f"{where}: max |eval_loss err| {err:.2e} over {len(got)} evaluations")
-    assert err < LOSS_TOL, f"{where}: max |eval_loss err| {err:.2e}: {got} != {reference}"
+    assert err < tol, f"{where}: max |eval_loss err| {err:.2e}: {got} != {reference}"
 
 
 def losses_of(log_history) -> list[float]:
@@ -219,6 +244,49 @@ def four_ranks(planned, tmp_path_factory):
     root, _ = planned
     out = tmp_path_factory.mktemp("w4")
     return out, launch(4, root, out, _cases_4())
+
+
+def _batch_cases(eval_data: Path) -> list[dict]:
+    """Micro-batches of several sequences (float64): CP 2 and DP 2, with and without accumulation; evaluation."""
+    batched = dict(per_device_train_batch_size=2)
+    cases = [
+        dict(name="batch2", arch="llama", plan="cp2", args=dict(batched, gradient_accumulation_steps=1)),
+        dict(name="batch2-ga2", arch="llama", plan="cp2", args=batched),
+        # the stream order (no DP balance), which the reference's global batches follow
+        dict(name="batch2-ga2-dp2", arch="llama", plan="cp1", args=batched, trainer_kwargs=dict(balance_window=0)),
+        # 5 sequences: CP 2 in rounds of 3 (the last has one past the end), DP 2 in rounds of 2 x 2 (three past)
+        dict(name="eval-batch3-cp2", arch="llama", plan="cp2", train=False, evaluate=True,
+             args=dict(per_device_eval_batch_size=3),
+             trainer_kwargs=dict(eval_dataset=str(eval_data), eval_plan="cp2")),
+        dict(name="eval-batch2-dp2", arch="llama", plan="cp1", train=False, evaluate=True,
+             args=dict(per_device_eval_batch_size=2),
+             trainer_kwargs=dict(eval_dataset=str(eval_data), eval_plan="cp1")),
+    ]
+    if HAS_TRL:
+        cases.append(dict(name="batch2-ga2-sft", arch="llama", plan="cp2", args=batched, trainer="sft"))
+    return [dict(case, dtype="float64") for case in cases]
+
+
+@pytest.fixture(scope="module")
+def batched_ranks(planned, eval_planned, tmp_path_factory):
+    root, _ = planned
+    out = tmp_path_factory.mktemp("w2-batched")
+    return out, launch(2, root, out, _batch_cases(eval_planned[0]))
+
+
+@pytest.fixture(scope="module")
+def batch_references(planned, eval_planned, tmp_path_factory):
+    """float64 plain-Trainer runs of the batched cases (3 steps) and the untrained model's eval_loss."""
+    tmp = tmp_path_factory.mktemp("batch_references")
+    untrained: list = []
+    reference_run(planned, tmp / "untrained", "llama", dp=1, ga=1, steps=0, dtype="float64",
+                  eval_sequences=eval_planned[1], evaluations=untrained)
+    return {"batch2": reference_run(planned, tmp / "b2", "llama", dp=1, ga=1, steps=3, batch=2, dtype="float64"),
+            "batch2-ga2": reference_run(planned, tmp / "b2ga2", "llama", dp=1, ga=2, steps=3, batch=2,
+                                        dtype="float64"),
+            "batch2-ga2-dp2": reference_run(planned, tmp / "b2ga2dp2", "llama", dp=2, ga=2, steps=3, batch=2,
+                                            dtype="float64"),
+            "untrained-eval": untrained}
 
 
 @pytest.fixture(scope="module")
@@ -314,6 +382,29 @@ def test_two_ranks_evaluate_as_one_process(two_ranks, references, eval_reference
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name, reference, sequences_per_step", [
+    ("batch2", "batch2", 2), ("batch2-ga2", "batch2-ga2", 4), ("batch2-ga2-dp2", "batch2-ga2-dp2", 8),
+    pytest.param("batch2-ga2-sft", "batch2-ga2", 4,
+                 marks=pytest.mark.skipif(not HAS_TRL, reason="needs trl (pip install 'flashcp[trl]')"))])
+def test_two_ranks_with_batches_equal_one_process(batched_ranks, batch_references, name, reference,
+                                                  sequences_per_step):
+    _, results = batched_ranks
+    check_equal(results[name], batch_references[reference], f"2 ranks {name}", **F64_TOLS)
+    # a step is per_device_train_batch_size x gradient_accumulation_steps x dp sequences, as the Trainer counts
+    epochs = [(e["step"], e["epoch"]) for e in results[name]["log_history"] if "loss" in e]
+    assert epochs == [(step, step * sequences_per_step / NUM_SEQS) for step in (1, 2, 3)], epochs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["eval-batch3-cp2", "eval-batch2-dp2"])
+def test_two_ranks_evaluate_batches_as_one_process(batched_ranks, batch_references, name):
+    _, results = batched_ranks
+    assert "error" not in results[name], results[name].get("error")
+    check_eval_equal(results[name]["log_history"], batch_references["untrained-eval"], f"2 ranks {name}",
+                     tol=F64_EVAL_TOL)
+
+
+@pytest.mark.slow
 def test_plan_for_another_launch_is_refused(two_ranks):
     _, results = two_ranks
     assert results["cp4-on-2"] == {"error": "plan 'cp4' was made for cp 4 but 2 ranks were launched; launch a "
@@ -393,6 +484,26 @@ def test_one_process_evaluation_equals_the_plain_trainer(planned, eval_planned, 
         check_eval_equal(sft.state.log_history, untrained, "one process, CPSFTTrainer")
 
 
+def test_one_process_batches_equal_the_plain_trainer(planned, eval_planned, tmp_path):
+    from flashcp.integrations.hf_trainer import CPTrainer
+
+    root, _ = planned
+    eval_root, eval_sequences = eval_planned
+    evaluations: list = []
+    reference = reference_run(planned, tmp_path, "llama", dp=1, ga=2, steps=3, batch=2, dtype="float64",
+                              eval_sequences=eval_sequences, evaluations=evaluations)
+    args = training_arguments(str(tmp_path / "cp1-batch2"), ddp_backend=None, per_device_train_batch_size=2,
+                              per_device_eval_batch_size=2)
+    trainer = CPTrainer(model=make_model("llama", dtype="float64"), args=args, train_dataset=str(root), plan="cp1",
+                        eval_dataset=str(eval_root), eval_plan="cp1")
+    trainer.train()
+    trainer.evaluate()
+    assert trainer.num_examples(trainer.get_train_dataloader()) == NUM_SEQS  # 4 micro-batches of 2 sequences
+    check_eval_equal(trainer.state.log_history, evaluations, "one process, batch 2", tol=F64_EVAL_TOL)
+    result = {"log_history": trainer.state.log_history, "params": dict(trainer.model.named_parameters())}
+    check_equal(result, reference, "one process, batch 2", **F64_TOLS)
+
+
 def test_refusals_are_one_sentence(planned, eval_planned, tmp_path):
     from flashcp.errors import FlashcpError
     from flashcp.integrations.hf_trainer import CPTrainer
@@ -407,7 +518,6 @@ def test_refusals_are_one_sentence(planned, eval_planned, tmp_path):
         return CPTrainer(model=model, args=args, **kwargs)
 
     cases = [
-        (dict(args=dict(per_device_train_batch_size=2)), "per_device_train_batch_size=2; set it to 1"),
         (dict(args=dict(auto_find_batch_size=True)), "set auto_find_batch_size=False"),
         (dict(args=dict(dataloader_num_workers=2)), "dataloader_num_workers=2; set it to 0"),
         (dict(args=dict(label_smoothing_factor=0.1)), "no label smoothing"),
@@ -496,3 +606,31 @@ def test_what_would_fail_later_is_refused_at_construction(planned, tmp_path):
                       args=training_arguments(str(output_dir), ddp_backend=None))
         assert "\n" not in str(refused.value)
     assert tree(root) == before
+
+
+def test_a_plan_for_another_model_warns_once(planned, tmp_path):
+    """The trainer hands the loader its model's config: a plan priced for another model warns once, one
+    priced for this model's config never."""
+    import shutil
+    import warnings
+
+    from flashcp.integrations.hf_trainer import CPTrainer
+    from flashcp.planner.pipeline import plan_dataset
+
+    root = shutil.copytree(planned[0], tmp_path / "data")
+    model = make_model("qwen2")
+    plan_dataset(root, 1, "flashcp", compare=0, model="llama-3-8b", name="llama")
+    plan_dataset(root, 1, "flashcp", compare=0, model=model.config, name="own")
+    args = training_arguments(str(tmp_path / "out"), ddp_backend=None)
+    trainer = CPTrainer(model=model, args=args, train_dataset=str(root), plan="llama")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.get_train_dataloader()
+        trainer.get_train_dataloader()  # a second loader of the same trainer says it again: one per loader
+    told = [str(w.message) for w in caught if "priced for" in str(w.message)]
+    assert len(told) == 2 and "plan 'llama' was priced for model llama-3-8b but the model trained is qwen2" in told[0]
+    trainer = CPTrainer(model=model, args=args, train_dataset=str(root), plan="own")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.get_train_dataloader()
+    assert not [w for w in caught if "priced for" in str(w.message)]

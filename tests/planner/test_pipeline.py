@@ -13,13 +13,17 @@ import pytest
 from click.testing import CliRunner
 
 from flashcp.cli import cli
-from flashcp.costmodel.objective import cached_model, plan_step_seconds
+from flashcp.costmodel.models import BUILTIN_MODELS, DEFAULT_MODEL
+from flashcp.costmodel.objective import plan_step_seconds
 from flashcp.data.dataset import Dataset
 from flashcp.planner import compare, pipeline, plan_writer
 from flashcp.planner.compare import BASELINES
+from flashcp.planner.params import objective_model
 from flashcp.planner.pipeline import read_row_group_lens
 from flashcp.planner.planning import plan_rows, plan_sequence, strategy_metrics
 
+DEFAULT_SHAPE = BUILTIN_MODELS[DEFAULT_MODEL].attention_shape()
+"""What ``flashcp plan`` prices for unless told otherwise (``--model``)."""
 GROUP_ROWS = 1024
 """Rows per row group of a lengths-only ``synth`` dataset."""
 
@@ -109,7 +113,7 @@ def test_streamed_plan_file_equals_planning_the_file_at_once(tmp_path):
                       for g in range(3)]
     sequences = file_lens(root)
     offsets = np.r_[0, np.cumsum([s.size for s in sequences])].astype(np.int64)
-    whole = plan_rows(offsets, np.concatenate(sequences), 3, "flashcp")
+    whole = plan_rows(offsets, np.concatenate(sequences), 3, "flashcp", shape=DEFAULT_SHAPE)  # 'plan's default
     assert pq.read_table(path).equals(whole.table())
     assert run("verify", root).exit_code == 0
 
@@ -122,7 +126,7 @@ def test_compare_n_plans_baselines_on_evenly_spaced_sequences(small):
     assert compare["requested"] == 5 and compare["every_nth_sequence"] == 5 and compare["sequences"] == 5
     assert summary["baselines_every_nth_sequence"] == 5
     sequences = [file_lens(small)[i] for i in range(0, 24, 5)]
-    model = cached_model(None, 32, 32, 128, 1, False)
+    model = objective_model({}, DEFAULT_SHAPE)  # priced for 'plan's default model
     for name in ("flashcp", *BASELINES):
         got = compare["strategy"] if name == "flashcp" else summary["baselines"][name]
         want = strategy_metrics(sequences, 3, name)

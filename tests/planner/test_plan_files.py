@@ -1,6 +1,7 @@
 """Plan files (planner.plan_writer, plan_reader): written a row group at a time, read back as the planner made them."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -9,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from flashcp.cli import cli
+from flashcp.costmodel.models import BUILTIN_MODELS, LayerKind
 from flashcp.costmodel.objective import sequence_flops
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.data.dataset import Dataset
@@ -98,10 +100,13 @@ def test_sequence_costs_are_stored_and_old_plans_are_priced_on_read(tmp_path):
     result = runner.invoke(cli, ["synth", str(data), "--dist", "wlb", "--num-seqs", "7", "--context-len", "8192",
                                  "--no-tokens", "--rows-per-file", "4"])
     assert result.exit_code == 0, result.output
-    plan_dataset(data, 4, "flashcp2", overrides={"layers": 3, "num_kv_heads": 8}, compare=0)
+    # a model of 3 layers (flashcp2's shape parameters follow the model; its per-token FLOPs are priced too)
+    model = replace(BUILTIN_MODELS["llama-3-8b"], name="llama-3-3-layers", layers=(LayerKind(),) * 3)
+    plan_dataset(data, 4, "flashcp2", compare=0, model=model)
     dataset = Dataset(data)
     store = PlanStore(dataset, "cp4-flashcp2")
-    assert store.cost_shape == AttentionShape(layers=3, num_kv_heads=8)
+    assert store.cost_shape == model.attention_shape() and store.cost_shape.layers == 3
+    assert store.meta["params"]["layers"] == 3 and store.meta["params"]["num_kv_heads"] == 8
     old_rows = []
     for index in range(len(dataset.files)):
         offsets, lens = dataset.read_doc_lens(index)

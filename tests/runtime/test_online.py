@@ -10,7 +10,7 @@ from flashcp.errors import FlashcpError
 from flashcp.planner.pipeline import plan_dataset
 from flashcp.planner.registry import DEFAULT_STRATEGY
 from flashcp.runtime import CPLoader
-from tests.naive_meta import assert_same_meta
+from tests.naive_meta import assert_same_batches
 from tests.plans import write_dataset
 
 CONTEXT, CP = 512, 2
@@ -33,16 +33,6 @@ def planned(tmp_path_factory):
     return root, f"cp{CP}-{DEFAULT_STRATEGY}"
 
 
-def _same_batches(got, expected):
-    assert len(got) == len(expected)
-    for a, b in zip(got, expected):
-        assert (a.file_index, a.row) == (b.file_index, b.row)
-        for name in ("input_ids", "position_ids", "labels"):
-            assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
-        assert a.num_label_tokens == b.num_label_tokens
-        assert_same_meta(a.attn, b.attn, f"file {a.file_index} row {a.row} rank {a.attn.rank}")
-
-
 @pytest.mark.parametrize("dp", [1, 2])
 def test_online_plans_equal_the_stored_ones(planned, dp):
     root, name = planned
@@ -50,7 +40,7 @@ def test_online_plans_equal_the_stored_ones(planned, dp):
         for d in range(dp):
             online = CPLoader(root, None, rank, CP, dp_rank=d, dp_size=dp, seed=3, balance_window=2)
             stored = CPLoader(root, name, rank, CP, dp_rank=d, dp_size=dp, seed=3, balance_window=2)
-            _same_batches(list(online) + list(online), list(stored) + list(stored))
+            assert_same_batches(list(online) + list(online), list(stored) + list(stored))
 
 
 def test_online_loader_resumes_and_refuses(planned):
@@ -65,6 +55,6 @@ def test_online_loader_resumes_and_refuses(planned):
     for d in range(2):
         resumed = CPLoader(root, None, 0, CP, dp_rank=d, dp_size=2)
         resumed.load_state_dict(state)
-        _same_batches(list(resumed), expected[d])
+        assert_same_batches(list(resumed), expected[d])
     with pytest.raises(FlashcpError, match="cannot plan sequences of 512 tokens for 1024 ranks"):
         CPLoader(root, None, 0, 1024)

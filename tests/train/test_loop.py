@@ -96,3 +96,24 @@ def test_script_prints_one_sentence_and_exits_1(planned, capsys):
                                                 "launch with torchrun")
 
 
+
+
+def test_a_plan_for_another_model_warns_once(planned):
+    """The loop hands the loader its model (``TrainModel.spec``): a plan priced for another model warns once."""
+    import warnings
+
+    from flashcp.planner.pipeline import plan_dataset
+    from flashcp.train.loop import build_tiny_model
+
+    root, _ = planned
+    spec = build_tiny_model(options(root), torch.device("cpu")).spec
+    assert (spec.name, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.num_layers) == ("tiny", 2, 1, 8, 1)
+    plan_dataset(root, 1, "llama3", compare=0, name="llama")
+    plan_dataset(root, 1, "llama3", compare=0, name="own", model=spec)
+    with pytest.warns(UserWarning, match="plan 'llama' was priced for model llama-3-8b but the model trained is "
+                                         r"tiny \(2 heads / 1 K/V x 8, 1 layer\)") as caught:
+        run_training(options(root, plan="llama", steps=2))
+    assert len([w for w in caught if "priced for" in str(w.message)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_training(options(root, plan="own", steps=1))
