@@ -26,7 +26,8 @@ __all__ = ["CONTRIBUTED", "ExchangeVolumes", "PlanMetrics", "RECEIVED", "RECEIVE
            "SENT_FAR", "allgather_contributions", "allgather_node_rows", "allgather_shard_mask", "allgather_wire",
            "auto_comm_a2a", "batch_node_received", "busiest_rows", "comm_saving", "exact_need_received",
            "exact_need_received_kernel", "exact_need_saving", "exact_need_sent", "exchange_volumes",
-           "exchange_volumes_kernel", "grad_bytes_per_token", "kv_bytes_per_token", "node_busiest",
+           "exchange_table_size", "exchange_volumes_into", "exchange_volumes_kernel",
+           "grad_bytes_per_token", "kv_bytes_per_token", "node_busiest",
            "node_receive_summary", "plan_metrics", "ring_comm_tokens", "ring_held_before", "ring_step_work"]
 
 SENT, RECEIVED, SENT_FAR, RECEIVED_FAR, CONTRIBUTED = range(5)
@@ -35,25 +36,37 @@ parts that cross a node boundary, and each rank's all-gather contribution."""
 
 
 @njit(cache=True, inline="always")
-def _document_holders(doc, start, length, rank, cp):
+def _num_docs(doc):
+    """Documents of a plan: one past the largest document index."""
+    num_docs = 0
+    for i in range(doc.shape[0]):
+        num_docs = max(num_docs, doc[i] + 1)
+    return num_docs
+
+
+@njit(cache=True, inline="always")
+def exchange_table_size(num_docs, num_shards, cp):
+    """int64 slots ``exchange_volumes_into`` needs in its ``table``."""
+    return num_docs * (2 * cp + 2) + 1 + num_shards
+
+
+@njit(cache=True, inline="always")
+def _document_holders(table, doc, start, length, rank, cp, num_docs, received):
     """What the exchange volumes are made of, in one pass over the shards.
 
+    Written into ``table`` (zeros, ``exchange_table_size`` int64 slots); adds every rank's exact-need receive
+    to ``received`` ((cp,) int64) on the way.
     ``max_end[d, r]``: end of the last token of document d that rank r holds (0: none); ``held[d, r]``: its
     tokens there; ``last_start[d]``: start of d's last shard; the ranks holding d are
     ``holders[holder_at[d]:holder_at[d + 1]]`` (a shard's sends then visit them only, not every rank).
     """
     num_shards = doc.shape[0]
-    num_docs = 0
-    for i in range(num_shards):
-        num_docs = max(num_docs, doc[i] + 1)
-    # one allocation for the tables (this runs once per move of the planner's search)
-    table = np.zeros(num_docs * (2 * cp + 2) + 1 + num_shards, np.int64)
     max_end = table[:num_docs * cp].reshape((num_docs, cp))
     held = table[num_docs * cp:2 * num_docs * cp].reshape((num_docs, cp))
     at = 2 * num_docs * cp
     last_start = table[at:at + num_docs]
     holder_at = table[at + num_docs:at + 2 * num_docs + 1]
-    holders = table[at + 2 * num_docs + 1:]
+    holders = table[at + 2 * num_docs + 1:at + 2 * num_docs + 1 + num_shards]
     last_start[:] = -1
     for i in range(num_shards):
         d, r = doc[i], rank[i]
@@ -66,8 +79,17 @@ def _document_holders(doc, start, length, rank, cp):
             if held[d, r] > 0:
                 holders[holder_at[d] + ranks] = r
                 ranks += 1
+                received[r] += max_end[d, r] - held[d, r]
         holder_at[d + 1] = holder_at[d] + ranks
     return max_end, held, last_start, holders, holder_at
+
+
+@njit(cache=True, inline="always")
+def _new_document_holders(doc, start, length, rank, cp):
+    """``_document_holders`` in a table of its own."""
+    num_docs = _num_docs(doc)
+    table = np.zeros(exchange_table_size(num_docs, doc.shape[0], cp), np.int64)
+    return _document_holders(table, doc, start, length, rank, cp, num_docs, np.zeros(cp, np.int64))
 
 
 @njit(cache=True, inline="always")
@@ -86,21 +108,36 @@ def exchange_volumes_kernel(shard_doc, shard_start, shard_len, shard_rank, cp, g
 
     ``gpus_per_node``: ranks per node (rank r on node ``r // gpus_per_node``); 0: one node, nothing is far.
     """
-    return _exchange_volumes(shard_doc, shard_start, shard_len, shard_rank, cp, gpus_per_node, True)
+    num_docs = _num_docs(shard_doc)
+    out = np.zeros((5, cp), np.int64)
+    table = np.zeros(exchange_table_size(num_docs, shard_doc.shape[0], cp), np.int64)
+    exchange_volumes_into(out, table, shard_doc, shard_start, shard_len, shard_rank, cp, gpus_per_node, num_docs,
+                          True)
+    return out
 
 
 @njit(cache=True, inline="always")
-def _exchange_volumes(shard_doc, shard_start, shard_len, shard_rank, cp, gpus_per_node, with_sends):
-    """``exchange_volumes_kernel``; without ``with_sends`` only the ``RECEIVED`` row is filled."""
-    max_end, held, last_start, holders, holder_at = _document_holders(shard_doc, shard_start, shard_len,
-                                                                      shard_rank, cp)
-    out = np.zeros((5, cp), np.int64)
-    for d in range(held.shape[0]):
-        for h in range(holder_at[d], holder_at[d + 1]):
-            r = holders[h]
-            out[RECEIVED, r] += max_end[d, r] - held[d, r]
+def exchange_volumes_into(out, table, shard_doc, shard_start, shard_len, shard_rank, cp, gpus_per_node, num_docs,
+                          with_sends):
+    """``exchange_volumes_kernel`` into buffers the caller owns (the planner's search prices a plan per move).
+
+    Args:
+        out: (5, cp) int64, zeros; gets the rows of ``exchange_volumes_kernel`` (without ``with_sends`` only
+            ``RECEIVED``).
+        table: (``exchange_table_size(num_docs, num_shards, cp)``,) int64, zeros; scratch.
+        shard_doc: (num_shards,) int64, each shard's document.
+        shard_start: (num_shards,) int64, each shard's first token in its document.
+        shard_len: (num_shards,) int64, each shard's tokens.
+        shard_rank: (num_shards,) int64, each shard's rank.
+        cp: number of CP ranks.
+        gpus_per_node: ranks per node (0: one node, nothing is far).
+        num_docs: one past the largest of ``shard_doc``.
+        with_sends: False fills ``RECEIVED`` alone.
+    """
+    max_end, held, last_start, holders, holder_at = _document_holders(table, shard_doc, shard_start, shard_len,
+                                                                      shard_rank, cp, num_docs, out[RECEIVED])
     if not with_sends:
-        return out
+        return
     split = gpus_per_node > 0 and cp > gpus_per_node
     for i in range(shard_doc.shape[0]):
         d, b = shard_doc[i], shard_rank[i]
@@ -117,18 +154,21 @@ def _exchange_volumes(shard_doc, shard_start, shard_len, shard_rank, cp, gpus_pe
                 if split and r // gpus_per_node != node:
                     out[SENT_FAR, b] += amount
                     out[RECEIVED_FAR, r] += amount
-    return out
 
 
 @njit(cache=True)
 def exact_need_received_kernel(shard_doc, shard_start, shard_len, shard_rank, cp):
     """``exact_need_received`` inside a kernel: the ``RECEIVED`` row of ``exchange_volumes_kernel`` alone."""
-    return _exchange_volumes(shard_doc, shard_start, shard_len, shard_rank, cp, 0, False)[RECEIVED]
+    num_docs = _num_docs(shard_doc)
+    out = np.zeros((5, cp), np.int64)
+    table = np.zeros(exchange_table_size(num_docs, shard_doc.shape[0], cp), np.int64)
+    exchange_volumes_into(out, table, shard_doc, shard_start, shard_len, shard_rank, cp, 0, num_docs, False)
+    return out[RECEIVED]
 
 
 @njit(cache=True)
 def _allgather_shard_mask(shard_doc, shard_start, shard_len, shard_rank, cp):
-    _, _, last_start, _, holder_at = _document_holders(shard_doc, shard_start, shard_len, shard_rank, cp)
+    _, _, last_start, _, holder_at = _new_document_holders(shard_doc, shard_start, shard_len, shard_rank, cp)
     mask = np.zeros(shard_doc.shape[0], dtype=np.bool_)
     for i in range(shard_doc.shape[0]):
         mask[i] = _contributes(i, shard_doc, shard_start, last_start, holder_at)

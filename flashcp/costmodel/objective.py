@@ -44,7 +44,8 @@ from flashcp.costmodel.comm import (
     allgather_node_rows,
     auto_comm_a2a,
     busiest_rows,
-    exchange_volumes_kernel,
+    exchange_table_size,
+    exchange_volumes_into,
     grad_bytes_per_token,
     kv_bytes_per_token,
     node_busiest,
@@ -243,28 +244,33 @@ def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
 
     A search that moves a few shards then prices only those. ``only`` >= 0: that rank's forward plus
     backward time alone (``rank_floor``; only its shards' seconds are read). The exchange volumes are
-    ``comm.exchange_volumes_kernel``'s (all-gather contributions, exact-need sent and received, their parts
+    ``comm.exchange_volumes_into``'s (all-gather contributions, exact-need sent and received, their parts
     across nodes).
     """
     kv_row = 1.0 * kv_bytes_per_token(model[_HKV], model[_D], model[_BYTES])
     q_row = model[_H] * model[_D] * model[_BYTES]
     hbm = model[_HBM] * 1e9
     per_node = np.int64(model[GPUS_PER_NODE_SLOT])
-    volumes = exchange_volumes_kernel(doc, start, length, rank, cp, per_node)
-    sent = volumes[SENT]
-    received = volumes[RECEIVED]
     num_shards = doc.shape[0]
     num_docs = 0
     for i in range(num_shards):
         num_docs = max(num_docs, doc[i] + 1)
+    # one allocation for every integer table (this runs once per move of the search)
+    scratch = exchange_table_size(num_docs, num_shards, cp)
+    table = np.zeros(5 * cp + scratch + 3 * num_docs, np.int64)
+    volumes = table[:5 * cp].reshape((5, cp))
+    exchange_volumes_into(volumes, table[5 * cp:5 * cp + scratch], doc, start, length, rank, cp, per_node,
+                          num_docs, True)
+    sent = volumes[SENT]
+    received = volumes[RECEIVED]
     # a document's prefix is local to its first shard's rank up to the first start of its shards elsewhere
     # (``projection.local_only_mask``); found in one pass: when a shard on another rank takes the first place,
     # the old first shard is the earliest elsewhere
     big = np.iinfo(np.int64).max
-    table = np.empty(3 * num_docs, np.int64)
-    first_start = table[:num_docs]
-    first_rank = table[num_docs:2 * num_docs]
-    switch = table[2 * num_docs:]
+    at = 5 * cp + scratch
+    first_start = table[at:at + num_docs]
+    first_rank = table[at + num_docs:at + 2 * num_docs]
+    switch = table[at + 2 * num_docs:at + 3 * num_docs]
     first_start[:] = big
     first_rank[:] = -1
     switch[:] = big
