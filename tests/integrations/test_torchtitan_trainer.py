@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 from functools import partial
 
-import numpy as np
 import pytest
 import torch
 
@@ -58,7 +57,6 @@ from flashcp.train.parallel import full_parameters  # noqa: E402
 from flashcp.train.step import train_step  # noqa: E402
 from tests.dist import spawn  # noqa: E402
 from tests.equivalence import planned_dataset  # noqa: E402
-from tests.plans import random_rows  # noqa: E402
 
 CONTEXT, NUM_SEQS, STEPS, SEED = 512, 4, 3, 5
 VOCAB, DIM, LAYERS, HEADS, KV_HEADS = 64, 32, 2, 4, 2
@@ -72,10 +70,8 @@ AC_PREFIX = "_checkpoint_wrapped_module."
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("titan_trainer") / "data"
-    rng = np.random.default_rng(3)
-    rows = random_rows(rng, NUM_SEQS, CONTEXT, (2, 7))
-    planned_dataset(root, rows, CONTEXT, rng, {"cp2-flashcp2": (partial(plan_sequence, "flashcp2"), 2)},
-                    row_group_rows=2, vocab_size=VOCAB)
+    planned_dataset(root, CONTEXT, {"cp2-flashcp2": (partial(plan_sequence, "flashcp2"), 2)}, seed=3,
+                    num_seqs=NUM_SEQS, cuts=(2, 7), row_group_rows=2, vocab_size=VOCAB)
     return str(root)
 
 

@@ -45,9 +45,10 @@ def test_concat_batches_joins_one_ranks_loader_batches(tmp_path):
 
     from flashcp.planner.planning import plan_sequence
 
+    sequences = planned_dataset(tmp_path, CONTEXT, {"cp2": (partial(plan_sequence, "flashcp"), 2)}, seed=3,
+                                num_seqs=4, cuts=(2, 6), vocab_size=64)
+    rows = [doc_lens for _, doc_lens in sequences]
     rng = np.random.default_rng(3)
-    rows = random_rows(rng, 4, CONTEXT, (2, 6))
-    planned_dataset(tmp_path, rows, CONTEXT, rng, {"cp2": (partial(plan_sequence, "flashcp"), 2)}, vocab_size=64)
     for rank in range(2):
         batches = list(CPLoader(tmp_path, "cp2", rank, 2, shuffle=False))
         joined = concat_batches(batches[:3])
