@@ -54,9 +54,9 @@ from flashcp.costmodel.curve import curve_at_length, curve_on_segment, curve_seg
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.costmodel.workload import workload
 
-__all__ = ["BWD_FLOPS", "GPUS_PER_NODE_SLOT", "batch_step_seconds", "cached_model", "exchange_seconds", "model_vector",
-           "one_shard_seconds", "pair_flops", "pair_seconds", "plan_step_seconds", "rank_floor", "sequence_flops",
-           "shard_seconds", "step_seconds", "step_seconds_of", "token_seconds"]
+__all__ = ["BWD_FLOPS", "GPUS_PER_NODE_SLOT", "batch_step_seconds", "cached_model", "cached_shape_model",
+           "exchange_seconds", "model_vector", "one_shard_seconds", "pair_flops", "pair_seconds", "plan_step_seconds",
+           "rank_floor", "sequence_flops", "shard_seconds", "step_seconds", "step_seconds_of", "token_seconds"]
 
 
 BWD_FLOPS = 2.5
@@ -348,9 +348,16 @@ def cached_model(profile: str | None, num_heads: int, num_kv_heads: int, head_di
 
     ``gpus_per_node``: the topology (None: the profile's own).
     """
+    shape = AttentionShape(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, layers=layers)
+    return cached_shape_model(profile, shape, with_tokens, gpus_per_node)
+
+
+@functools.lru_cache(maxsize=16)
+def cached_shape_model(profile: str | None, shape: AttentionShape, with_tokens: bool = False,
+                       gpus_per_node: int | None = None) -> np.ndarray:
+    """``model_vector`` of a profile file (None: the default profile) and ``shape``; do not modify."""
     from flashcp.costmodel.profile import load_profile
 
-    shape = AttentionShape(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, layers=layers)
     return model_vector(load_profile(profile), shape, with_tokens=with_tokens, gpus_per_node=gpus_per_node)
 
 

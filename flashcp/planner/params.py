@@ -9,7 +9,6 @@ kernel it registers (``registry.register``), and ``flashcp.planner.planning`` to
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -131,29 +130,17 @@ def model_params(strategy: Any, overrides: dict, model: ModelSpec) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=16)
-def _shape_model(profile: str | None, shape: AttentionShape, with_tokens: bool,
-                 per_node: int | None) -> np.ndarray:
-    from flashcp.costmodel.objective import model_vector
-    from flashcp.costmodel.profile import load_profile
-
-    return model_vector(load_profile(profile), shape, with_tokens=with_tokens, gpus_per_node=per_node)
-
-
 def objective_model(params: dict, shape: AttentionShape | None = None) -> np.ndarray:
     """The step-time model vector of ``flashcp2`` parameters (profile file, model shape, topology); cached.
 
     ``shape``: the shape to price (a model's ``attention_shape()``, its per-token FLOPs included); None: the
     shape parameters in ``params`` (``AttentionShape.from_params``). Do not modify the returned vector.
     """
-    with_tokens = float(params.get("token_slack", 0.0)) > 0
-    if shape is not None:
-        return _shape_model(params.get("profile"), shape, with_tokens, gpus_per_node(params))
-    from flashcp.costmodel.objective import cached_model
+    from flashcp.costmodel.objective import cached_shape_model
 
-    return cached_model(params.get("profile"), int(params.get("num_heads", 32)),
-                        int(params.get("num_kv_heads", 32)), int(params.get("head_dim", 128)),
-                        int(params.get("layers", 1)), with_tokens, gpus_per_node(params))
+    with_tokens = float(params.get("token_slack", 0.0)) > 0
+    shape = AttentionShape.from_params(params) if shape is None else shape
+    return cached_shape_model(params.get("profile"), shape, with_tokens, gpus_per_node(params))
 
 
 def kernel_args(strategy: Any, params: dict, shape: AttentionShape | None = None) -> dict:
