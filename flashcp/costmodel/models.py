@@ -560,8 +560,13 @@ def _mlp_width(config: _Config, count: int) -> int:
     if not isinstance(per_token, int) or not isinstance(experts, int):  # Hunyuan allows one count per layer
         raise ModelError(f"{config.where}: experts per token {per_token!r} and routed experts {experts!r} must be "
                          "one whole number each; flashcp prices models whose layers share one MLP width")
-    expert = config.get("moe_intermediate_size") or config.required("intermediate_size", "the expert width")
-    shared = config.get("shared_expert_intermediate_size") or (_first(config, _SHARED_EXPERTS) or 0) * expert
+    expert = config.required("moe_intermediate_size" if config.get("moe_intermediate_size") is not None else
+                             "intermediate_size", "the expert width")
+    shared_count = _first(config, _SHARED_EXPERTS) or 0
+    if isinstance(shared_count, bool) or not isinstance(shared_count, int):
+        raise ModelError(f"{config.where}: the shared experts' count must be a whole number, got {shared_count!r}")
+    shared = config.required("shared_expert_intermediate_size", "the shared experts' width") \
+        if config.get("shared_expert_intermediate_size") else shared_count * expert
     dense_field = "intermediate_size"
     if config.model_type == "llama4_text":
         shared, dense_field = expert, "intermediate_size_mlp"

@@ -389,6 +389,10 @@ def test_missing_and_contradictory_fields_are_named(tmp_path):
     del qwen2_moe["layer_types"]
     with pytest.raises(ModelError, match="use_sliding_window without layer_types.*give the config its layer_types"):
         model_from_config(qwen2_moe)
+    ernie_vl = transformers.Ernie4_5_VLMoeConfig().to_dict()  # one expert width per modality: [text, vision]
+    with pytest.raises(ModelError, match=r"needs moe_intermediate_size \(the expert width\) as a positive whole "
+                                         r"number, got \[1536, 512\]"):
+        model_from_config(ernie_vl)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelError, match="cannot read .*config.json as a Hugging Face config.json"):
         model_from_config(tmp_path)
