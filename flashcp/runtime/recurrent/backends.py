@@ -39,6 +39,7 @@ B/C groups, ``H`` value / SSM heads, ``K``, ``V``, ``P``, ``S``, ``F``, ``L`` a 
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,7 +54,6 @@ from flashcp.runtime.kernels.library import (
     BackendUnavailableError,
     Unavailable,
     attribute,
-    declares,
     import_module,
     version_of,
 )
@@ -109,6 +109,14 @@ def _run_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
 
 
+def _declares(fn, name: str) -> bool:
+    """Whether ``fn``'s signature names ``name`` (fla's entry points also take ``**kwargs``)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _bounds(cu_seqlens) -> list[int]:
     return [int(c) for c in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
 
@@ -142,7 +150,7 @@ def _load_fla():
     package = import_module("fla", "flash-linear-attention")
     ops = import_module("fla.ops.gated_delta_rule", "flash-linear-attention")
     chunk = attribute(ops, "chunk_gated_delta_rule")
-    if not declares(chunk, "cu_seqlens") or not declares(chunk, "initial_state"):
+    if not _declares(chunk, "cu_seqlens") or not _declares(chunk, "initial_state"):
         raise Unavailable("fla's chunk_gated_delta_rule takes no cu_seqlens and initial_state (an unsupported "
                           "release)", installed=True)
     try:
@@ -186,7 +194,7 @@ def _load_mamba():
     scan = attribute(combined, "mamba_chunk_scan_combined")
     conv = import_module("causal_conv1d", "causal-conv1d")
     return SimpleNamespace(mamba_chunk_scan_combined=scan, causal_conv1d_fn=attribute(conv, "causal_conv1d_fn"),
-                           state_dtype=declares(scan, "state_dtype"))
+                           state_dtype=_declares(scan, "state_dtype"))
 
 
 def _mamba_ssd(api, x_THP, dt_TH, A_H, B_TGS, C_TGS, cu_seqlens, initial_NHPS, chunk_size, carried):
