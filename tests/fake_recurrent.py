@@ -17,6 +17,8 @@ included).
   ``beta (v - S^T k)``, write, read); ``fla/modules/conv/causal_conv1d.py`` ``causal_conv1d(x [B, T, D],
   weight [D, W], bias, residual, initial_state, output_final_state, activation, backend, cu_seqlens, ...)
   -> (y, final_state)``;
+- ``fla-0.6``: 0.6.0 (the PyPI ``fla-core`` 0.6.0 wheel): the same ``chunk_gated_delta_rule``, the convolution
+  moved to ``fla/modules/causal_conv1d/ops.py``;
 - ``fla-0.4``: 0.4.2 (tag v0.4.2): as above without GVA (its kernels read the head count off k and would
   index v wrongly with more value heads: the fake refuses), the convolution in ``fla/modules/convolution.py``;
 - ``mamba_ssm-2.3``: mamba 2.3.2 (tag v2.3.2) ``mamba_ssm/ops/triton/ssd_combined.py``
@@ -25,9 +27,10 @@ included).
   return_varlen_states=False)``: one initial state per batch row, the state zeroed where ``seq_idx`` changes
   (``ssd_state_passing.py``), final states in C's dtype; ``return_varlen_states`` has no backward;
 - ``mamba_ssm-main``: its main branch (commit e9594ce1, 2026-07-23), with ``state_dtype`` (final states in it);
+- ``mamba_ssm-no-conv``: ``mamba_ssm-main`` without causal-conv1d (mamba-ssm's optional dependency);
 - ``causal_conv1d``: causal-conv1d 1.6.1 (commit 0d2252d1) ``causal_conv1d_fn(x (batch, dim, seqlen), weight
   (dim, width), bias=None, seq_idx=None, initial_states=None, return_final_states=False,
-  final_states_out=None, activation=None)``, installed with either mamba_ssm fake.
+  final_states_out=None, activation=None)``, installed with the first two mamba_ssm fakes.
 
 ``install(*names)`` puts the fakes in ``sys.modules`` (the other libraries read as not installed) and makes
 ``flashcp.runtime.recurrent.backends._is_cuda`` say yes for every device; it returns undo().
@@ -43,9 +46,9 @@ import torch.nn.functional as F
 from flashcp.runtime.recurrent import backends
 from tests.fake_kernels import check
 
-FAKES = ("fla-0.5", "fla-0.4", "mamba_ssm-2.3", "mamba_ssm-main")
+FAKES = ("fla-0.6", "fla-0.5", "fla-0.4", "mamba_ssm-2.3", "mamba_ssm-main", "mamba_ssm-no-conv")
 """Every emulated release."""
-MODULES = ("fla", "fla.ops", "fla.ops.gated_delta_rule", "fla.modules", "fla.modules.conv",
+MODULES = ("fla", "fla.ops", "fla.ops.gated_delta_rule", "fla.modules", "fla.modules.causal_conv1d", "fla.modules.conv",
            "fla.modules.convolution", "mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton",
            "mamba_ssm.ops.triton.ssd_combined", "causal_conv1d")
 
@@ -151,9 +154,10 @@ def fla_causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=No
 
 
 def _make_fla(release: str) -> dict:
-    version = {"fla-0.5": "0.5.2", "fla-0.4": "0.4.2"}[release]
-    chunk = _make_chunk_gated_delta_rule(grouped_values=release == "fla-0.5")
-    conv_name = "fla.modules.conv" if release == "fla-0.5" else "fla.modules.convolution"
+    version = {"fla-0.6": "0.6.0", "fla-0.5": "0.5.2", "fla-0.4": "0.4.2"}[release]
+    chunk = _make_chunk_gated_delta_rule(grouped_values=release != "fla-0.4")
+    conv_name = {"fla-0.6": "fla.modules.causal_conv1d", "fla-0.5": "fla.modules.conv",
+                 "fla-0.4": "fla.modules.convolution"}[release]
     modules = {"fla": _module("fla", __version__=version), "fla.ops": _module("fla.ops"),
                "fla.ops.gated_delta_rule": _module("fla.ops.gated_delta_rule", chunk_gated_delta_rule=chunk),
                "fla.modules": _module("fla.modules"), conv_name: _module(conv_name, causal_conv1d=fla_causal_conv1d)}
@@ -239,7 +243,7 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
 
 
 def _make_mamba(release: str) -> dict:
-    scan = _make_mamba_chunk_scan_combined(state_dtype_parameter=release == "mamba_ssm-main")
+    scan = _make_mamba_chunk_scan_combined(state_dtype_parameter=release != "mamba_ssm-2.3")
     modules = {"mamba_ssm": _module("mamba_ssm", __version__="2.3.2"), "mamba_ssm.ops": _module("mamba_ssm.ops"),
                "mamba_ssm.ops.triton": _module("mamba_ssm.ops.triton"),
                "mamba_ssm.ops.triton.ssd_combined": _module("mamba_ssm.ops.triton.ssd_combined",
@@ -247,6 +251,8 @@ def _make_mamba(release: str) -> dict:
                "causal_conv1d": _module("causal_conv1d", __version__="1.6.1", causal_conv1d_fn=causal_conv1d_fn)}
     for name in ("mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton"):
         modules[name].__path__ = []
+    if release == "mamba_ssm-no-conv":
+        modules["causal_conv1d"] = None
     return modules
 
 

@@ -122,6 +122,18 @@ def test_auto_says_why_it_passes_over_a_library(installed):
     assert len(fallback_warnings(caught)) == 1
 
 
+@pytest.mark.parametrize("installed", [("mamba_ssm-no-conv",)], indirect=True)
+def test_mamba_ssm_without_causal_conv1d_runs_the_ssd_only(installed):
+    x = torch.zeros(2, dtype=torch.bfloat16)
+    assert backends.resolve_recurrent_backend("mamba_ssm", "ssd", x) == "mamba_ssm"
+    with pytest.raises(BackendUnavailableError, match="cannot run conv here: causal-conv1d is not installed"):
+        backends.resolve_recurrent_backend("mamba_ssm", "conv", x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert backends.resolve_recurrent_backend("auto", "conv", x) == "reference"
+    assert len(fallback_warnings(caught)) == 1
+
+
 # ---------------------------------------------------------------- the libraries against the reference
 
 def _gated_delta_both(backend, doc_lens, with_state, seed=0):
@@ -138,7 +150,7 @@ def _gated_delta_both(backend, doc_lens, with_state, seed=0):
     return out, final, grads
 
 
-@pytest.mark.parametrize("installed", [("fla-0.5",), ("fla-0.4",)], indirect=True)
+@pytest.mark.parametrize("installed", [("fla-0.6",), ("fla-0.5",), ("fla-0.4",)], indirect=True)
 @pytest.mark.parametrize("with_state", [False, True])
 def test_fla_gated_delta_equals_the_reference(installed, with_state):
     got = _gated_delta_both("fla", DOC_LENS, with_state)
@@ -176,7 +188,7 @@ def test_mamba_ssm_ssd_equals_the_reference(installed, carried):
         close(a, b, TOL, f"d {name}")
 
 
-@pytest.mark.parametrize("installed, backend", [(("fla-0.5",), "fla"), (("fla-0.4",), "fla"),
+@pytest.mark.parametrize("installed, backend", [(("fla-0.6",), "fla"), (("fla-0.5",), "fla"), (("fla-0.4",), "fla"),
                                                  (("mamba_ssm-2.3",), "mamba_ssm")], indirect=["installed"])
 def test_library_convolutions_equal_the_reference(installed, backend):
     gen = torch.Generator().manual_seed(5)

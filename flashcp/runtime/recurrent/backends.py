@@ -20,7 +20,8 @@ first use). Three operations, each over *segments* of a rank's tokens with a sta
 - ``conv``: the short causal convolution, run by ``chunked.causal_conv1d`` on one sequence ``[tail 0,
   segment 0, tail 1, ...]``; the libraries' plain causal convolution of that sequence (no state, no
   ``seq_idx``): ``causal_conv1d.causal_conv1d_fn`` (the ``causal-conv1d`` package, with ``mamba_ssm``) and
-  ``fla.modules.conv.causal_conv1d`` (``fla.modules.convolution`` before 0.4.2).
+  ``fla.modules.causal_conv1d.causal_conv1d`` (``fla.modules.conv`` in 0.4.2 - 0.5.x, ``fla.modules.convolution``
+  before).
 
 Rules (those of ``flashcp.runtime.kernels``): a library runs CUDA tensors only, of the dtypes its record
 names; ``"auto"`` takes, on CUDA, the first library in ``LIBRARIES`` that runs the operation, and falls back
@@ -146,6 +147,10 @@ REFERENCE = RecurrentLibrary(name="reference", load=lambda: None, needs_cuda=Fal
 
 # ---------------------------------------------------------------- fla
 
+_FLA_CONV_MODULES = ("fla.modules.causal_conv1d", "fla.modules.conv", "fla.modules.convolution")
+"""Where fla's ``causal_conv1d`` lives: from 0.6.0, from 0.4.2 (``conv/``), before."""
+
+
 def _load_fla():
     package = import_module("fla", "flash-linear-attention")
     ops = import_module("fla.ops.gated_delta_rule", "flash-linear-attention")
@@ -153,10 +158,16 @@ def _load_fla():
     if not _declares(chunk, "cu_seqlens") or not _declares(chunk, "initial_state"):
         raise Unavailable("fla's chunk_gated_delta_rule takes no cu_seqlens and initial_state (an unsupported "
                           "release)", installed=True)
-    try:
-        conv = import_module("fla.modules.conv", "flash-linear-attention")
-    except Unavailable:  # releases before 0.4.2 keep it in one module
-        conv = import_module("fla.modules.convolution", "flash-linear-attention")
+    conv = None
+    for path in _FLA_CONV_MODULES:
+        try:
+            conv = import_module(path, "flash-linear-attention")
+            break
+        except Unavailable as e:
+            if e.installed:
+                raise
+    if conv is None:
+        raise Unavailable(f"fla has none of {', '.join(_FLA_CONV_MODULES)} (an unsupported release)", installed=True)
     version = str(getattr(package, "__version__", "0"))
     return SimpleNamespace(chunk_gated_delta_rule=chunk, causal_conv1d=attribute(conv, "causal_conv1d"),
                            grouped_values=version_of(version) >= (0, 5, 0))
@@ -192,8 +203,12 @@ def _load_mamba():
     import_module("mamba_ssm", "mamba-ssm")
     combined = import_module("mamba_ssm.ops.triton.ssd_combined", "mamba-ssm")
     scan = attribute(combined, "mamba_chunk_scan_combined")
-    conv = import_module("causal_conv1d", "causal-conv1d")
-    return SimpleNamespace(mamba_chunk_scan_combined=scan, causal_conv1d_fn=attribute(conv, "causal_conv1d_fn"),
+    missing, conv_fn = {}, None
+    try:  # mamba-ssm's optional dependency: without it the SSD runs, the convolution does not
+        conv_fn = attribute(import_module("causal_conv1d", "causal-conv1d"), "causal_conv1d_fn")
+    except Unavailable as e:
+        missing["conv"] = str(e)
+    return SimpleNamespace(mamba_chunk_scan_combined=scan, causal_conv1d_fn=conv_fn, missing=missing,
                            state_dtype=_declares(scan, "state_dtype"))
 
 
@@ -286,7 +301,9 @@ def _why_not(backend: str, operation: str, x: torch.Tensor) -> str | None:
     if library.dtypes is not None and x.dtype not in library.dtypes:
         return f"{backend} needs {' or '.join(str(d).removeprefix('torch.') for d in library.dtypes)}, got {x.dtype}"
     api = _load(backend)
-    return str(api) if isinstance(api, Unavailable) else None
+    if isinstance(api, Unavailable):
+        return str(api)
+    return getattr(api, "missing", {}).get(operation)  # a part of the library that is not there
 
 
 _warned: set[str] = set()
