@@ -105,8 +105,8 @@ def _make_chunk_gated_delta_rule(grouped_values: bool):
             bounds = cu_seqlens.tolist()
         else:
             bounds = None
-        for name, t in (("k", k), ("v", v), ("beta", beta)):
-            check(t.dtype == q.dtype, f"{name} must have q's dtype")  # one dtype for the tl.dot operands
+        for name, t in (("k", k), ("v", v), ("beta", beta)):  # as fla's layers pass them; the fake holds flashcp to it
+            check(t.dtype == q.dtype, f"{name} must have q's dtype")
         scale = k.shape[-1] ** -0.5 if scale is None else scale
         group = value_heads // heads
         qf, kf = (x.float().repeat_interleave(group, dim=2) for x in (q, k))
@@ -233,9 +233,13 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     """``causal_conv1d.causal_conv1d_fn`` without states or seq_idx: y (batch, dim, seqlen)."""
     if activation not in [None, "silu", "swish"]:
         raise NotImplementedError("activation must be None, silu, or swish")
-    check(x.stride(2) == 1 or x.stride(1) == 1, "x must be contiguous in its channels or its sequence")
+    check(x.stride(2) == 1 or x.stride(1) == 1, "x.stride(2) == 1 || x.stride(1) == 1")
+    if x.stride(1) == 1 and x.stride(2) > 1:  # channel-last
+        check(x.shape[1] % 8 == 0, "causal_conv1d only supports channel dimension divisible by 8 for now")
+        check(x.stride(2) % 8 == 0 and x.stride(0) % 8 == 0, "causal_conv1d with channel last layout requires "
+              "strides (x.stride(0) and x.stride(2)) to be multiples of 8")
     check(2 <= weight.shape[1] <= 4, "causal_conv1d only supports width between 2 and 4")
-    check(weight.dtype == x.dtype or weight.dtype == torch.float32, "weight must have x's dtype or float32")
+    check(bias is None or bias.dtype == weight.dtype, "bias.scalar_type() == weight_type")
     check(seq_idx is None and initial_states is None and not return_final_states,
           "the fake runs the stateless path only")
     y = _depthwise_causal(x, weight, bias)

@@ -134,6 +134,16 @@ def test_mamba_ssm_without_causal_conv1d_runs_the_ssd_only(installed):
     assert len(fallback_warnings(caught)) == 1
 
 
+@pytest.mark.parametrize("installed", [("fla-0.6", "mamba_ssm-main")], indirect=True)
+def test_convolution_widths_outside_causal_conv1d_go_to_the_next_library(installed):
+    x = torch.zeros(2, dtype=torch.bfloat16)
+    for width in (1, 5):
+        with pytest.raises(BackendUnavailableError, match=f"mamba_ssm takes convolution widths 2 to 4, got {width}"):
+            backends.resolve_recurrent_backend("mamba_ssm", "conv", x, width)
+        assert backends.resolve_recurrent_backend("auto", "conv", x, width) == "fla"
+    assert backends.resolve_recurrent_backend("mamba_ssm", "conv", x, 4) == "mamba_ssm"
+
+
 # ---------------------------------------------------------------- the libraries against the reference
 
 def _gated_delta_both(backend, doc_lens, with_state, seed=0):
@@ -190,14 +200,15 @@ def test_mamba_ssm_ssd_equals_the_reference(installed, carried):
 
 @pytest.mark.parametrize("installed, backend", [(("fla-0.6",), "fla"), (("fla-0.5",), "fla"), (("fla-0.4",), "fla"),
                                                  (("mamba_ssm-2.3",), "mamba_ssm")], indirect=["installed"])
-def test_library_convolutions_equal_the_reference(installed, backend):
+@pytest.mark.parametrize("features", [6, 16])  # causal-conv1d: channel-last only for multiples of 8
+def test_library_convolutions_equal_the_reference(installed, backend, features):
     gen = torch.Generator().manual_seed(5)
-    x, weight, bias = (torch.randn(sum(DOC_LENS), 6, generator=gen), torch.randn(6, 4, generator=gen),
-                       torch.randn(6, generator=gen))
-    tails = torch.randn(len(DOC_LENS), 3, 6, generator=gen)
+    x, weight, bias = (torch.randn(sum(DOC_LENS), features, generator=gen), torch.randn(features, 4, generator=gen),
+                       torch.randn(features, generator=gen))
+    tails = torch.randn(len(DOC_LENS), 3, features, generator=gen)
     inputs = [t.requires_grad_() for t in (x, weight, bias, tails)]
     results = []
-    for kernel in (backends.conv_kernel(backend, x), None):
+    for kernel in (backends.conv_kernel(backend, x, 4), None):
         y = causal_conv1d(inputs[0], inputs[1], inputs[2], cu_of(DOC_LENS), inputs[3], kernel=kernel)
         results.append((y, torch.autograd.grad(y.square().sum(), inputs)))
     close(results[0][0], results[1][0], TOL, "y")

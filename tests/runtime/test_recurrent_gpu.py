@@ -154,7 +154,7 @@ def test_library_convolution_against_float64(device, backend):
                                                                                                     features)
 
     def run(name, dtype):
-        kernel = None if name == "reference" else backends.conv_kernel(name, x.to(dtype))
+        kernel = None if name == "reference" else backends.conv_kernel(name, x.to(dtype), 4)
         return _run(lambda *a: (causal_conv1d(a[0], a[1], a[2], cu, a[3], kernel=kernel),),
                     [t.to(torch.bfloat16).to(dtype) for t in (x, weight, bias, tails)], seed=5)
 

@@ -96,6 +96,8 @@ class RecurrentLibrary:
     """Mamba-2 SSD over segments (see the class docstring)."""
     conv: Callable | None
     """The causal convolution of one sequence (see the class docstring)."""
+    conv_widths: tuple[int, int] | None = None
+    """The convolution widths it takes, first and last; None: any."""
 
     def runs(self, operation: str) -> bool:
         """Whether flashcp calls this library for ``operation`` (one of ``OPERATIONS``)."""
@@ -257,13 +259,15 @@ def _mamba_ssd(api, x_THP, dt_TH, A_H, B_TGS, C_TGS, cu_seqlens, initial_NHPS, c
 
 
 def _mamba_conv(api, x_LF, weight_FW, bias_F):
-    y = api.causal_conv1d_fn(x_LF.T[None], weight_FW.to(x_LF.dtype),
+    # (1, F, L): channel-last (no copy) needs F and the strides multiples of 8 (csrc/causal_conv1d.cpp)
+    x = x_LF.T[None] if x_LF.shape[1] % 8 == 0 and x_LF.is_contiguous() else x_LF.T.contiguous()[None]
+    y = api.causal_conv1d_fn(x, weight_FW.to(x_LF.dtype),
                              None if bias_F is None else bias_F.to(x_LF.dtype), activation=None)
     return y[0].T
 
 
 MAMBA_SSM = RecurrentLibrary(name="mamba_ssm", load=_load_mamba, needs_cuda=True, dtypes=GPU_DTYPES,
-                             gated_delta=None, ssd=_mamba_ssd, conv=_mamba_conv)
+                             gated_delta=None, ssd=_mamba_ssd, conv=_mamba_conv, conv_widths=(2, 4))
 """mamba_ssm's SSD (Triton) with the ``causal-conv1d`` package's convolution (CUDA)."""
 
 
@@ -288,8 +292,11 @@ def _load(backend: str):
         return e
 
 
-def _why_not(backend: str, operation: str, x: torch.Tensor) -> str | None:
-    """None when ``backend`` runs ``operation`` on tensors like ``x``, else the reason in a few words."""
+def _why_not(backend: str, operation: str, x: torch.Tensor, width: int | None = None) -> str | None:
+    """None when ``backend`` runs ``operation`` on tensors like ``x``, else the reason in a few words.
+
+    ``width``: the convolution's (``operation == "conv"``).
+    """
     library = LIBRARIES.get(backend)
     if library is None:
         return f"unknown backend '{backend}' (choose from {', '.join(RECURRENT_BACKENDS)} or auto)"
@@ -303,23 +310,27 @@ def _why_not(backend: str, operation: str, x: torch.Tensor) -> str | None:
     api = _load(backend)
     if isinstance(api, Unavailable):
         return str(api)
-    return getattr(api, "missing", {}).get(operation)  # a part of the library that is not there
+    missing = getattr(api, "missing", {}).get(operation)  # a part of the library that is not there
+    if missing is None and operation == "conv" and width is not None and library.conv_widths is not None and \
+            not library.conv_widths[0] <= width <= library.conv_widths[1]:
+        return f"{backend} takes convolution widths {library.conv_widths[0]} to {library.conv_widths[1]}, got {width}"
+    return missing
 
 
 _warned: set[str] = set()
 
 
-def resolve_recurrent_backend(backend: str, operation: str, x: torch.Tensor) -> str:
+def resolve_recurrent_backend(backend: str, operation: str, x: torch.Tensor, width: int | None = None) -> str:
     """The backend that runs ``operation`` (``OPERATIONS``) on tensors like ``x`` for ``backend``.
 
     ``"auto"``: on CUDA the first library of ``LIBRARIES`` that runs it, else ``"reference"`` with one
     ``BackendFallbackWarning``; on other devices ``"reference"``. A named backend that cannot run raises
-    ``BackendUnavailableError`` saying why.
+    ``BackendUnavailableError`` saying why. ``width``: the convolution's, for ``"conv"``.
     """
     if operation not in OPERATIONS:
         raise ValueError(f"operation must be one of {', '.join(OPERATIONS)}, got {operation!r}")
     if backend != "auto":
-        why = _why_not(backend, operation, x)
+        why = _why_not(backend, operation, x, width)
         if why is not None:
             raise BackendUnavailableError(f"recurrent backend '{backend}' cannot run {operation} here: {why}")
         return backend
@@ -329,7 +340,7 @@ def resolve_recurrent_backend(backend: str, operation: str, x: torch.Tensor) -> 
     for name, library in LIBRARIES.items():
         if name == "reference" or not library.runs(operation):
             continue
-        why = _why_not(name, operation, x)
+        why = _why_not(name, operation, x, width)
         if why is None:
             return name
         reasons.append(why if why.startswith(name) else f"{name} ({why})")
@@ -382,12 +393,12 @@ def ssd(x_THP: torch.Tensor, dt_TH: torch.Tensor, A_H: torch.Tensor, B_TGS: torc
     return run(api, x_THP, dt_TH, A_H, B_TGS, C_TGS, cu_seqlens, initial_state_NHPS, chunk_size, carried)
 
 
-def conv_kernel(backend: str, x: torch.Tensor) -> Callable | None:
+def conv_kernel(backend: str, x: torch.Tensor, width: int) -> Callable | None:
     """The causal convolution ``kernel(x_LF, weight_FW, bias_F) -> y_LF`` of ``backend`` for tensors like ``x``.
 
-    None for the reference (``chunked.causal_conv1d``'s own ``F.conv1d``).
+    ``width``: the filters' taps. None for the reference (``chunked.causal_conv1d``'s own ``F.conv1d``).
     """
-    name = resolve_recurrent_backend(backend, "conv", x)
+    name = resolve_recurrent_backend(backend, "conv", x, width)
     if name == "reference":
         return None
     run, api = LIBRARIES[name].conv, _load(name)

@@ -120,7 +120,7 @@ def cp_causal_conv1d(x_TF: torch.Tensor, weight_FW: torch.Tensor, bias_F: torch.
     """
     _check(meta, x_TF.shape[0], group)
     width = weight_FW.shape[1]
-    kernel = backends.conv_kernel(backend, x_TF)
+    kernel = backends.conv_kernel(backend, x_TF, width)
     if not meta.active or width == 1:
         return causal_conv1d(x_TF, weight_FW, bias_F, meta.cu_seqlens, activation=activation, kernel=kernel)
     send_index, recv_index = (i.to(x_TF.device) for i in meta.conv_tails(width))
