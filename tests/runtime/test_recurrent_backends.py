@@ -31,6 +31,7 @@ from tests.runtime.recurrent_cases import (
     cu_of,
     gdn_inputs,
     gdn_layer,
+    layers,
     make_inputs,
     reference,
     ssd_inputs,
@@ -218,41 +219,70 @@ def test_library_convolutions_equal_the_reference(installed, backend, features):
 
 # ---------------------------------------------------------------- CP with the libraries on gloo
 
+def _library_layers(meta):
+    """kind -> (layer, conv, recurrence) of this rank, with ``fla`` for GDN and ``mamba_ssm`` for SSD."""
+    return {"gdn": (gdn_layer, lambda x, w, b: cp_causal_conv1d(x, w, b, meta, backend="fla"),
+                    lambda q, k, v, g, beta: cp_gated_delta_rule(q, k, v, g, beta, meta, backend="fla")),
+            "ssd": (ssd_layer, lambda x, w, b: cp_causal_conv1d(x, w, b, meta, backend="mamba_ssm"),
+                    lambda x, dt, A, B, C, D: cp_ssd(x, dt, A, B, C, meta, D_H=D, backend="mamba_ssm"))}
+
+
+def _check_float32(name, plan, doc_lens, ref, rank, failures):
+    """Forward and backward in float32 through the libraries against the float64 reference."""
+    pos = torch.from_numpy(rank_token_positions(plan, doc_lens, rank)[0])
+    meta = RecurrentMeta.from_plan(plan, doc_lens, rank)
+    for kind, (data, params) in make_inputs(int(np.sum(doc_lens)), 0).items():
+        layer, conv, recurrence = _library_layers(meta)[kind]
+        want_out, want_grads, grad_out = ref[kind]
+        local = [t.float()[pos].requires_grad_() for t in data]
+        local_params = [t.float().requires_grad_() for t in params]
+        out = layer(*local, *local_params, conv, recurrence)
+        out.backward(grad_out.float()[pos])
+        for p in local_params:
+            torch.distributed.all_reduce(p.grad)
+        checks = [("out", out, want_out[pos])]
+        checks += [(f"d data{i}", t.grad, g[pos]) for i, (t, g) in enumerate(zip(local, want_grads))]
+        checks += [(f"d param{i}", t.grad, g) for i, (t, g) in enumerate(zip(local_params, want_grads[len(data):]))]
+        for what, got, want in checks:
+            if want.numel() == 0:
+                continue
+            if got is None:
+                failures.append(f"{name} {kind} rank {rank}: no gradient for {what}")
+                continue
+            err = (got.double() - want).abs()
+            if err.max().item() >= 1e-4 * max(1.0, want.abs().max().item()):
+                failures.append(f"{name} {kind} rank {rank} {what}: max |err| {err.max().item():.3g}, mean "
+                                f"{err.mean().item():.3g}")
+
+
+def _check_bf16(name, plan, doc_lens, ref, rank, failures):
+    """bf16 through the libraries: error against float64 at most twice that of the same CP layers on the
+    reference kernels (plus a rounding floor)."""
+    pos = torch.from_numpy(rank_token_positions(plan, doc_lens, rank)[0])
+    meta = RecurrentMeta.from_plan(plan, doc_lens, rank)
+    for kind, (data, params) in make_inputs(int(np.sum(doc_lens)), 0).items():
+        want = ref[kind][0]
+        data, params = [t.bfloat16() for t in data], [t.bfloat16() for t in params]
+        layer, conv, recurrence = _library_layers(meta)[kind]
+        got = layer(*(t[pos] for t in data), *params, conv, recurrence).double()
+        _, ref_conv, ref_recurrence = layers(doc_lens, meta)[kind]
+        plain = layer(*(t[pos] for t in data), *params, ref_conv, ref_recurrence).double()
+        if want.numel() == 0 or pos.numel() == 0:
+            continue
+        lib_err, ref_err = (got - want[pos]).abs().max().item(), (plain - want[pos]).abs().max().item()
+        if lib_err > 2 * ref_err + 1e-2:
+            failures.append(f"{name} {kind} bf16 rank {rank}: libraries' max |err| {lib_err:.3g} against float64, "
+                            f"the reference kernels' {ref_err:.3g}")
+
+
 def _cp_worker(rank, world_size, refs):
     undo = fake_recurrent.install("fla-0.5", "mamba_ssm-main")
     failures = []
     try:
-        for (name, plan, doc_lens), ref in zip(build_cases(world_size), refs):
-            pos = torch.from_numpy(rank_token_positions(plan, doc_lens, rank)[0])
-            meta = RecurrentMeta.from_plan(plan, doc_lens, rank)
-            for kind, (data, params) in make_inputs(int(np.sum(doc_lens)), 0).items():
-                backend = "fla" if kind == "gdn" else "mamba_ssm"
-                conv = lambda x, w, b, backend=backend: cp_causal_conv1d(x, w, b, meta, backend=backend)  # noqa: E731
-                if kind == "gdn":
-                    layer = gdn_layer
-                    recurrence = lambda q, k, v, g, beta: cp_gated_delta_rule(  # noqa: E731
-                        q, k, v, g, beta, meta, backend="fla")
-                else:
-                    layer = ssd_layer
-                    recurrence = lambda x, dt, A, B, C, D: cp_ssd(x, dt, A, B, C, meta, D_H=D,  # noqa: E731
-                                                                  backend="mamba_ssm")
-                want_out, want_grads, grad_out = ref[kind]
-                local = [t.float()[pos].requires_grad_() for t in data]
-                local_params = [t.float().requires_grad_() for t in params]
-                out = layer(*local, *local_params, conv, recurrence)
-                out.backward(grad_out.float()[pos])
-                for p in local_params:
-                    torch.distributed.all_reduce(p.grad)
-                checks = [("out", out, want_out[pos])]
-                checks += [(f"d data{i}", t.grad, g[pos]) for i, (t, g) in enumerate(zip(local, want_grads))]
-                checks += [(f"d param{i}", t.grad, g)
-                           for i, (t, g) in enumerate(zip(local_params, want_grads[len(data):]))]
-                for what, got, want in checks:
-                    if want.numel() == 0:
-                        continue
-                    err = (got.double() - want).abs().max().item()
-                    if got is None or err >= 1e-4 * max(1.0, want.abs().max().item()):
-                        failures.append(f"{name} {kind} rank {rank} {what}: max |err| {err:.3g}")
+        cases = build_cases(world_size)
+        for case, ref in zip(cases, refs):
+            _check_float32(*case, ref, rank, failures)
+        _check_bf16(*cases[3], refs[3], rank, failures)  # one document over both ranks
     finally:
         undo()
     return failures
