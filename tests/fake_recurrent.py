@@ -103,6 +103,7 @@ def _make_chunk_gated_delta_rule(grouped_values: bool):
                                  f"sequences, i.e., {len(cu_seqlens) - 1} rather than {initial_state.shape[0]}.")
             check(cu_seqlens.dtype in (torch.int32, torch.int64), "cu_seqlens must be a LongTensor")
             bounds = cu_seqlens.tolist()
+            check(cu_seqlens_cpu is None or cu_seqlens_cpu.tolist() == bounds, "cu_seqlens_cpu must equal cu_seqlens")
         else:
             bounds = None
         for name, t in (("k", k), ("v", v), ("beta", beta)):  # as fla's layers pass them; the fake holds flashcp to it
@@ -127,7 +128,19 @@ def _make_chunk_gated_delta_rule(grouped_values: bool):
         o = torch.cat(outs)[None] if bounds is not None else torch.stack(outs)
         return o.to(q.dtype), (torch.stack(finals) if output_final_state else None)
 
-    return chunk_gated_delta_rule
+    if grouped_values:
+        return chunk_gated_delta_rule
+
+    def chunk_gated_delta_rule_0_4(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                                   cp_context=None, transpose_state_layout=False, **kwargs):
+        """v0.4.2's signature."""
+        check(not transpose_state_layout, "the fake runs the [K, V] state layout only")
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                      use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                                      cp_context=cp_context)
+
+    return chunk_gated_delta_rule_0_4
 
 
 def _depthwise_causal(x_BDT, weight, bias):

@@ -217,6 +217,17 @@ def test_library_convolutions_equal_the_reference(installed, backend, features):
         close(a, b, TOL, f"d {name}")
 
 
+def test_the_reference_records_convolution_equals_chunked():
+    gen = torch.Generator().manual_seed(6)
+    x, weight, bias = (torch.randn(sum(DOC_LENS), 5, generator=gen, dtype=torch.float64),
+                       torch.randn(5, 3, generator=gen, dtype=torch.float64), torch.randn(5, generator=gen,
+                                                                                         dtype=torch.float64))
+    tails = torch.randn(len(DOC_LENS), 2, 5, generator=gen, dtype=torch.float64)
+    record = backends.LIBRARIES["reference"].conv
+    got = causal_conv1d(x, weight, bias, cu_of(DOC_LENS), tails, kernel=lambda *a: record(None, *a))
+    close(got, causal_conv1d(x, weight, bias, cu_of(DOC_LENS), tails), 1e-12, "y")
+
+
 # ---------------------------------------------------------------- CP with the libraries on gloo
 
 def _library_layers(meta):

@@ -172,7 +172,8 @@ def _load_fla():
         raise Unavailable(f"fla has none of {', '.join(_FLA_CONV_MODULES)} (an unsupported release)", installed=True)
     version = str(getattr(package, "__version__", "0"))
     return SimpleNamespace(chunk_gated_delta_rule=chunk, causal_conv1d=attribute(conv, "causal_conv1d"),
-                           grouped_values=version_of(version) >= (0, 5, 0))
+                           grouped_values=version_of(version) >= (0, 5, 0),
+                           host_offsets=_declares(chunk, "cu_seqlens_cpu"))
 
 
 def _fla_gated_delta(api, q_TGK, k_TGK, v_THV, g_TH, beta_TH, cu_seqlens, initial_NHKV, chunk_size, dtype):
@@ -181,10 +182,13 @@ def _fla_gated_delta(api, q_TGK, k_TGK, v_THV, g_TH, beta_TH, cu_seqlens, initia
         group = v_THV.shape[1] // k_TGK.shape[1]
         q_TGK, k_TGK = (x.repeat_interleave(group, dim=1) for x in (q_TGK, k_TGK))
     q, k, v, beta = (x.to(run)[None] for x in (q_TGK, k_TGK, v_THV, beta_TH))
-    cu = torch.tensor(_bounds(cu_seqlens), dtype=torch.int64, device=v.device)
+    host = torch.tensor(_bounds(cu_seqlens), dtype=torch.int64)
+    # the offsets on the host too, where the release takes them: its chunk indices need no device sync
+    options = {"cu_seqlens_cpu": host} if api.host_offsets else {}
     initial = None if initial_NHKV is None else initial_NHKV.float()
     out, final = api.chunk_gated_delta_rule(q, k, v, g_TH.float()[None], beta, scale=1.0, initial_state=initial,
-                                            output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=cu)
+                                            output_final_state=True, use_qk_l2norm_in_kernel=False,
+                                            cu_seqlens=host.to(v.device), **options)
     return out[0], final
 
 
