@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from flashcp.runtime.recurrent import backends
-from tests.fake_kernels import check
+from tests.fake_kernels import _Broken, check
 
 FAKES = ("fla-0.6", "fla-0.5", "fla-0.4", "mamba_ssm-2.3", "mamba_ssm-main", "mamba_ssm-no-conv")
 """Every emulated release."""
@@ -275,8 +275,11 @@ def _make_mamba(release: str) -> dict:
 
 # ---------------------------------------------------------------- installing
 
-def install(*names: str):
-    """Make ``names`` the installed recurrent libraries, every device a CUDA one to flashcp; returns undo()."""
+def install(*names: str, broken: dict | None = None):
+    """Make ``names`` the installed recurrent libraries, every device a CUDA one to flashcp; returns undo().
+
+    ``broken``: module name -> exception raised on import (a wheel built for another torch, say).
+    """
     unknown = [n for n in names if n not in FAKES]
     if unknown:
         raise ValueError(f"unknown fakes {unknown}")
@@ -285,11 +288,18 @@ def install(*names: str):
     modules: dict = dict.fromkeys(MODULES)  # None in sys.modules: "not installed"
     for name in names:
         modules.update(_make_fla(name) if name.startswith("fla") else _make_mamba(name))
+    finders = [_Broken(module, error) for module, error in (broken or {}).items()]
+    for finder in finders:
+        modules.pop(finder.module, None)
+        sys.modules.pop(finder.module, None)
+        sys.meta_path.insert(0, finder)
     sys.modules.update(modules)
     backends._is_cuda = lambda device: True
     _reset()
 
     def undo():
+        for finder in finders:
+            sys.meta_path.remove(finder)
         for module, value in saved.items():
             if value is None:
                 sys.modules.pop(module, None)

@@ -80,6 +80,7 @@ def test_auto_on_cuda_without_libraries_warns_once(installed):
     said = fallback_warnings(caught)
     assert len(said) == 1, said
     assert "flash-linear-attention is not installed" in said[0] and "reference" in said[0], said[0]
+    assert said[0].endswith("(pip install --no-build-isolation 'flashcp[linear]')"), said[0]
 
 
 @pytest.mark.parametrize("installed", [()], indirect=True)
@@ -121,6 +122,24 @@ def test_auto_says_why_it_passes_over_a_library(installed):
         assert backends.resolve_recurrent_backend("auto", "ssd", torch.zeros(2)) == "mamba_ssm"
         assert backends.resolve_recurrent_backend("auto", "conv", torch.zeros(2)) == "mamba_ssm"
     assert len(fallback_warnings(caught)) == 1
+
+
+def test_an_installed_library_that_does_not_import_is_named():
+    undo = fake_recurrent.install("mamba_ssm-main", broken={"fla": OSError("undefined symbol: _ZN3c10")})
+    try:
+        x = torch.zeros(2, dtype=torch.bfloat16)
+        with pytest.raises(BackendUnavailableError, match=r"fla is installed but does not import \(OSError: "
+                                                          r"undefined symbol: _ZN3c10\)"):
+            backends.resolve_recurrent_backend("fla", "gated_delta", x)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert backends.resolve_recurrent_backend("auto", "gated_delta", x) == "reference"
+            assert backends.resolve_recurrent_backend("auto", "conv", x) == "mamba_ssm"  # past the broken fla
+        said = fallback_warnings(caught)
+        assert len(said) == 1 and "(fla is installed but does not import (OSError" in said[0], said
+        assert "pip install" not in said[0], said[0]  # it is installed: no advice to install it
+    finally:
+        undo()
 
 
 @pytest.mark.parametrize("installed", [("mamba_ssm-no-conv",)], indirect=True)

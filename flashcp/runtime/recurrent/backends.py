@@ -340,16 +340,19 @@ def resolve_recurrent_backend(backend: str, operation: str, x: torch.Tensor, wid
         return backend
     if not _is_cuda(x.device):
         return "reference"
-    reasons = []
+    reasons, missing = [], True
     for name, library in LIBRARIES.items():
         if name == "reference" or not library.runs(operation):
             continue
         why = _why_not(name, operation, x, width)
         if why is None:
             return name
-        reasons.append(why if why.startswith(name) else f"{name} ({why})")
+        reasons.append(why if why.startswith(f"{name} ") else f"{name} ({why})")
+        api = _load(name)
+        missing = missing and isinstance(api, Unavailable) and not api.installed
+    hint = " (pip install --no-build-isolation 'flashcp[linear]')" if missing else ""
     message = (f"recurrent backend auto found no GPU kernel for {operation} on {x.dtype} tensors on {x.device} "
-               f"({'; '.join(reasons)}): running the pure-PyTorch reference (pip install 'flashcp[linear]')")
+               f"({'; '.join(reasons)}): running the pure-PyTorch reference{hint}")
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, BackendFallbackWarning, stacklevel=3)
