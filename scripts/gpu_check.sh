@@ -3,7 +3,10 @@
 # tests (tests/runtime/test_gpu_runtime.py: each installed attention backend's ring and LSE kernels at head dim
 # 64 and 128 with all-length-1 shards under GQA, auto's choice on bf16 CUDA tensors, bf16 accuracy of every
 # backend and comm mode against float64, one bf16 training step under torch.cuda.set_sync_debug_mode("warn");
-# tests/runtime/test_kernels_gpu.py: cp_attention of every backend against float64). Then the measurement
+# tests/runtime/test_kernels_gpu.py: cp_attention of every backend against float64;
+# tests/runtime/test_recurrent_gpu.py: the recurrent libraries flashcp calls, fla's gated delta rule and
+# mamba_ssm's SSD with segments, start states and the transition-map call, and their convolutions, in bf16
+# against float64, each skipped where it is not installed: pip install 'flashcp[linear]'). Then the measurement
 # (scripts/gpu_check.py): one rank's attention forward+backward time per strategy at C=131072, cp 8, H=32,
 # H_kv=8, D=128. Then torchtitan's Trainer with flashcp (below). Needs the repo, torch and pytest; at most 11
 # minutes on an H200. The reports go to stdout and, with OUT set, to $OUT/gpu_tests.txt, $OUT/gpu_check.txt and
@@ -20,7 +23,7 @@ if [[ -n "${OUT:-}" ]]; then
     tests_log="$OUT/gpu_tests.txt"
 fi
 timeout 240 python -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_gpu_runtime.py \
-    tests/runtime/test_kernels_gpu.py 2>&1 | tee "$tests_log"
+    tests/runtime/test_kernels_gpu.py tests/runtime/test_recurrent_gpu.py 2>&1 | tee "$tests_log"
 tests=$?
 timeout 230 python scripts/gpu_check.py ${out[@]+"${out[@]}"} "$@"
 timed=$?

@@ -188,6 +188,21 @@ def test_each_attention_library_is_imported_in_its_one_module():
     assert not broken, "only the library's own module may import it:\n" + "\n".join(broken)
 
 
+RECURRENT_LIBRARIES = ("fla", "mamba_ssm", "causal_conv1d")
+"""The recurrent kernel libraries; ``flashcp.runtime.recurrent.backends`` is the one module that imports them."""
+
+
+def test_recurrent_libraries_are_imported_in_the_backends_module_only():
+    broken = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = module_name(path)
+        for line, name in imports_of(path.read_text(encoding="utf-8"), module, path.name == "__init__.py"):
+            if any(_within(name, lib) for lib in RECURRENT_LIBRARIES) and \
+                    module != "flashcp.runtime.recurrent.backends":
+                broken.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
+    assert not broken, "only flashcp.runtime.recurrent.backends may import them:\n" + "\n".join(broken)
+
+
 def test_importing_the_runtime_loads_no_planning_kernel():
     """A training process reads plans and the cost model; it never imports a strategy kernel or the batch
     planner (nor, through them, compiles or loads their machine code)."""

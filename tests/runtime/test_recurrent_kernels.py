@@ -5,39 +5,16 @@
 (``mamba2_chunk_scan``) and their ``causal_conv1d_fn`` run in float32 and are compared at float32 tolerance.
 """
 
-import numpy as np
 import pytest
 import torch
 
 from flashcp.runtime.recurrent import causal_conv1d, chunk_gated_delta_rule, chunk_ssd
 from tests.naive import naive_causal_conv1d, naive_gated_delta_rule, naive_ssd
+from tests.runtime.recurrent_cases import cu_of, gdn_inputs, ssd_inputs
 
 DOC_LENS = [(1,), (13,), (5, 1, 17, 8), (2, 9, 64, 3)]
 CHUNKS = (1, 4, 8, 64)
 TOL = 1e-11
-
-
-def cu_of(doc_lens):
-    return np.concatenate([[0], np.cumsum(doc_lens)]).tolist()
-
-
-def gdn_inputs(context_len, heads=4, key_heads=2, dk=4, dv=3, dtype=torch.float64, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(context_len, key_heads, dk, generator=gen, dtype=dtype) for _ in range(2))
-    v = torch.randn(context_len, heads, dv, generator=gen, dtype=dtype)
-    g = -torch.rand(context_len, heads, generator=gen, dtype=dtype)
-    beta = torch.sigmoid(torch.randn(context_len, heads, generator=gen, dtype=dtype))
-    return q, k, v, g, beta
-
-
-def ssd_inputs(context_len, heads=4, groups=2, p=3, s=5, dtype=torch.float64, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(context_len, heads, p, generator=gen, dtype=dtype)
-    dt = torch.nn.functional.softplus(torch.randn(context_len, heads, generator=gen, dtype=dtype))
-    A = -torch.exp(torch.randn(heads, generator=gen, dtype=dtype) * 0.5)
-    B, C = (torch.randn(context_len, groups, s, generator=gen, dtype=dtype) for _ in range(2))
-    D = torch.randn(heads, generator=gen, dtype=dtype)
-    return x, dt, A, B, C, D
 
 
 def close(got, want, tol, what):

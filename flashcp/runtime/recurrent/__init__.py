@@ -2,6 +2,8 @@
 causal convolution, run over a plan's pieces of documents.
 
 - ``chunked``: the pure-PyTorch chunked kernels (segments with initial and final states);
+- ``backends``: the kernel backends the layers take (``reference``, ``fla``, ``mamba_ssm``, ``auto``), the one
+  module that imports those libraries;
 - ``meta``: ``RecurrentMeta.from_plan``, each rank's pieces and where their predecessors are;
 - ``cp``: the layers across CP ranks (affine state maps, one all-gather per layer; the scheme and its bytes
   per piece are in its docstring).

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["causal_conv1d", "chunk_gated_delta_rule", "chunk_ssd", "compute_dtype", "gated_delta_segments", "l2norm",
-           "prepare_qk"]
+           "normalize_qk", "prepare_qk"]
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -128,6 +128,21 @@ def prepare_qk(q_TGK, k_TGK, num_heads: int, scale: float | None, use_qk_l2norm:
     q, k = _repeat_groups(q_TGK, k_TGK, num_heads, compute_dtype(q_TGK.dtype),
                           rule="q and k must be (T, Hk, K) alike with H % Hk == 0", names=("q", "k"),
                           heads="value heads")
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    return q * (q.shape[-1] ** -0.5 if scale is None else scale), k
+
+
+def normalize_qk(q_TGK, k_TGK, num_heads: int, scale: float | None, use_qk_l2norm: bool):
+    """The queries and keys per key head in the compute dtype, normalised and q scaled: (T, G, K) each.
+
+    ``prepare_qk`` before the repeat per value head (the ``fla`` backend takes the key heads as they are).
+    """
+    if q_TGK.shape != k_TGK.shape or num_heads % k_TGK.shape[1]:
+        raise ValueError(f"q and k must be (T, Hk, K) alike with H % Hk == 0, got q {tuple(q_TGK.shape)}, "
+                         f"k {tuple(k_TGK.shape)} and {num_heads} value heads")
+    dtype = compute_dtype(q_TGK.dtype)
+    q, k = q_TGK.to(dtype), k_TGK.to(dtype)
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     return q * (q.shape[-1] ** -0.5 if scale is None else scale), k
@@ -246,7 +261,8 @@ def _ssd_chunks(x, dt, B, C, A, state, chunk: int):
 
 
 def causal_conv1d(x_TF: torch.Tensor, weight_FW: torch.Tensor, bias_F: torch.Tensor | None, cu_seqlens,
-                  tails_NWF: torch.Tensor | None = None, activation: str | None = "silu") -> torch.Tensor:
+                  tails_NWF: torch.Tensor | None = None, activation: str | None = "silu", *,
+                  kernel=None) -> torch.Tensor:
     """Depthwise causal convolution of each segment, continuing its tail: ``y_TF`` in x's dtype.
 
     Args:
@@ -257,6 +273,9 @@ def causal_conv1d(x_TF: torch.Tensor, weight_FW: torch.Tensor, bias_F: torch.Ten
         tails_NWF: (N, W - 1, F): the W - 1 inputs before each segment (zeros at a document's start); None:
             zeros everywhere.
         activation: ``"silu"`` or None.
+        kernel: a library's causal convolution ``kernel(x_LF, weight_FW, bias_F) -> y_LF`` of one sequence
+            in x's dtype, before the activation (``backends.conv_kernel``); None: ``F.conv1d`` in the
+            promoted dtype.
 
     Token t of a segment gets ``bias + sum_j weight[:, j] * x[t - (W-1) + j]``, reading the tail for
     positions before the segment (transformers' ``causal_conv1d_fn`` with a conv state).
@@ -282,6 +301,9 @@ def causal_conv1d(x_TF: torch.Tensor, weight_FW: torch.Tensor, bias_F: torch.Ten
     extended = extended.index_copy(0, token_rows.to(x_TF.device), x_TF)
     extended = extended.index_copy(0, tail_rows.reshape(-1).to(x_TF.device),
                                    tails.reshape(-1, x_TF.shape[1]).to(x_TF.dtype))
+    if kernel is not None:  # a library's causal convolution of the whole sequence
+        y = kernel(extended, weight_FW, bias_F).index_select(0, token_rows.to(x_TF.device))
+        return (F.silu(y) if activation == "silu" else y).to(x_TF.dtype)
     y = F.conv1d(extended.to(dtype).T[None], weight_FW.to(dtype)[:, None, :],
                  None if bias_F is None else bias_F.to(dtype), groups=x_TF.shape[1])[0].T
     y = y.index_select(0, token_rows.to(x_TF.device) - (width - 1))

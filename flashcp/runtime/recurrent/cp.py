@@ -26,6 +26,10 @@ the rank that computed it. Each exchange is tied into the graph at both ends (it
 its output to the layer's output), so every rank issues the reverse collectives, also a rank that used none of
 what it received, and in the same order: the layers' reverse order.
 
+Kernels: each layer takes ``backend=`` (``flashcp.runtime.recurrent.backends``: ``"reference"``, ``"fla"``,
+``"mamba_ssm"`` or ``"auto"``); steps 1 and 4 are two calls of that backend's kernel over segments, with the
+per-segment initial states the libraries' varlen entry points take.
+
 Shape legend: as ``flashcp.runtime.recurrent.chunked`` (``T`` this rank's tokens).
 """
 
@@ -35,13 +39,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flashcp.runtime.recurrent.chunked import (
-    causal_conv1d,
-    chunk_ssd,
-    compute_dtype,
-    gated_delta_segments,
-    prepare_qk,
-)
+from flashcp.runtime.recurrent import backends
+from flashcp.runtime.recurrent.chunked import causal_conv1d, compute_dtype, normalize_qk
 from flashcp.runtime.recurrent.meta import RecurrentMeta
 
 __all__ = ["cp_causal_conv1d", "cp_gated_delta_rule", "cp_ssd"]
@@ -102,7 +101,8 @@ def _padded(rows: torch.Tensor, slot: int) -> torch.Tensor:
 
 
 def cp_causal_conv1d(x_TF: torch.Tensor, weight_FW: torch.Tensor, bias_F: torch.Tensor | None,
-                     meta: RecurrentMeta, group=None, activation: str | None = "silu") -> torch.Tensor:
+                     meta: RecurrentMeta, group=None, activation: str | None = "silu", *,
+                     backend: str = "auto") -> torch.Tensor:
     """The short causal convolution of this rank's pieces, each continuing its document: ``y_TF``.
 
     Args:
@@ -112,6 +112,7 @@ def cp_causal_conv1d(x_TF: torch.Tensor, weight_FW: torch.Tensor, bias_F: torch.
         meta: this rank's RecurrentMeta.
         group: the CP process group (None: the default group).
         activation: ``"silu"`` or None.
+        backend: the convolution's kernel (``backends.RECURRENT_BACKENDS`` or ``"auto"``).
 
     Each piece needs the ``W - 1`` inputs before it in its document: one all-gather of every contributed
     piece's last ``W - 1`` inputs (float32 or wider), ``slot * (W - 1)`` rows per rank. Differentiable in x,
@@ -119,8 +120,9 @@ def cp_causal_conv1d(x_TF: torch.Tensor, weight_FW: torch.Tensor, bias_F: torch.
     """
     _check(meta, x_TF.shape[0], group)
     width = weight_FW.shape[1]
+    kernel = backends.conv_kernel(backend, x_TF, width)
     if not meta.active or width == 1:
-        return causal_conv1d(x_TF, weight_FW, bias_F, meta.cu_seqlens, activation=activation)
+        return causal_conv1d(x_TF, weight_FW, bias_F, meta.cu_seqlens, activation=activation, kernel=kernel)
     send_index, recv_index = (i.to(x_TF.device) for i in meta.conv_tails(width))
     features = x_TF.shape[1]
     wide = x_TF.to(compute_dtype(x_TF.dtype))
@@ -129,7 +131,7 @@ def cp_causal_conv1d(x_TF: torch.Tensor, weight_FW: torch.Tensor, bias_F: torch.
     flat = gathered.view(-1, features)
     tails = torch.cat((flat, flat.new_zeros(1, features))).index_select(0, recv_index)
     y = causal_conv1d(x_TF, weight_FW, bias_F, meta.cu_seqlens, tails.view(-1, width - 1, features),
-                      activation=activation)
+                      activation=activation, kernel=kernel)
     return _Tie.apply(y, gathered)
 
 
@@ -161,19 +163,25 @@ def _start_states(meta: RecurrentMeta, pieces: np.ndarray, gathered: torch.Tenso
 
 def cp_gated_delta_rule(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
                         beta_TH: torch.Tensor, meta: RecurrentMeta, group=None, *, chunk_size: int = 64,
-                        scale: float | None = None, use_qk_l2norm: bool = True) -> torch.Tensor:
+                        scale: float | None = None, use_qk_l2norm: bool = True,
+                        backend: str = "auto") -> torch.Tensor:
     """Gated DeltaNet over this rank's pieces, each from its document's true state: ``out_THV``.
 
     Args: as ``chunked.chunk_gated_delta_rule`` for this rank's tokens in local layout order (no segments or
     states: they come from ``meta``), plus ``meta`` (this rank's RecurrentMeta) and ``group`` (the CP process
-    group, None: the default). Exchanges ``4 * H * K * (K + V)`` bytes per contributed piece (module docstring).
-    Differentiable in q, k, v, g and beta.
+    group, None: the default) and ``backend`` (``backends.RECURRENT_BACKENDS`` or ``"auto"``). Exchanges ``4 *
+    H * K * (K + V)`` bytes per contributed piece (module docstring). Differentiable in q, k, v, g and beta.
     """
     _check(meta, v_THV.shape[0], group)
-    q, k = prepare_qk(q_TGK, k_TGK, v_THV.shape[1], scale, use_qk_l2norm)
+    q, k = normalize_qk(q_TGK, k_TGK, v_THV.shape[1], scale, use_qk_l2norm)
     v, g, beta = (x.to(q.dtype) for x in (v_THV, g_TH, beta_TH))
+    backend = backends.resolve_recurrent_backend(backend, "gated_delta", v_THV)
+
+    def run(*args):
+        return backends.gated_delta(*args, chunk_size, dtype=v_THV.dtype, backend=backend)
+
     if not meta.active:
-        return gated_delta_segments(q, k, v, g, beta, meta.cu_seqlens, None, chunk_size, q_TGK.dtype)[0]
+        return run(q, k, v, g, beta, meta.cu_seqlens, None)[0].to(q_TGK.dtype)
     num_heads, head_k, head_v = v.shape[1], k.shape[2], v.shape[2]
     mapped, rerun = _split_runs(meta)
     parts = []
@@ -184,35 +192,42 @@ def cp_gated_delta_rule(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV: torch.T
     eye = torch.eye(head_k, dtype=v.dtype, device=v.device).expand(len(mapped), num_heads, head_k, head_k)
     start = torch.cat((eye, v.new_zeros(len(mapped), num_heads, head_k, head_v)), dim=3)
     q_p, k_p, g_p, beta_p = (x.index_select(0, index) for x in (q, k, g, beta))
-    out, maps = gated_delta_segments(q_p, k_p, augmented, g_p, beta_p, cu, start, chunk_size)
+    out, maps = run(q_p, k_p, augmented, g_p, beta_p, cu, start)
     first = np.repeat(meta.piece_start[mapped] == 0, meta.piece_len[mapped])
     keep = torch.from_numpy(np.flatnonzero(first)).to(v.device)
-    parts.append((index.index_select(0, keep), out.index_select(0, keep)[..., head_k:]))
+    parts.append((index.index_select(0, keep), out.index_select(0, keep)[..., head_k:].to(q.dtype)))
     # 2. one all-gather of the maps
-    gathered = _exchange(_padded(maps, meta.slot), meta, group, (q_TGK, k_TGK, v_THV, g_TH, beta_TH))
+    gathered = _exchange(_padded(maps.to(q.dtype), meta.slot), meta, group, (q_TGK, k_TGK, v_THV, g_TH, beta_TH))
     # 3. true start states, 4. the other pieces from them
     states = _start_states(meta, rerun, gathered, lambda m, s: m[..., :head_k] @ s + m[..., head_k:],
                            v.new_zeros(num_heads, head_k, head_v))
     index, cu = meta.piece_tokens(rerun)
     index = index.to(v.device)
     q_p, k_p, v_p, g_p, beta_p = (x.index_select(0, index) for x in (q, k, v, g, beta))
-    out, _ = gated_delta_segments(q_p, k_p, v_p, g_p, beta_p, cu, states, chunk_size)
-    parts.append((index, out))
+    out, _ = run(q_p, k_p, v_p, g_p, beta_p, cu, states)
+    parts.append((index, out.to(q.dtype)))
     return _Tie.apply(_assemble(parts, meta.num_tokens).to(q_TGK.dtype), gathered)
 
 
 def cp_ssd(x_THP: torch.Tensor, dt_TH: torch.Tensor, A_H: torch.Tensor, B_TGS: torch.Tensor,
            C_TGS: torch.Tensor, meta: RecurrentMeta, group=None, *, D_H: torch.Tensor | None = None,
-           chunk_size: int = 64) -> torch.Tensor:
+           chunk_size: int = 64, backend: str = "auto") -> torch.Tensor:
     """Mamba-2 SSD over this rank's pieces, each from its document's true state: ``y_THP``.
 
-    Args: as ``chunked.chunk_ssd`` for this rank's tokens in local layout order, plus ``meta`` and ``group``.
-    Exchanges ``4 * H * (1 + P * S)`` bytes per contributed piece. Differentiable in x, dt, A, B, C and D.
+    Args: as ``chunked.chunk_ssd`` for this rank's tokens in local layout order, plus ``meta``, ``group`` and
+    ``backend`` (``backends.RECURRENT_BACKENDS`` or ``"auto"``). Exchanges ``4 * H * (1 + P * S)`` bytes per
+    contributed piece. Differentiable in x, dt, A, B, C and D.
     """
     _check(meta, x_THP.shape[0], group)
-    if not meta.active:
-        return chunk_ssd(x_THP, dt_TH, A_H, B_TGS, C_TGS, meta.cu_seqlens, D_H=D_H, chunk_size=chunk_size)[0]
     dtype = compute_dtype(x_THP.dtype)
+    backend = backends.resolve_recurrent_backend(backend, "ssd", x_THP)
+
+    def skip(y):
+        return y if D_H is None else y + D_H.to(dtype)[:, None] * x_THP.to(dtype)
+
+    if not meta.active:
+        y, _ = backends.ssd(x_THP, dt_TH, A_H, B_TGS, C_TGS, meta.cu_seqlens, None, chunk_size, backend=backend)
+        return skip(y.to(dtype)).to(x_THP.dtype)
     num_heads, head_p, state_size = x_THP.shape[1], x_THP.shape[2], B_TGS.shape[2]
     mapped, rerun = _split_runs(meta)
     parts = []
@@ -220,7 +235,8 @@ def cp_ssd(x_THP: torch.Tensor, dt_TH: torch.Tensor, A_H: torch.Tensor, B_TGS: t
     index, cu = meta.piece_tokens(mapped)
     index = index.to(x_THP.device)
     x_p, dt_p, B_p, C_p = (t.index_select(0, index) for t in (x_THP, dt_TH, B_TGS, C_TGS))
-    out, final = chunk_ssd(x_p, dt_p, A_H, B_p, C_p, cu, chunk_size=chunk_size)
+    out, final = backends.ssd(x_p, dt_p, A_H, B_p, C_p, cu, None, chunk_size,
+                              carried=np.ones(len(mapped), dtype=bool), backend=backend)
     piece_of = torch.from_numpy(np.repeat(np.arange(len(mapped)), meta.piece_len[mapped])).to(x_THP.device)
     dt_sum = torch.zeros(len(mapped), num_heads, dtype=dtype, device=x_THP.device).index_add(
         0, piece_of, dt_p.to(dtype))
@@ -229,7 +245,7 @@ def cp_ssd(x_THP: torch.Tensor, dt_TH: torch.Tensor, A_H: torch.Tensor, B_TGS: t
     keep = torch.from_numpy(np.flatnonzero(first)).to(x_THP.device)
     parts.append((index.index_select(0, keep), out.index_select(0, keep).to(dtype)))
     # 2. one all-gather of [T_p, U_p] per head
-    maps = torch.cat((decay[..., None], final.reshape(len(mapped), num_heads, head_p * state_size)), dim=2)
+    maps = torch.cat((decay[..., None], final.to(dtype).reshape(len(mapped), num_heads, head_p * state_size)), dim=2)
     gathered = _exchange(_padded(maps, meta.slot), meta, group, (x_THP, dt_TH, A_H, B_TGS, C_TGS))
     # 3. true start states, 4. the other pieces from them
     states = _start_states(meta, rerun, gathered,
@@ -238,9 +254,7 @@ def cp_ssd(x_THP: torch.Tensor, dt_TH: torch.Tensor, A_H: torch.Tensor, B_TGS: t
     index, cu = meta.piece_tokens(rerun)
     index = index.to(x_THP.device)
     x_p, dt_p, B_p, C_p = (t.index_select(0, index) for t in (x_THP, dt_TH, B_TGS, C_TGS))
-    out, _ = chunk_ssd(x_p, dt_p, A_H, B_p, C_p, cu, states, chunk_size=chunk_size)
+    out, _ = backends.ssd(x_p, dt_p, A_H, B_p, C_p, cu, states, chunk_size, carried=meta.piece_start[rerun] > 0,
+                          backend=backend)
     parts.append((index, out.to(dtype)))
-    y = _assemble(parts, meta.num_tokens)
-    if D_H is not None:
-        y = y + D_H.to(dtype)[:, None] * x_THP.to(dtype)
-    return _Tie.apply(y.to(x_THP.dtype), gathered)
+    return _Tie.apply(skip(_assemble(parts, meta.num_tokens)).to(x_THP.dtype), gathered)
