@@ -12,9 +12,10 @@ the way ``__init__`` builds it and then runs torchtitan's own step code:
   arguments the trainer passes (each rank's batches equal ``CPLoader.from_mesh``'s), torchtitan's optimizer,
   schedule and loss from the config; then 3 calls of torchtitan's ``Trainer.train_step`` (its batch generator,
   label count, ``forward_backward_step`` -> flashcp's overrides -> torchtitan's forward/backward body, gradient
-  clipping, optimizer and schedule, metrics) on a ``FlashcpTrainer`` holding those parts. Its logged losses and
-  final parameters must equal 3 steps of flashcp's own ``train_step`` on the same weights and data (replicated
-  model, the same torchtitan optimizer and schedule, clipping at ``training.max_norm``).
+  clipping, optimizer and schedule, metrics) on a ``FlashcpTrainer`` holding those parts. Its logged losses
+  (average and, with one replica, max) and final parameters must equal 3 steps of flashcp's own ``train_step``
+  on the same weights and data (replicated model, the same torchtitan optimizer and schedule, clipping at
+  ``training.max_norm``).
 
 The model is torchtitan's Llama3 ``debugmodel`` rebuilt small (2 layers, width 32, vocabulary 64, context 512) in
 float64: torchtitan's dtype names stop at float32, so the test adds ``float64`` to ``TORCH_DTYPE_MAP`` for FSDP's
@@ -139,13 +140,14 @@ class _Metrics:
     """What ``Trainer.train_step`` asks of torchtitan's ``MetricsProcessor`` (which needs a device monitor)."""
 
     def __init__(self):
-        self.ntokens_since_last_log, self.data_loading_times, self.losses = 0, [], []
+        self.ntokens_since_last_log, self.data_loading_times, self.losses, self.max_losses = 0, [], [], []
 
     def should_log(self, step):
         return True
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         self.losses.append(global_avg_loss)
+        self.max_losses.append(global_max_loss)
 
 
 class _Checkpointer:
@@ -224,7 +226,7 @@ def _worker(rank, world, data_dir):
     for _ in range(STEPS):
         trainer.step += 1
         trainer.train_step(batches)
-    got_losses = trainer.metrics_processor.losses
+    got_losses, got_max_losses = trainer.metrics_processor.losses, trainer.metrics_processor.max_losses
     got_params = {name.replace(AC_PREFIX, ""): p for name, p in full_parameters(model).items()}
 
     # flashcp's own loop on the same weights and data, torchtitan's optimizer and schedule
@@ -242,6 +244,12 @@ def _worker(rank, world, data_dir):
     if not (loss_err <= LOSS_RTOL and param_err <= PARAM_TOL):
         failures.append(f"rank {rank}: torchtitan's train_step with flashcp: losses {got_losses}, flashcp's loop "
                         f"{ref_losses} (max rel err {loss_err:.2e}); max |param err| {param_err:.2e}")
+    # one replica: the logged max loss is its mean loss, as one process logs it (torchtitan's own formula gives
+    # a shard's loss sum over about half the labels' count here)
+    max_err = max(abs(a - b) / abs(b) for a, b in zip(got_max_losses, ref_losses, strict=True))
+    if not max_err <= LOSS_RTOL:
+        failures.append(f"rank {rank}: torchtitan's logged max loss {got_max_losses}, flashcp's loop's loss "
+                        f"{ref_losses} (max rel err {max_err:.2e})")
     moved = max((got_params[n] - w).abs().max().item() for n, w in weights.items())
     if not moved > 1e-4:
         failures.append(f"rank {rank}: the parameters moved by {moved:.2e} only in {STEPS} steps")
