@@ -15,7 +15,8 @@ the way ``__init__`` builds it and then runs torchtitan's own step code:
   clipping, optimizer and schedule, metrics) on a ``FlashcpTrainer`` holding those parts. Its logged losses
   (average and, with one replica, max) and final parameters must equal 3 steps of flashcp's own ``train_step``
   on the same weights and data (replicated model, the same torchtitan optimizer and schedule, clipping at
-  ``training.max_norm``).
+  ``training.max_norm``). Then torchtitan's ``CheckpointManager`` saves those parts with a dataloader in its
+  second epoch, and a new dataloader loaded from the checkpoint reads the batches the first would have read.
 
 The model is torchtitan's Llama3 ``debugmodel`` rebuilt small (2 layers, width 32, vocabulary 64, context 512) in
 float64: torchtitan's dtype names stop at float32, so the test adds ``float64`` to ``TORCH_DTYPE_MAP`` for FSDP's
@@ -173,7 +174,48 @@ def titan_trainer(config: FlashcpTrainer.Config, parallel_dims, model) -> Flashc
     return trainer
 
 
-def _worker(rank, world, data_dir):
+def _resume_failures(rank, config, trainer, build_dataloader, folder: str) -> list[str]:
+    """torchtitan's checkpointer saves the dataloader (shuffled, one sequence into its second epoch) with the
+    trainer's other states; a new dataloader loaded from it goes on with the batches the first would have read
+    (and a new one not loaded reads others, so equal batches are not by accident)."""
+    loader_config = dataclasses.replace(config.dataloader, shuffle=True)
+    checkpoint = dataclasses.replace(config.checkpoint, enable=True, folder="checkpoint", interval=1,
+                                     keep_latest_k=0)
+
+    def checkpointer(dataloader):  # as Trainer.__init__ builds it
+        return checkpoint.build(dataloader=dataloader, model_parts=trainer.model_parts, optimizers=trainer.optimizers,
+                                lr_schedulers=trainer.lr_schedulers, states={"train_state": trainer},
+                                sd_adapter=None, base_folder=folder)
+
+    first = build_dataloader(loader_config)
+    batches = iter(first)
+    for _ in range(NUM_SEQS + 1):  # into the second epoch
+        next(batches)
+    saver = checkpointer(first)
+    saver.save(curr_step=NUM_SEQS + 1)
+    saver.close()
+    expected = [next(batches) for _ in range(NUM_SEQS)]
+    second = build_dataloader(loader_config)
+    loader = checkpointer(second)
+    if not loader.load(step=NUM_SEQS + 1):
+        return [f"rank {rank}: torchtitan's checkpointer found no checkpoint to load in {folder}"]
+    loader.close()
+
+    def equal(batches):
+        return [torch.equal(a[0]["input"], b[0]["input"]) and torch.equal(a[1], b[1])
+                for (a, _), b in zip(zip(batches, range(NUM_SEQS)), expected)]
+
+    same = equal(second)
+    if all(equal(build_dataloader(loader_config))):
+        return [f"rank {rank}: a dataloader not loaded from the checkpoint reads the same batches"]
+    if not all(same):
+        return [f"rank {rank}: after torchtitan's checkpoint load the dataloader's next batches differ from the "
+                f"uninterrupted loader's (equal: {same}; state saved {first.state_dict()}, loaded "
+                f"{second.state_dict()})"]
+    return []
+
+
+def _worker(rank, world, data_dir, folder):
     import torchtitan.distributed.parallel_dims as titan_dims
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torchtitan.distributed import ParallelDims
@@ -186,8 +228,8 @@ def _worker(rank, world, data_dir):
     parallel_dims.build_mesh()
     batch_mesh = parallel_dims.get_mesh("batch") if parallel_dims.dp_enabled else None
 
-    def build_dataloader():  # with the arguments Trainer.__init__ passes
-        return config.dataloader.build(dp_world_size=batch_mesh.size() if batch_mesh else 1,
+    def build_dataloader(loader_config=config.dataloader):  # with the arguments Trainer.__init__ passes
+        return loader_config.build(dp_world_size=batch_mesh.size() if batch_mesh else 1,
                                        dp_rank=batch_mesh.get_local_rank() if batch_mesh else 0,
                                        tokenizer=config.tokenizer.build(tokenizer_path=config.hf_assets_path),
                                        seq_len=CONTEXT, local_batch_size=1)
@@ -253,8 +295,8 @@ def _worker(rank, world, data_dir):
     moved = max((got_params[n] - w).abs().max().item() for n, w in weights.items())
     if not moved > 1e-4:
         failures.append(f"rank {rank}: the parameters moved by {moved:.2e} only in {STEPS} steps")
-    return failures
+    return failures + _resume_failures(rank, config, trainer, build_dataloader, folder)
 
 
-def test_torchtitans_train_step_with_flashcp_equals_flashcps_loop_on_2_gloo_ranks(data_dir):
-    spawn(_worker, 2, data_dir, start_method="fork")
+def test_torchtitans_train_step_with_flashcp_equals_flashcps_loop_on_2_gloo_ranks(data_dir, tmp_path):
+    spawn(_worker, 2, data_dir, str(tmp_path), start_method="fork")
