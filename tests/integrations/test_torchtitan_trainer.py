@@ -109,6 +109,11 @@ def test_the_example_registry_parses():
                                          "--dataloader.data_dir", "DATA", "--dataloader.plan", "cp2-flashcp2"])
     assert type(config) is FlashcpTrainer.Config and config.training.seq_len == 2048
     assert config.dataloader.plan == "cp2-flashcp2" and not config.checkpoint.enable
+    big = ConfigManager().parse_args(["--module", "examples.torchtitan_flashcp", "--config", "llama3_8b_128k",
+                                      "--dataloader.data_dir", "DATA"])
+    assert type(big) is FlashcpTrainer.Config and big.dataloader.plan == "cp8-flashcp2"
+    assert big.parallelism.context_parallel_degree == 8 and big.training.seq_len == 131072
+    assert {layer.attention.rope.max_seq_len for layer in big.model_spec.model.layers} == {131072}
 
 
 def test_the_dataloader_refuses_what_it_cannot_feed(data_dir):
