@@ -17,6 +17,8 @@ the way ``__init__`` builds it and then runs torchtitan's own step code:
   on the same weights and data (replicated model, the same torchtitan optimizer and schedule, clipping at
   ``training.max_norm``). Then torchtitan's ``CheckpointManager`` saves those parts with a dataloader in its
   second epoch, and a new dataloader loaded from the checkpoint reads the batches the first would have read.
+- 4 gloo ranks, DP 2 x CP 2: the max loss ``FlashcpTrainer`` logs is the larger of the two replicas' summed token
+  losses over their label tokens, from given per-rank sums.
 
 The model is torchtitan's Llama3 ``debugmodel`` rebuilt small (2 layers, width 32, vocabulary 64, context 512) in
 float64: torchtitan's dtype names stop at float32, so the test adds ``float64`` to ``TORCH_DTYPE_MAP`` for FSDP's
@@ -305,3 +307,27 @@ def _worker(rank, world, data_dir, folder):
 
 def test_torchtitans_train_step_with_flashcp_equals_flashcps_loop_on_2_gloo_ranks(data_dir, tmp_path):
     spawn(_worker, 2, data_dir, str(tmp_path), start_method="fork")
+
+
+def _max_loss_worker(rank, world):
+    import torchtitan.distributed.parallel_dims as titan_dims
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+
+    titan_dims.device_type = "cpu"
+    parallel_dims = ParallelDims.from_config(ParallelismConfig(context_parallel_degree=2), world)
+    parallel_dims.build_mesh()
+    trainer = FlashcpTrainer.__new__(FlashcpTrainer)
+    trainer.parallel_dims = parallel_dims
+    # each rank's (loss sum, label tokens) over two micro-batches; replica 0 is ranks 0-1, replica 1 ranks 2-3
+    shares = {0: [(3.0, 2), (1.0, 2)], 1: [(2.0, 4), (0.0, 0)], 2: [(9.0, 1), (1.0, 1)], 3: [(2.0, 7), (3.0, 1)]}
+    trainer._loss_parts = [torch.tensor(part, dtype=torch.float64) for part in shares[rank]]
+    replica_means = [(3 + 1 + 2 + 0) / (2 + 2 + 4 + 0), (9 + 1 + 2 + 3) / (1 + 1 + 7 + 1)]
+    got = trainer._replica_max_loss()
+    if abs(got - max(replica_means)) > 1e-12:
+        return [f"rank {rank}: the logged max loss is {got}, the larger replica mean {max(replica_means)}"]
+    return []
+
+
+def test_the_logged_max_loss_is_the_largest_replica_mean_on_dp_2_x_cp_2():
+    spawn(_max_loss_worker, 4, start_method="fork")
