@@ -30,6 +30,12 @@ shows a user's own). What it changes, each at a hook torchtitan has for it:
   sequence on every CP rank (it shards afterwards) and sums the count over ``batch``; flashcp's loader hands
   each CP rank only its shard, so the count is summed over ``cp`` as well: the loss is then the summed
   token losses over the global batch's label tokens, as ``flashcp.train.train_step`` computes it.
+- **the logged losses**: torchtitan logs ``global_avg_loss``, the sum of every rank's share (right as it is),
+  and ``global_max_loss``, the largest over ranks of ``share x global count / local label count``. Under CP that
+  local count is one rank's shard of a sequence while the global count is summed over ``cp``, so it would be
+  a shard's loss scaled by about ``1/cp``, equal to nothing one process computes. ``FlashcpTrainer.train_step``
+  logs instead each replica's summed token loss over its label tokens (its CP ranks' sums added), the largest
+  over replicas: with one replica it equals the average, as one process logs it.
 
 Why not torchtitan's other hooks: an ``@override`` (``--override.imports``) or a model converter replaces
 ``Configurable`` configs inside the tree, but neither the ``Trainer`` at its root (``apply_overrides`` refuses
@@ -53,9 +59,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from flashcp.integrations.torchtitan import apply_cp_attention
 from flashcp.runtime import COMM_MODES, CPAttention, CPLoader
+from flashcp.runtime.loader import IGNORE_INDEX
 
 try:
     from torchtitan.components.dataloader import BaseDataLoader
@@ -219,6 +227,33 @@ class FlashcpTrainer(Trainer):
                                  "flashcp_trainer_config")
 
     config: Config
+    _loss_parts: list[torch.Tensor]
+    """Per micro-batch of the current step: ``(this rank's summed token loss, its label tokens)``, float64."""
+
+    def train_step(self, data_iterator: Iterator[tuple[dict[str, Any], torch.Tensor]]) -> None:
+        """Run torchtitan's step; the max loss it logs is each replica's mean loss, the largest (module docstring)."""
+        self._loss_parts = []
+        processor = self.metrics_processor
+        log = processor.log
+
+        def log_replica_max(step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
+                            extra_metrics: dict[str, Any] | None = None) -> None:
+            log(step, global_avg_loss, self._replica_max_loss(), grad_norm, extra_metrics=extra_metrics)
+
+        processor.log = log_replica_max  # type: ignore[method-assign]  # this step only, on every rank alike
+        try:
+            super().train_step(data_iterator)
+        finally:
+            processor.log = log  # type: ignore[method-assign]
+
+    def _replica_max_loss(self) -> float:
+        """The largest over replicas of a replica's summed token loss over its label tokens (collective)."""
+        sums = torch.stack(self._loss_parts).sum(0)  # (2,) float64: this rank's loss sum, its label tokens
+        if self.parallel_dims.cp_enabled:
+            sums = dist_utils.dist_sum_tensor(sums, self.parallel_dims.get_mesh("cp"))
+        mean = sums[0] / sums[1].clamp(min=1)
+        return dist_utils.dist_max(mean, self.parallel_dims.get_mesh("batch")) if self.parallel_dims.dp_enabled \
+            else float(mean)
 
     def post_dataloading_process(self, input_dict: dict[str, Any], labels: torch.Tensor
                                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
@@ -242,8 +277,13 @@ class FlashcpTrainer(Trainer):
         """Run torchtitan's step with ``global_valid_tokens`` summed over ``cp`` as well (module docstring)."""
         if self.parallel_dims.cp_enabled:
             global_valid_tokens = dist_utils.dist_sum_tensor(global_valid_tokens, self.parallel_dims.get_mesh("cp"))
-        return super().forward_backward_step(input_dict=input_dict, labels=labels,
+        loss = super().forward_backward_step(input_dict=input_dict, labels=labels,
                                              global_valid_tokens=global_valid_tokens)
+        # torchtitan returns this rank's loss sum over the global label count: kept with this rank's labels
+        local = loss.to_local() if isinstance(loss, DTensor) else loss
+        self._loss_parts.append(torch.stack((local.detach().double().reshape(()) * global_valid_tokens.double(),
+                                             (labels != IGNORE_INDEX).sum().double())))
+        return loss
 
 
 def parallelize_flashcp(model: torch.nn.Module, *, parallel_dims: ParallelDims, training: TrainingConfig,

@@ -12,16 +12,18 @@ tiny gradients carry that noise into their update, and parameters are compared t
 (measured: within 2e-5 after 3-5 steps at lr 1e-2). Resume from a Trainer checkpoint must be bit-for-bit
 exact. The refusals run in this process (one rank).
 
-Evaluation: a second dataset (5 packed sequences) with plans for cp 1 and 2. Its reference is the plain Trainer's
-``evaluate`` with all 5 sequences in one batch (so its ``eval_loss`` is the mean over every label token of the set,
-as CPTrainer's), at the same steps of the same training; CPTrainer's ``eval_loss`` must equal it within
-``LOSS_TOL``, on 2 ranks as CP 2 and as DP 2 (whose last round has one replica past the end).
+Evaluation: a second dataset (5 packed sequences) with plans for cp 1, 2 and 4. Its reference is the plain
+Trainer's ``evaluate`` with all 5 sequences in one batch (so its ``eval_loss`` is the mean over every label token of
+the set, as CPTrainer's), at the same steps of the same training; CPTrainer's ``eval_loss`` must equal it within
+``LOSS_TOL``, on 2 ranks as CP 2 and as DP 2 (whose last round has one replica past the end), on 4 ranks as CP 4
+and as DP 2 x CP 2 (``eval_strategy="steps"``, and after training with batches).
 
 Batches (``per_device_train_batch_size`` / ``per_device_eval_batch_size`` > 1), float64 models: a third launch of
 2 gloo ranks (CP 2 and DP 2, with and without accumulation, CPSFTTrainer, evaluation in rounds with sequences past
-the end) and one process against a float64 plain Trainer whose loss keeps float64 (``wide_causal_lm_loss``):
-parameters within ``F64_TOLS`` (measured 2e-14), grad norms and eval_loss equal, and the logged loss within a
-float32 ulp (the Trainer sums it in a float32 tensor).
+the end), the 4-rank launch (CP 4 and DP 2 x CP 2, batches of 2 with accumulation, evaluated in batches of 3 and
+2) and one process against a float64 plain Trainer whose loss keeps float64 (``wide_causal_lm_loss``):
+parameters within ``F64_TOLS`` (measured 2e-14 on 2 ranks, 3.2e-14 on 4), grad norms and eval_loss equal, and the
+logged loss within a float32 ulp (the Trainer sums it in a float32 tensor).
 """
 
 from __future__ import annotations
@@ -71,11 +73,12 @@ def planned(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def eval_planned(tmp_path_factory):
-    """The evaluation dataset: 5 packed sequences with plans ``cp1`` and ``cp2``, and its sequences in file order."""
+    """The evaluation dataset: 5 packed sequences with plans ``cp1``, ``cp2``, ``cp4``, and its sequences in file
+    order."""
     from flashcp.planner.planning import plan_sequence
 
     root = tmp_path_factory.mktemp("hf_trainer_eval") / "eval"
-    plans = {f"cp{cp}": (partial(plan_sequence, "flashcp"), cp) for cp in (1, 2)}
+    plans = {f"cp{cp}": (partial(plan_sequence, "flashcp"), cp) for cp in (1, 2, 4)}
     return root, planned_dataset(root, CONTEXT, plans, seed=11, num_seqs=NUM_EVAL_SEQS, cuts=(2, 7),
                                  row_group_rows=2, vocab_size=64)
 
@@ -221,11 +224,26 @@ def _cases_2(out: Path, data: Path, eval_data: Path) -> list[dict]:
     return cases
 
 
-def _cases_4() -> list[dict]:
+def _cases_4(eval_data: Path) -> list[dict]:
+    """CP 4 and DP 2 x CP 2: training, evaluation every 2 steps, and (float64) batches of several sequences."""
+    stream = dict(balance_window=0)  # the stream order (no DP balance), which the reference's global batches follow
+
+    def evaluated(plan: str, **trainer_kwargs) -> dict:
+        return dict(evaluate=True, trainer_kwargs=dict(eval_dataset=str(eval_data), eval_plan=plan, **trainer_kwargs))
+
+    evaluating = dict(eval_strategy="steps", eval_steps=2)
+    batched = dict(per_device_train_batch_size=2)
     return [
-        # the stream order (no DP balance), which the reference's global batches follow
-        dict(name="llama-dp2", arch="llama", plan="cp2", trainer_kwargs=dict(balance_window=0)),
+        dict(name="llama-dp2", arch="llama", plan="cp2", trainer_kwargs=stream),
         dict(name="qwen2-cp4", arch="qwen2", plan="cp4"),
+        dict(name="llama-eval-cp4", arch="llama", plan="cp4", args=dict(evaluating, max_steps=5), **evaluated("cp4")),
+        # DP 2: 5 sequences in 3 rounds, replica 1 past the end in the last
+        dict(name="llama-eval-dp2-cp2", arch="llama", plan="cp2", args=evaluating, **evaluated("cp2", **stream)),
+        # evaluation after training in rounds of 3 (CP 4: one past the end) and of 2 x 2 (DP 2: three past)
+        dict(name="batch2-ga2-cp4", arch="llama", plan="cp4", dtype="float64",
+             args=dict(batched, per_device_eval_batch_size=3), **evaluated("cp4")),
+        dict(name="batch2-ga2-dp2-cp2", arch="llama", plan="cp2", dtype="float64",
+             args=dict(batched, per_device_eval_batch_size=2), **evaluated("cp2", **stream)),
     ]
 
 
@@ -237,10 +255,10 @@ def two_ranks(planned, eval_planned, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def four_ranks(planned, tmp_path_factory):
+def four_ranks(planned, eval_planned, tmp_path_factory):
     root, _ = planned
     out = tmp_path_factory.mktemp("w4")
-    return out, launch(4, root, out, _cases_4())
+    return out, launch(4, root, out, _cases_4(eval_planned[0]))
 
 
 def _batch_cases(eval_data: Path) -> list[dict]:
@@ -311,6 +329,25 @@ def eval_references(planned, eval_planned, tmp_path_factory):
     return {"llama-eval": trained, "llama-eval-dp2": untrained}
 
 
+@pytest.fixture(scope="module")
+def four_rank_references(planned, eval_planned, references, eval_references, tmp_path_factory):
+    """Per 4-rank evaluating case: the plain Trainer's training (losses, grad norms, parameters), its
+    ``(step, eval_loss)`` pairs and the tolerances of its dtype."""
+    tmp = tmp_path_factory.mktemp("four_rank_references")
+    _, eval_sequences = eval_planned
+    f32 = dict(loss_tol=LOSS_TOL, grad_tol=GRAD_NORM_RTOL, param_tol=PARAM_TOL)
+    refs = {"llama-eval-cp4": (references["llama-5"], eval_references["llama-eval"], f32, LOSS_TOL)}
+    runs = {"llama-eval-dp2-cp2": (dict(dp=2, eval_strategy="steps", eval_steps=2), f32, LOSS_TOL),
+            "batch2-ga2-cp4": (dict(dp=1, batch=2, dtype="float64"), F64_TOLS, F64_EVAL_TOL),
+            "batch2-ga2-dp2-cp2": (dict(dp=2, batch=2, dtype="float64"), F64_TOLS, F64_EVAL_TOL)}
+    for name, (options, tols, eval_tol) in runs.items():
+        evaluations: list = []
+        trained = reference_run(planned, tmp / name, "llama", ga=2, steps=3, eval_sequences=eval_sequences,
+                                evaluations=evaluations, **options)
+        refs[name] = (trained, evaluations, tols, eval_tol)
+    return refs
+
+
 def check_equal(result, reference, where: str, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_NORM_RTOL,
                 param_tol: float = PARAM_TOL):
     assert "error" not in result, f"{where}: {result.get('error')}"
@@ -336,6 +373,16 @@ def test_four_ranks_equal_one_process(four_ranks, references, name, reference):
     _, results = four_ranks
     assert results[name]["wrapped"] == "DistributedDataParallel"
     check_equal(results[name], references[reference], f"4 ranks {name}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama-eval-cp4", "llama-eval-dp2-cp2", "batch2-ga2-cp4", "batch2-ga2-dp2-cp2"])
+def test_four_ranks_evaluate_and_batch_as_one_process(four_ranks, four_rank_references, name):
+    _, results = four_ranks
+    reference, evaluations, tols, eval_tol = four_rank_references[name]
+    assert evaluations, f"{name}: the reference never evaluated"
+    check_equal(results[name], reference, f"4 ranks {name}", **tols)
+    check_eval_equal(results[name]["log_history"], evaluations, f"4 ranks {name}", tol=eval_tol)
 
 
 @pytest.mark.slow

@@ -12,9 +12,13 @@ the way ``__init__`` builds it and then runs torchtitan's own step code:
   arguments the trainer passes (each rank's batches equal ``CPLoader.from_mesh``'s), torchtitan's optimizer,
   schedule and loss from the config; then 3 calls of torchtitan's ``Trainer.train_step`` (its batch generator,
   label count, ``forward_backward_step`` -> flashcp's overrides -> torchtitan's forward/backward body, gradient
-  clipping, optimizer and schedule, metrics) on a ``FlashcpTrainer`` holding those parts. Its logged losses and
-  final parameters must equal 3 steps of flashcp's own ``train_step`` on the same weights and data (replicated
-  model, the same torchtitan optimizer and schedule, clipping at ``training.max_norm``).
+  clipping, optimizer and schedule, metrics) on a ``FlashcpTrainer`` holding those parts. Its logged losses
+  (average and, with one replica, max) and final parameters must equal 3 steps of flashcp's own ``train_step``
+  on the same weights and data (replicated model, the same torchtitan optimizer and schedule, clipping at
+  ``training.max_norm``). Then torchtitan's ``CheckpointManager`` saves those parts with a dataloader in its
+  second epoch, and a new dataloader loaded from the checkpoint reads the batches the first would have read.
+- 4 gloo ranks, DP 2 x CP 2: the max loss ``FlashcpTrainer`` logs is the larger of the two replicas' summed token
+  losses over their label tokens, from given per-rank sums.
 
 The model is torchtitan's Llama3 ``debugmodel`` rebuilt small (2 layers, width 32, vocabulary 64, context 512) in
 float64: torchtitan's dtype names stop at float32, so the test adds ``float64`` to ``TORCH_DTYPE_MAP`` for FSDP's
@@ -107,6 +111,11 @@ def test_the_example_registry_parses():
                                          "--dataloader.data_dir", "DATA", "--dataloader.plan", "cp2-flashcp2"])
     assert type(config) is FlashcpTrainer.Config and config.training.seq_len == 2048
     assert config.dataloader.plan == "cp2-flashcp2" and not config.checkpoint.enable
+    big = ConfigManager().parse_args(["--module", "examples.torchtitan_flashcp", "--config", "llama3_8b_128k",
+                                      "--dataloader.data_dir", "DATA"])
+    assert type(big) is FlashcpTrainer.Config and big.dataloader.plan == "cp8-flashcp2"
+    assert big.parallelism.context_parallel_degree == 8 and big.training.seq_len == 131072
+    assert {layer.attention.rope.max_seq_len for layer in big.model_spec.model.layers} == {131072}
 
 
 def test_the_dataloader_refuses_what_it_cannot_feed(data_dir):
@@ -139,13 +148,14 @@ class _Metrics:
     """What ``Trainer.train_step`` asks of torchtitan's ``MetricsProcessor`` (which needs a device monitor)."""
 
     def __init__(self):
-        self.ntokens_since_last_log, self.data_loading_times, self.losses = 0, [], []
+        self.ntokens_since_last_log, self.data_loading_times, self.losses, self.max_losses = 0, [], [], []
 
     def should_log(self, step):
         return True
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         self.losses.append(global_avg_loss)
+        self.max_losses.append(global_max_loss)
 
 
 class _Checkpointer:
@@ -171,7 +181,48 @@ def titan_trainer(config: FlashcpTrainer.Config, parallel_dims, model) -> Flashc
     return trainer
 
 
-def _worker(rank, world, data_dir):
+def _resume_failures(rank, config, trainer, build_dataloader, folder: str) -> list[str]:
+    """torchtitan's checkpointer saves the dataloader (shuffled, one sequence into its second epoch) with the
+    trainer's other states; a new dataloader loaded from it goes on with the batches the first would have read
+    (and a new one not loaded reads others, so equal batches are not by accident)."""
+    loader_config = dataclasses.replace(config.dataloader, shuffle=True)
+    checkpoint = dataclasses.replace(config.checkpoint, enable=True, folder="checkpoint", interval=1,
+                                     keep_latest_k=0)
+
+    def checkpointer(dataloader):  # as Trainer.__init__ builds it
+        return checkpoint.build(dataloader=dataloader, model_parts=trainer.model_parts, optimizers=trainer.optimizers,
+                                lr_schedulers=trainer.lr_schedulers, states={"train_state": trainer},
+                                sd_adapter=None, base_folder=folder)
+
+    first = build_dataloader(loader_config)
+    batches = iter(first)
+    for _ in range(NUM_SEQS + 1):  # into the second epoch
+        next(batches)
+    saver = checkpointer(first)
+    saver.save(curr_step=NUM_SEQS + 1)
+    saver.close()
+    expected = [next(batches) for _ in range(NUM_SEQS)]
+    second = build_dataloader(loader_config)
+    loader = checkpointer(second)
+    if not loader.load(step=NUM_SEQS + 1):
+        return [f"rank {rank}: torchtitan's checkpointer found no checkpoint to load in {folder}"]
+    loader.close()
+
+    def equal(batches):
+        return [torch.equal(a[0]["input"], b[0]["input"]) and torch.equal(a[1], b[1])
+                for (a, _), b in zip(zip(batches, range(NUM_SEQS)), expected)]
+
+    same = equal(second)
+    if all(equal(build_dataloader(loader_config))):
+        return [f"rank {rank}: a dataloader not loaded from the checkpoint reads the same batches"]
+    if not all(same):
+        return [f"rank {rank}: after torchtitan's checkpoint load the dataloader's next batches differ from the "
+                f"uninterrupted loader's (equal: {same}; state saved {first.state_dict()}, loaded "
+                f"{second.state_dict()})"]
+    return []
+
+
+def _worker(rank, world, data_dir, folder):
     import torchtitan.distributed.parallel_dims as titan_dims
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torchtitan.distributed import ParallelDims
@@ -184,8 +235,8 @@ def _worker(rank, world, data_dir):
     parallel_dims.build_mesh()
     batch_mesh = parallel_dims.get_mesh("batch") if parallel_dims.dp_enabled else None
 
-    def build_dataloader():  # with the arguments Trainer.__init__ passes
-        return config.dataloader.build(dp_world_size=batch_mesh.size() if batch_mesh else 1,
+    def build_dataloader(loader_config=config.dataloader):  # with the arguments Trainer.__init__ passes
+        return loader_config.build(dp_world_size=batch_mesh.size() if batch_mesh else 1,
                                        dp_rank=batch_mesh.get_local_rank() if batch_mesh else 0,
                                        tokenizer=config.tokenizer.build(tokenizer_path=config.hf_assets_path),
                                        seq_len=CONTEXT, local_batch_size=1)
@@ -224,7 +275,7 @@ def _worker(rank, world, data_dir):
     for _ in range(STEPS):
         trainer.step += 1
         trainer.train_step(batches)
-    got_losses = trainer.metrics_processor.losses
+    got_losses, got_max_losses = trainer.metrics_processor.losses, trainer.metrics_processor.max_losses
     got_params = {name.replace(AC_PREFIX, ""): p for name, p in full_parameters(model).items()}
 
     # flashcp's own loop on the same weights and data, torchtitan's optimizer and schedule
@@ -242,11 +293,41 @@ def _worker(rank, world, data_dir):
     if not (loss_err <= LOSS_RTOL and param_err <= PARAM_TOL):
         failures.append(f"rank {rank}: torchtitan's train_step with flashcp: losses {got_losses}, flashcp's loop "
                         f"{ref_losses} (max rel err {loss_err:.2e}); max |param err| {param_err:.2e}")
+    # one replica: the logged max loss is its mean loss, as one process logs it (torchtitan's own formula gives
+    # a shard's loss sum over about half the labels' count here)
+    max_err = max(abs(a - b) / abs(b) for a, b in zip(got_max_losses, ref_losses, strict=True))
+    if not max_err <= LOSS_RTOL:
+        failures.append(f"rank {rank}: torchtitan's logged max loss {got_max_losses}, flashcp's loop's loss "
+                        f"{ref_losses} (max rel err {max_err:.2e})")
     moved = max((got_params[n] - w).abs().max().item() for n, w in weights.items())
     if not moved > 1e-4:
         failures.append(f"rank {rank}: the parameters moved by {moved:.2e} only in {STEPS} steps")
-    return failures
+    return failures + _resume_failures(rank, config, trainer, build_dataloader, folder)
 
 
-def test_torchtitans_train_step_with_flashcp_equals_flashcps_loop_on_2_gloo_ranks(data_dir):
-    spawn(_worker, 2, data_dir, start_method="fork")
+def test_torchtitans_train_step_with_flashcp_equals_flashcps_loop_on_2_gloo_ranks(data_dir, tmp_path):
+    spawn(_worker, 2, data_dir, str(tmp_path), start_method="fork")
+
+
+def _max_loss_worker(rank, world):
+    import torchtitan.distributed.parallel_dims as titan_dims
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+
+    titan_dims.device_type = "cpu"
+    parallel_dims = ParallelDims.from_config(ParallelismConfig(context_parallel_degree=2), world)
+    parallel_dims.build_mesh()
+    trainer = FlashcpTrainer.__new__(FlashcpTrainer)
+    trainer.parallel_dims = parallel_dims
+    # each rank's (loss sum, label tokens) over two micro-batches; replica 0 is ranks 0-1, replica 1 ranks 2-3
+    shares = {0: [(3.0, 2), (1.0, 2)], 1: [(2.0, 4), (0.0, 0)], 2: [(9.0, 1), (1.0, 1)], 3: [(2.0, 7), (3.0, 1)]}
+    trainer._loss_parts = [torch.tensor(part, dtype=torch.float64) for part in shares[rank]]
+    replica_means = [(3 + 1 + 2 + 0) / (2 + 2 + 4 + 0), (9 + 1 + 2 + 3) / (1 + 1 + 7 + 1)]
+    got = trainer._replica_max_loss()
+    if abs(got - max(replica_means)) > 1e-12:
+        return [f"rank {rank}: the logged max loss is {got}, the larger replica mean {max(replica_means)}"]
+    return []
+
+
+def test_the_logged_max_loss_is_the_largest_replica_mean_on_dp_2_x_cp_2():
+    spawn(_max_loss_worker, 4, start_method="fork")
