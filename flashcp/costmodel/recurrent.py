@@ -1,0 +1,192 @@
+"""What a plan costs the recurrent layers under CP: the bytes of the state-map exchange and the extra runs.
+
+The one home of these formulas; the runtime's scheme is ``flashcp.runtime.recurrent.cp`` (its docstring) and
+its per-rank layout ``flashcp.runtime.recurrent.meta.RecurrentMeta``. This module recomputes the layout from
+the plan's four shard arrays alone (the cost model imports no runtime):
+
+- a piece (a shard) *contributes* when its document has more than one piece and it is not the document's last
+  piece (the pieces of a cut document on one rank included: the runtime sends them too);
+- ``slot``: the most pieces any rank contributes; every all-gather input is ``slot`` rows (zero rows pad the
+  ranks that contribute fewer); ``slot == 0``: no document is cut, no collective is issued at all.
+
+Bytes per layer and pass, every rank alike (an all-gather of ``slot`` rows: a rank's rows go to each of the
+``cp - 1`` others and theirs come in; the backward's reduce-scatter moves the same bytes the other way):
+
+- state maps: ``(cp - 1) * slot * map_bytes`` sent and as many received, with ``map_bytes`` per piece GDN ``b *
+  H * K * (K + V)`` (a K x K transition and a K x V state per head), SSD ``b * H * (1 + P * S)`` (a scalar
+  decay and a P x S state per head);
+- convolution tails: ``(cp - 1) * slot * b * (W - 1) * F`` (none when ``W == 1``);
+
+``b``: bytes per element of the compute dtype (4: float32, as for float32 and bf16 inputs). All ranks
+together: ``cp`` times one rank's.
+
+Extra recurrent work (per rank, per layer and pass, in tokens of the plain recurrence): the runtime runs each
+contributed piece once for its map and runs every piece except the contributed first pieces of their documents
+once from its true start; so the contributed pieces that do not start their document run twice
+(``rerun_tokens``). GDN's map run carries ``K`` extra value columns (``[I | 0]`` start, values ``[0 | v]``)
+over every contributed piece: ``K / V`` of a run per contributed token (``gdn_value_column_tokens``, at cost
+linear in the value columns).
+
+Shape legend: ``H`` heads (GDN: value heads), ``K`` GDN key dim, ``V`` GDN value dim, ``P`` SSD head dim,
+``S`` SSD state size, ``G`` groups (GDN: key heads), ``W`` conv taps, ``F`` conv channels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "RECURRENT_KINDS",
+    "RecurrentExchange",
+    "RecurrentShape",
+    "SplitWork",
+    "recurrent_contributes",
+    "recurrent_exchange",
+    "split_work",
+]
+
+RECURRENT_KINDS = ("gdn", "ssd")
+"""Gated DeltaNet (Qwen3-Next's linear attention) and Mamba-2's SSD (Nemotron-H)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecurrentShape:
+    """The recurrent layers of a hybrid model, as the CP runtime exchanges them."""
+
+    kind: str
+    """``"gdn"`` (Gated DeltaNet) or ``"ssd"`` (Mamba-2)."""
+    num_heads: int
+    """H: GDN value heads (``linear_num_value_heads``), SSD heads (``mamba_num_heads``)."""
+    key_dim: int
+    """GDN: K, the key head dim (``linear_key_head_dim``); SSD: S, the state size (``ssm_state_size``)."""
+    value_dim: int
+    """GDN: V, the value head dim (``linear_value_head_dim``); SSD: P, the head dim (``mamba_head_dim``)."""
+    num_groups: int
+    """GDN: key heads (``linear_num_key_heads``); SSD: B/C groups (``n_groups``)."""
+    conv_width: int
+    """W: taps of the short causal convolution (``linear_conv_kernel_dim``, ``conv_kernel``)."""
+    num_layers: int
+    """Recurrent layers in the model."""
+    element_bytes: int = 4
+    """Bytes per element of the exchanged maps and tails: the compute dtype, float32 at least."""
+
+    def __post_init__(self):
+        if self.kind not in RECURRENT_KINDS:
+            raise ValueError(f"recurrent kind {self.kind!r} is not one of {', '.join(RECURRENT_KINDS)}")
+        for name in ("num_heads", "key_dim", "value_dim", "num_groups", "conv_width", "element_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_layers < 0:
+            raise ValueError(f"num_layers must be at least 0, got {self.num_layers}")
+
+    @property
+    def conv_channels(self) -> int:
+        """F: channels of the short convolution: GDN ``[q | k | v]``, ``2 G K + H V``; SSD ``[x | B | C]``."""
+        if self.kind == "gdn":
+            return 2 * self.num_groups * self.key_dim + self.num_heads * self.value_dim
+        return self.num_heads * self.value_dim + 2 * self.num_groups * self.key_dim
+
+    @property
+    def map_bytes(self) -> int:
+        """Bytes of one piece's state map in one layer: GDN ``b H K (K + V)``, SSD ``b H (1 + P S)``."""
+        if self.kind == "gdn":
+            return self.element_bytes * self.num_heads * self.key_dim * (self.key_dim + self.value_dim)
+        return self.element_bytes * self.num_heads * (1 + self.value_dim * self.key_dim)
+
+    @property
+    def tail_bytes(self) -> int:
+        """Bytes of one piece's convolution tail in one layer: ``b (W - 1) F``."""
+        return self.element_bytes * (self.conv_width - 1) * self.conv_channels
+
+
+def _int64(*arrays):
+    return tuple(np.ascontiguousarray(a, dtype=np.int64) for a in arrays)
+
+
+def recurrent_contributes(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> tuple[np.ndarray, int]:
+    """Which shards go into the recurrent exchange, and the all-gather's ``slot`` (rows per rank).
+
+    Returns ``(contributes (num_shards,) bool, slot)``: a shard contributes when its document has more than one
+    shard and it is not the document's last; ``slot`` is the most contributed shards of any rank (0: none).
+    """
+    doc, start, _, rank = _int64(shard_doc, shard_start, shard_len, shard_rank)
+    if doc.size == 0:
+        return np.zeros(0, dtype=bool), 0
+    if rank.min() < 0 or rank.max() >= cp:
+        raise ValueError(f"shard ranks must lie in [0, {cp}), got {rank.min()}..{rank.max()}")
+    num_docs = int(doc.max()) + 1
+    pieces = np.bincount(doc, minlength=num_docs)
+    last_start = np.zeros(num_docs, dtype=np.int64)
+    np.maximum.at(last_start, doc, start)
+    contributes = (pieces[doc] > 1) & (start < last_start[doc])
+    slot = int(np.bincount(rank[contributes], minlength=cp).max()) if contributes.any() else 0
+    return contributes, slot
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecurrentExchange:
+    """Bytes the recurrent layers' exchanges move for one plan: one layer, one pass (forward or backward)."""
+
+    cp: int
+    """CP world size."""
+    slot: int
+    """Rows of every rank's all-gather input (0: no exchange)."""
+    map_bytes_per_rank: int
+    """Bytes one rank sends (and receives) in the all-gather of the state maps: ``(cp - 1) slot map_bytes``."""
+    tail_bytes_per_rank: int
+    """Bytes one rank sends (and receives) in the all-gather of the conv tails: ``(cp - 1) slot tail_bytes``."""
+
+    @property
+    def busiest_bytes(self) -> int:
+        """Bytes the busiest rank sends (as many come in), maps and tails: every rank moves as much."""
+        return self.map_bytes_per_rank + self.tail_bytes_per_rank
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes all ranks send together, maps and tails."""
+        return self.cp * self.busiest_bytes
+
+
+def recurrent_exchange(shape: RecurrentShape, shard_doc, shard_start, shard_len, shard_rank,
+                       cp: int) -> RecurrentExchange:
+    """The bytes one recurrent layer of ``shape`` exchanges for a plan, per pass (module docstring)."""
+    _, slot = recurrent_contributes(shard_doc, shard_start, shard_len, shard_rank, cp)
+    copies = (cp - 1) * slot
+    tails = copies * shape.tail_bytes if shape.conv_width > 1 else 0
+    return RecurrentExchange(cp=cp, slot=slot, map_bytes_per_rank=copies * shape.map_bytes,
+                             tail_bytes_per_rank=tails)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SplitWork:
+    """Tokens of recurrent work per rank for one plan, one layer and one pass. Arrays are (cp,) int64."""
+
+    tokens: np.ndarray
+    """Tokens each rank holds (the work of a plain recurrence over them)."""
+    rerun_tokens: np.ndarray
+    """Tokens run twice: the contributed pieces that do not start their document."""
+    mapped_tokens: np.ndarray
+    """Tokens of the contributed pieces (GDN runs them with ``K`` extra value columns)."""
+
+    def gdn_value_column_tokens(self, shape: RecurrentShape) -> np.ndarray:
+        """GDN's extra work in tokens of a plain run: ``rerun + mapped * K / V`` (float64, (cp,))."""
+        return self.rerun_tokens + self.mapped_tokens * (shape.key_dim / shape.value_dim)
+
+    def extra_tokens(self, shape: RecurrentShape) -> np.ndarray:
+        """The extra work of ``shape``'s layers in tokens of a plain run, per rank (float64, (cp,))."""
+        if shape.kind == "gdn":
+            return self.gdn_value_column_tokens(shape)
+        return self.rerun_tokens.astype(np.float64)
+
+
+def split_work(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> SplitWork:
+    """Per rank: tokens held, tokens rerun and tokens mapped by the recurrent layers (``SplitWork``)."""
+    doc, start, length, rank = _int64(shard_doc, shard_start, shard_len, shard_rank)
+    contributes, _ = recurrent_contributes(doc, start, length, rank, cp)
+    rerun = contributes & (start > 0)
+    return SplitWork(tokens=np.bincount(rank, weights=length, minlength=cp).astype(np.int64),
+                     rerun_tokens=np.bincount(rank[rerun], weights=length[rerun], minlength=cp).astype(np.int64),
+                     mapped_tokens=np.bincount(rank[contributes], weights=length[contributes],
+                                               minlength=cp).astype(np.int64))

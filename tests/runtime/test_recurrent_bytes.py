@@ -1,0 +1,138 @@
+"""The recurrent cost model (``flashcp.costmodel.recurrent``) against what a real CP run moves and computes.
+
+On 2 and 4 gloo ranks, float32, each rank runs ``cp_causal_conv1d`` then ``cp_gated_delta_rule`` and
+``cp_ssd`` forward and backward on random plans that cut documents (and one that cuts none), with the
+collectives wrapped to count the bytes of every tensor they move and the kernels wrapped to count the tokens
+(and GDN's value columns) they run. Each rank's counts must equal the formulas for its rank; the all-ranks
+totals are summed with one all-reduce after the layers.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from flashcp.costmodel.recurrent import RecurrentShape, recurrent_exchange, split_work
+from flashcp.runtime.meta import rank_token_positions
+from flashcp.runtime.recurrent import RecurrentMeta, backends, cp_causal_conv1d, cp_gated_delta_rule, cp_ssd
+from flashcp.runtime.recurrent import cp as cp_module
+from tests.dist import spawn
+from tests.emulate import random_plan
+from tests.plans import whole_docs_case
+
+HEADS, KEY_HEADS, DK, DV = 4, 2, 4, 3  # GDN
+GROUPS, P, S = 2, 3, 5  # SSD (HEADS heads)
+WIDTH = 4
+SHAPES = {"gdn": RecurrentShape(kind="gdn", num_heads=HEADS, key_dim=DK, value_dim=DV, num_groups=KEY_HEADS,
+                                conv_width=WIDTH, num_layers=1),
+          "ssd": RecurrentShape(kind="ssd", num_heads=HEADS, key_dim=S, value_dim=P, num_groups=GROUPS,
+                                conv_width=WIDTH, num_layers=1)}
+
+moved = {"sent": 0, "received": 0}
+run_tokens = {"tokens": 0, "value_tokens": 0}
+
+
+def _count_all_gather(collective):
+    def wrapped(out, inp, group=None, **kwargs):
+        moved["sent"] += (dist.get_world_size(group) - 1) * inp.numel() * inp.element_size()
+        moved["received"] += (out.numel() - inp.numel()) * out.element_size()
+        return collective(out, inp, group=group, **kwargs)
+    return wrapped
+
+
+def _count_reduce_scatter(collective):
+    def wrapped(out, inp, group=None, **kwargs):
+        moved["sent"] += (inp.numel() - out.numel()) * inp.element_size()
+        moved["received"] += (dist.get_world_size(group) - 1) * out.numel() * out.element_size()
+        return collective(out, inp, group=group, **kwargs)
+    return wrapped
+
+
+def _count_kernel(kernel, value_arg):
+    def wrapped(*args, **kwargs):
+        values = args[value_arg]
+        run_tokens["tokens"] += values.shape[0]
+        run_tokens["value_tokens"] += values.shape[0] * values.shape[2]
+        return kernel(*args, **kwargs)
+    return wrapped
+
+
+def cases(cp):
+    rng = np.random.default_rng(360 + cp)
+    out = []
+    for i in range(6):
+        doc_lens = rng.integers(1, 20, size=int(rng.integers(1, 6)))
+        out.append((f"random{i}", random_plan(doc_lens, cp, rng, max_pieces=4, cut_prob=0.2), doc_lens))
+    doc_lens = np.array([8 * cp + 3])  # one document over every rank
+    out.append(("one-doc", random_plan(doc_lens, cp, rng, max_pieces=3, cut_prob=0.1), doc_lens))
+    doc_lens, plan = whole_docs_case(9 * cp, cp, rng)
+    out.append(("whole-docs", plan, doc_lens))
+    return out
+
+
+def layer(kind, num_tokens, meta, gen):
+    """One conv + recurrence of ``kind`` on this rank's tokens, forward and backward (float32)."""
+    if kind == "gdn":
+        features = 2 * KEY_HEADS * DK + HEADS * DV
+    else:
+        features = HEADS * P + 2 * GROUPS * S
+    x = torch.randn(num_tokens, features, generator=gen).requires_grad_()
+    weight = (torch.randn(features, WIDTH, generator=gen) * 0.5).requires_grad_()
+    y = cp_causal_conv1d(x, weight, None, meta, backend="reference")
+    if kind == "gdn":
+        q, k, v = y.split([KEY_HEADS * DK, KEY_HEADS * DK, HEADS * DV], dim=1)
+        g = -torch.rand(num_tokens, HEADS, generator=gen)
+        beta = torch.sigmoid(torch.randn(num_tokens, HEADS, generator=gen))
+        out = cp_gated_delta_rule(q.reshape(-1, KEY_HEADS, DK), k.reshape(-1, KEY_HEADS, DK),
+                                  v.reshape(-1, HEADS, DV), g, beta, meta, chunk_size=4, backend="reference")
+    else:
+        xs, B, C = y.split([HEADS * P, GROUPS * S, GROUPS * S], dim=1)
+        dt = torch.nn.functional.softplus(torch.randn(num_tokens, HEADS, generator=gen))
+        A = -torch.exp(torch.randn(HEADS, generator=gen) * 0.5)
+        out = cp_ssd(xs.reshape(-1, HEADS, P), dt, A, B.reshape(-1, GROUPS, S), C.reshape(-1, GROUPS, S), meta,
+                     chunk_size=4, backend="reference")
+    out.backward(torch.randn(out.shape, generator=gen))
+
+
+def _worker(rank, cp):
+    cp_module._all_gather = _count_all_gather(cp_module._all_gather)
+    cp_module._reduce_scatter = _count_reduce_scatter(cp_module._reduce_scatter)
+    backends.gated_delta = _count_kernel(backends.gated_delta, 2)
+    backends.ssd = _count_kernel(backends.ssd, 0)
+    failures = []
+    for name, plan, doc_lens in cases(cp):
+        meta = RecurrentMeta.from_plan(plan, doc_lens, rank)
+        num_tokens = rank_token_positions(plan, doc_lens, rank)[0].shape[0]
+        arrays = (plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
+        work = split_work(*arrays)
+        for kind, shape in SHAPES.items():
+            moved.update(sent=0, received=0)
+            run_tokens.update(tokens=0, value_tokens=0)
+            layer(kind, num_tokens, meta, torch.Generator().manual_seed(7))
+            exchange = recurrent_exchange(shape, *arrays)
+            where = f"{name} {kind} rank {rank} (slot {meta.slot})"
+            want = 2 * exchange.busiest_bytes  # forward all-gathers + backward reduce-scatters
+            if (moved["sent"], moved["received"]) != (want, want):
+                failures.append(f"{where}: moved {moved}, the cost model says {want} each way")
+            totals = torch.tensor([moved["sent"], moved["received"]], dtype=torch.int64)
+            dist.all_reduce(totals)
+            if totals.tolist() != [2 * exchange.total_bytes] * 2:
+                failures.append(f"{where}: all ranks moved {totals.tolist()}, cost model {2 * exchange.total_bytes}")
+            # the forward's kernel runs: each token once, plus the rerun pieces (and GDN's K value columns)
+            extra = run_tokens["tokens"] - num_tokens
+            if extra != work.rerun_tokens[rank]:
+                failures.append(f"{where}: ran {extra} extra tokens, cost model {work.rerun_tokens[rank]}")
+            value_value = DV if kind == "gdn" else P
+            extra_work = (run_tokens["value_tokens"] - num_tokens * value_value) / value_value
+            if not np.isclose(extra_work, work.extra_tokens(shape)[rank]):
+                failures.append(f"{where}: extra work {extra_work} tokens, cost model {work.extra_tokens(shape)[rank]}")
+            if name == "whole-docs" and moved["sent"] + moved["received"] != 0:
+                failures.append(f"{where}: no document is cut, yet {moved} bytes moved")
+    return failures
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cost_model_equals_what_the_runtime_moves_and_runs(cp):
+    assert any(recurrent_exchange(SHAPES["gdn"], p.shard_doc, p.shard_start, p.shard_len, p.shard_rank, cp).slot
+               for _, p, _ in cases(cp))  # the cases do cut documents
+    spawn(_worker, cp)
