@@ -26,7 +26,8 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("flashcp.runtime", ("flashcp.planner.plan_writer", "flashcp.planner.pipeline", "flashcp.planner.compare")),
     ("flashcp.train", ("flashcp.planner.plan_writer", "flashcp.planner.pipeline", "flashcp.planner.compare")),
     ("flashcp.integrations", ("flashcp.planner.plan_writer", "flashcp.planner.pipeline",
-                              "flashcp.planner.compare")),    ("flashcp.costmodel", ("torch",)),  # the bottom floor prices plans with numpy and numba alone
+                              "flashcp.planner.compare")),
+    ("flashcp.costmodel", ("torch",)),  # the bottom floor prices plans with numpy and numba alone
 ]
 """``(package, forbidden)``: modules of ``package`` import nothing in ``forbidden``."""
 

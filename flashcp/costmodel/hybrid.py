@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flashcp.costmodel.comm import exchange_volumes
-from flashcp.costmodel.recurrent import RecurrentShape, recurrent_exchange
+from flashcp.costmodel.recurrent import RecurrentShape, recurrent_exchange, recurrent_needed_maps
 
 __all__ = ["NEMOTRON_H_8B", "QWEN3_NEXT_80B_A3B", "HybridModel", "StepBytes", "step_bytes"]
 
@@ -101,6 +101,9 @@ class StepBytes:
     """The all-attention twin: all ranks' sent bytes."""
     recurrent_total: int
     """The part of ``hybrid_total`` the recurrent layers move (maps and tails)."""
+    recurrent_needed_total: int
+    """What the recurrent layers' maps would move sent only to the ranks that use them
+    (``recurrent_needed_maps``; no tails, no padding): the bound a point-to-point exchange would approach."""
 
 
 def step_bytes(model: HybridModel, shard_doc, shard_start, shard_len, shard_rank, cp: int) -> StepBytes:
@@ -121,4 +124,6 @@ def step_bytes(model: HybridModel, shard_doc, shard_start, shard_len, shard_rank
         attention_busiest=busiest(model.num_mixing_layers, 0),
         attention_total=passes * model.num_mixing_layers * int(kv_sent.sum()),
         recurrent_total=passes * cp * rec_rank,
+        recurrent_needed_total=passes * model.recurrent.num_layers * model.recurrent.map_bytes * int(
+            recurrent_needed_maps(shard_doc, shard_start, shard_len, shard_rank, cp)[0].sum()),
     )

@@ -44,6 +44,7 @@ __all__ = [
     "SplitWork",
     "recurrent_contributes",
     "recurrent_exchange",
+    "recurrent_needed_maps",
     "split_work",
 ]
 
@@ -157,6 +158,24 @@ def recurrent_exchange(shape: RecurrentShape, shard_doc, shard_start, shard_len,
     tails = copies * shape.tail_bytes if shape.conv_width > 1 else 0
     return RecurrentExchange(cp=cp, slot=slot, map_bytes_per_rank=copies * shape.map_bytes,
                              tail_bytes_per_rank=tails)
+
+
+def recurrent_needed_maps(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> tuple[np.ndarray, np.ndarray]:
+    """Maps each rank would send and receive if each went only where it is used: ``(sent, received)``, (cp,).
+
+    Not what the runtime does (its all-gather sends every contributed map, and ``slot``'s padding, to every
+    rank): a contributed piece's map is needed only by the other ranks holding a later piece of its document.
+    The measure of what a point-to-point exchange would move.
+    """
+    doc, start, length, rank = _int64(shard_doc, shard_start, shard_len, shard_rank)
+    contributes, _ = recurrent_contributes(doc, start, length, rank, cp)
+    sent, received = np.zeros(cp, dtype=np.int64), np.zeros(cp, dtype=np.int64)
+    for shard in np.flatnonzero(contributes):
+        later = (doc == doc[shard]) & (start > start[shard])
+        users = np.setdiff1d(np.unique(rank[later]), rank[shard:shard + 1])
+        sent[rank[shard]] += users.size
+        received[users] += 1
+    return sent, received
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -4,7 +4,13 @@ import numpy as np
 import pytest
 
 from flashcp.costmodel.hybrid import NEMOTRON_H_8B, QWEN3_NEXT_80B_A3B, step_bytes
-from flashcp.costmodel.recurrent import RecurrentShape, recurrent_contributes, recurrent_exchange, split_work
+from flashcp.costmodel.recurrent import (
+    RecurrentShape,
+    recurrent_contributes,
+    recurrent_exchange,
+    recurrent_needed_maps,
+    split_work,
+)
 from flashcp.planner.plan import SequencePlan
 from flashcp.runtime.recurrent import RecurrentMeta
 from tests.emulate import random_plan
@@ -56,6 +62,17 @@ def test_hand_counted_plan():
     assert work.mapped_tokens.tolist() == [4, 3]
     np.testing.assert_allclose(work.extra_tokens(GDN), [4 * 4 / 3, 3 + 3 * 4 / 3])
     np.testing.assert_allclose(work.extra_tokens(SSD), [0, 3])
+    # piece 0's map is used on rank 1 (piece 1); piece 1's on rank 0 (piece 2)
+    assert [a.tolist() for a in recurrent_needed_maps(*arrays(plan))] == [[1, 1], [1, 1]]
+
+
+def test_needed_maps_go_to_each_later_rank_once():
+    # one document in five pieces on ranks 0, 1, 2, 1, 3 (cp 4): piece 0 -> {1, 2, 3}, piece 1 -> {2, 3},
+    # piece 2 -> {1, 3}, piece 3 -> {3}; the last piece contributes nothing
+    plan = SequencePlan.from_arrays([0] * 5, [0, 2, 4, 6, 8], [2] * 5, [0, 1, 2, 1, 3], 4)
+    sent, received = recurrent_needed_maps(*arrays(plan))
+    assert sent.tolist() == [3, 3, 2, 0] and received.tolist() == [0, 2, 2, 4]
+    assert recurrent_contributes(*arrays(plan))[1] == 2  # rank 1 contributes two pieces: every rank sends two
 
 
 def test_step_bytes_of_a_hybrid_against_its_all_attention_twin():
@@ -67,6 +84,7 @@ def test_step_bytes_of_a_hybrid_against_its_all_attention_twin():
     rec = 2 * 2 * 36 * (model.recurrent.map_bytes + model.recurrent.tail_bytes)
     assert got.attention_total == 2 * 48 * 5 * kv_row and got.attention_busiest == got.attention_total
     assert got.recurrent_total == rec
+    assert got.recurrent_needed_total == 2 * 36 * model.recurrent.map_bytes
     assert got.hybrid_total == 2 * 12 * 5 * kv_row + rec
     assert got.hybrid_busiest == 2 * 12 * 5 * kv_row + rec // 2
     assert model.recurrent.map_bytes == 4 * 32 * 128 * 256 and model.recurrent.tail_bytes == 4 * 3 * 8192

@@ -1,0 +1,105 @@
+"""Bytes per training step of hybrid models under CP against their all-attention twins, and split pieces' extra work.
+
+For each distribution and CP size, packs ``--num-seqs`` sequences of ``--context-len`` tokens (``flashcp synth``'s
+packing, ``--seed``), plans each with ``flashcp2`` as ``flashcp plan`` does by default, and prices every plan
+for Qwen3-Next-80B-A3B and Nemotron-H-8B (``flashcp.costmodel.hybrid``): the bytes one step (every layer,
+forward and backward) exchanges for the hybrid (attention layers' exact-need K/V in bf16, recurrent layers'
+float32 state maps and conv tails) and for the same model with every mixing layer full attention, the busiest
+rank's and all ranks' bytes, mean and max over the sequences; and the recurrent layers' extra work of split
+pieces as a share of their work (``flashcp.costmodel.recurrent.split_work``): all ranks together, and the
+largest share of one rank.
+
+    python scripts/hybrid_exchange.py --dists wlb,prolong --cp 8,16 --num-seqs 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from flashcp import __version__  # noqa: E402
+from flashcp.costmodel.hybrid import NEMOTRON_H_8B, QWEN3_NEXT_80B_A3B, step_bytes  # noqa: E402
+from flashcp.costmodel.models import DEFAULT_MODEL, as_model_spec  # noqa: E402
+from flashcp.costmodel.recurrent import split_work  # noqa: E402
+from flashcp.data.synth import load_distribution, pack_lengths  # noqa: E402
+from flashcp.planner.planning import plan_sequence  # noqa: E402
+
+MODELS = (QWEN3_NEXT_80B_A3B, NEMOTRON_H_8B)
+GB = 1e9
+
+
+def measure(dist: str, cp: int, num_seqs: int, context_len: int, seed: int) -> dict:
+    """model name -> list of per-sequence rows (bytes and extra-work shares)."""
+    rng = np.random.default_rng(seed)
+    offsets, doc_lens, *_ = pack_lengths(load_distribution(dist), rng, num_seqs, context_len)
+    rows: dict = {model.name: [] for model in MODELS}
+    planned_for = as_model_spec(DEFAULT_MODEL)  # as `flashcp plan` without --model
+    for i in range(num_seqs):
+        plan = plan_sequence("flashcp2", doc_lens[offsets[i]:offsets[i + 1]], cp, model=planned_for)
+        arrays = (plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
+        work = split_work(*arrays)
+        for model in MODELS:
+            step = step_bytes(model, *arrays)
+            extra = work.extra_tokens(model.recurrent)
+            rows[model.name].append({
+                "hybrid_busiest": step.hybrid_busiest, "hybrid_total": step.hybrid_total,
+                "attention_busiest": step.attention_busiest, "attention_total": step.attention_total,
+                "recurrent_total": step.recurrent_total, "recurrent_needed": step.recurrent_needed_total,
+                "extra_share": float(extra.sum() / work.tokens.sum()),
+                "extra_rank_share": float(np.max(extra / np.maximum(work.tokens, 1))),
+                "cut": int(np.count_nonzero(np.bincount(plan.shard_doc) > 1)),
+            })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dists", default="wlb,prolong")
+    parser.add_argument("--cp", default="8,16")
+    parser.add_argument("--num-seqs", type=int, default=20)
+    parser.add_argument("--context-len", type=int, default=131072)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    print(f"flashcp {__version__}, numpy {np.__version__}, Python {platform.python_version()}, "
+          f"{args.num_seqs} sequences of {args.context_len} tokens, seed {args.seed}, flashcp2 plans")
+    print(f"plans made for {DEFAULT_MODEL} (the default of flashcp plan); GB per step (forward + backward, all "
+          "layers): busiest rank max(sent, received), all ranks' sent; mean / max over sequences; ratios of sums")
+    print("| dist | cp | model | cut docs | hybrid busiest | all-attn busiest | hybrid total | all-attn total | "
+          "hybrid / all-attn (total) | recurrent share of hybrid total | recurrent maps if sent only where used | "
+          "extra recurrent work: all ranks | busiest rank |")
+    print("| --- " * 13 + "|")
+    # ratios of sums over the sequences: a sequence whose attention moves almost nothing would swamp a mean
+    for dist in args.dists.split(","):
+        for cp in (int(c) for c in args.cp.split(",")):
+            for name, rows in measure(dist, cp, args.num_seqs, args.context_len, args.seed).items():
+                col = {key: np.array([r[key] for r in rows], dtype=np.float64) for key in rows[0]}
+
+                def gb(key, col=col):
+                    return f"{col[key].mean() / GB:.2f} / {col[key].max() / GB:.2f}"
+
+                def pct(key, col=col):
+                    return f"{100 * col[key].mean():.2f}% / {100 * col[key].max():.2f}%"
+
+                ratio = col["hybrid_total"].sum() / max(col["attention_total"].sum(), 1.0)
+                rec_share = col["recurrent_total"].sum() / max(col["hybrid_total"].sum(), 1.0)
+                print(f"| {dist} | {cp} | {name} | {col['cut'].mean():.1f} / {col['cut'].max():.0f} | "
+                      f"{gb('hybrid_busiest')} | "
+                      f"{gb('attention_busiest')} | {gb('hybrid_total')} | {gb('attention_total')} | "
+                      f"{ratio:.2f} | {100 * rec_share:.1f}% | {gb('recurrent_needed')} | {pct('extra_share')} | "
+                      f"{pct('extra_rank_share')} |")
+    print(f"wall time {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
