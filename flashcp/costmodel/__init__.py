@@ -16,6 +16,9 @@ and nothing in it imports them. Modules:
 - ``curve``: the attention throughput curve (TFLOP/s by sequence length) the profile and the objective read;
 - ``objective``: the Numba step-time objective the planner minimises;
 - ``projection``: the per-rank and per-step projection ``flashcp bench`` reports, on the same functions.
+- ``recurrent``: the recurrent layers' exchange bytes and split pieces' extra work for a plan
+  (``RecurrentShape``);
+- ``hybrid``: hybrid models' published shapes and the bytes a step exchanges against an all-attention twin.
 A plan is described by four parallel integer arrays, one entry per shard:
 
     shard_doc    document index inside the packed sequence
