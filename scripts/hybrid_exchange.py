@@ -31,6 +31,7 @@ from flashcp.costmodel.hybrid import NEMOTRON_H_8B, QWEN3_NEXT_80B_A3B, step_byt
 from flashcp.costmodel.models import DEFAULT_MODEL, as_model_spec  # noqa: E402
 from flashcp.costmodel.recurrent import split_work  # noqa: E402
 from flashcp.data.synth import load_distribution, pack_lengths  # noqa: E402
+from flashcp.errors import FlashcpError  # noqa: E402
 from flashcp.planner.planning import plan_sequence  # noqa: E402
 
 MODELS = (QWEN3_NEXT_80B_A3B, NEMOTRON_H_8B)
@@ -69,6 +70,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context-len", type=int, default=131072)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if not all(c.strip().isdigit() for c in args.cp.split(",")):
+        print(f"hybrid_exchange: --cp must be whole numbers separated by commas, got {args.cp!r}", file=sys.stderr)
+        return 1
+    cps = [int(c) for c in args.cp.split(",")]
+    try:
+        dists = [load_distribution(d).name for d in args.dists.split(",")]
+    except (ValueError, FlashcpError) as e:
+        print(f"hybrid_exchange: {e}", file=sys.stderr)
+        return 1
+    if args.num_seqs < 1 or args.context_len < max(cps) or min(cps) < 2:
+        print(f"hybrid_exchange: need --num-seqs >= 1, every --cp >= 2 and --context-len >= the largest cp; got "
+              f"{args.num_seqs}, {args.cp} and {args.context_len}", file=sys.stderr)
+        return 1
     started = time.perf_counter()
     print(f"flashcp {__version__}, numpy {np.__version__}, Python {platform.python_version()}, "
           f"{args.num_seqs} sequences of {args.context_len} tokens, seed {args.seed}, flashcp2 plans")
@@ -79,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
           "extra recurrent work: all ranks | busiest rank |")
     print("| --- " * 13 + "|")
     # ratios of sums over the sequences: a sequence whose attention moves almost nothing would swamp a mean
-    for dist in args.dists.split(","):
-        for cp in (int(c) for c in args.cp.split(",")):
+    for dist in dists:
+        for cp in cps:
             for name, rows in measure(dist, cp, args.num_seqs, args.context_len, args.seed).items():
                 col = {key: np.array([r[key] for r in rows], dtype=np.float64) for key in rows[0]}
 

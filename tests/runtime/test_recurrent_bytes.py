@@ -135,4 +135,4 @@ def _worker(rank, cp):
 def test_cost_model_equals_what_the_runtime_moves_and_runs(cp):
     assert any(recurrent_exchange(SHAPES["gdn"], p.shard_doc, p.shard_start, p.shard_len, p.shard_rank, cp).slot
                for _, p, _ in cases(cp))  # the cases do cut documents
-    spawn(_worker, cp)
+    spawn(_worker, cp, start_method="fork")  # the ranks skip re-importing torch
