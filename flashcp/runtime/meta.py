@@ -20,6 +20,12 @@ and describes, for each comm mode, the exchange (docs/DESIGN.md section 2):
 - ``full`` (Llama3 / Per-Doc baseline): every rank contributes all its tokens, padded to the largest quota
   ``Q``; receive buffer ``cp * Q`` rows.
 
+A layer of sliding window W or chunk K sees less: ``for_kind(window=, chunk=)`` builds (once, cached) the
+rank's meta for that kind, whose parts and exchanges cover only the keys ``[max(0, start - W + 1), end)`` or
+``[K*floor(start/K), end)`` of each shard ``[start, end)`` (the parts then split shards at chunk boundaries);
+each exchange moves what it did for full attention, restricted to those keys (``full`` still moves every
+token). The ``ring`` schedule stays full-causal.
+
 The ``ring`` mode (Ring-Attn baseline) has no collective: each rank's whole K/V block (its tokens in local
 order) travels around the ring point-to-point. Its ``RingSchedule`` lists, for each of the ``cp`` steps, the
 visiting block's source rank and one varlen kernel call: every local query shard attends to the block's
@@ -37,7 +43,13 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 import torch
 
-from flashcp.costmodel.comm import allgather_shard_mask, allgather_wire, auto_comm_a2a, exchange_volumes
+from flashcp.costmodel.comm import (
+    allgather_shard_mask,
+    allgather_wire,
+    auto_comm_a2a,
+    busiest_rows,
+    exchange_volumes,
+)
 from flashcp.planner.plan import SequencePlan
 
 __all__ = ["COLLECTIVE_MODES", "COMM_MODES", "CPAttnMeta", "Exchange", "QueryPart", "RingSchedule",
@@ -56,13 +68,15 @@ class QueryPart:
     q_index: torch.Tensor
     """(Tq,) int64: local token positions of the queries, shard after shard."""
     cu_seqlens_q: torch.Tensor
-    """(n + 1,) int32: offsets of each shard's queries in the gathered queries."""
+    """(B + 1,) int32: offsets of each sequence's queries in the gathered queries. A sequence is a shard, or
+    in a chunk layer's meta (``CPAttnMeta.for_kind``) a shard's piece inside one chunk."""
     cu_seqlens_k: torch.Tensor
-    """(n + 1,) int32: offsets of each shard's key prefix ``[0, end)`` in the gathered keys."""
+    """(B + 1,) int32: offsets of each sequence's keys in the gathered keys: the document's ``[0, end)``, or
+    the range the layer kind sees (``CPAttnMeta.for_kind``); they end with the sequence's last query."""
     max_seqlen_q: int
-    """Longest shard (0 when the part is empty)."""
+    """Longest query sequence (0 when the part is empty)."""
     max_seqlen_k: int
-    """Longest key prefix (0 when the part is empty)."""
+    """Longest key sequence (0 when the part is empty)."""
 
     @property
     def num_tokens(self) -> int:
@@ -182,11 +196,42 @@ class CPAttnMeta:
     _on: torch.device | None = field(default=None, init=False, repr=False, compare=False)
     _comm: str | None = field(default=None, init=False, repr=False, compare=False)
     _host: CPAttnMeta | None = field(default=None, init=False, repr=False, compare=False)
+    _layout: _RankLayout | None = field(default=None, init=False, repr=False, compare=False)
+    _kinds: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_plan(cls, plan: SequencePlan, doc_lens, rank: int) -> CPAttnMeta:
         """Build rank ``rank``'s meta from a validated plan of a sequence with documents ``doc_lens``."""
-        return _RankLayout(plan, doc_lens, rank).meta()
+        layout = _RankLayout(plan, doc_lens, rank)
+        meta = layout.meta()
+        object.__setattr__(meta, "_layout", layout)
+        return meta
+
+    def for_kind(self, window: int | None = None, chunk: int | None = None) -> CPAttnMeta:
+        """The rank's meta for a layer of sliding ``window`` W or ``chunk`` K: its exchanges move only those keys.
+
+        A query shard ``[start, end)`` of a document needs the keys ``[max(0, start - W + 1), end)`` under a
+        window and ``[K * floor(start / K), end)`` under a chunk (with both, the later start). The returned
+        meta has the same shards, but its local/remote split, parts, ``kv_index`` and the exchanges of
+        ``allgather``, ``a2a`` and ``full`` (its ``wire_tokens``, ``ag_slot``, ``a2a_busiest`` and
+        ``auto_comm``) are those of the kind. Under a chunk every shard is also split at chunk boundaries: its
+        parts' sequences are the pieces of a shard inside one chunk, each with the keys of its chunk up to its
+        last query, so a plain bottom-right causal varlen call (with the window, if any) computes the chunk
+        layer on every backend, and no kernel needs a key's position in its document. ``ring`` keeps the
+        full-causal schedule (it runs plain causal attention only). Both None: this meta. Built on first use
+        and cached on the host meta, so calling it per layer is cheap; the result moves with ``to`` as usual.
+        """
+        host = self._host if self._host is not None else self
+        if window is None and chunk is None:
+            return self
+        key = (None if window is None else int(window), None if chunk is None else int(chunk))
+        if min(value for value in key if value is not None) < 1:
+            raise ValueError(f"window and chunk must be positive numbers of tokens, got {window!r}, {chunk!r}")
+        if key not in host._kinds:
+            if host._layout is None:
+                raise ValueError("this meta was not built by CPAttnMeta.from_plan; it has no per-kind exchanges")
+            host._kinds[key] = host._layout.kind_meta(host, *key)
+        return host._kinds[key]
 
     @property
     def device(self) -> torch.device:
@@ -526,6 +571,144 @@ class _RankLayout:
                           remote=remote, out_index=_long(out_index), exchanges=exchanges,
                           ring=self._ring_schedule(), auto_comm=self.auto_comm,
                           ag_slot=self.ag_slot, a2a_busiest=self.a2a_busiest)
+
+
+    # ------------------------------------------------------------ per layer kind (CPAttnMeta.for_kind)
+
+    def key_start(self, start: np.ndarray, window: int | None, chunk: int | None) -> np.ndarray:
+        """First document position the queries of a shard starting at ``start`` see under the kind (int64)."""
+        first = np.zeros_like(start)
+        if chunk is not None:
+            first = start // chunk * chunk
+        if window is not None:
+            first = np.maximum(first, start - (window - 1))
+        return first
+
+    def kind_need(self, key_start: np.ndarray) -> np.ndarray:
+        """(num_shards, cp) int64: tokens of shard j that rank r needs and does not hold, a suffix of j.
+
+        Rank r's shards after j in j's document see ``[key_start, end)``, which meets j in a suffix of it; the
+        first of them has the smallest key start (it grows with the shard's start), so it alone sets the need.
+        """
+        plan, cp = self.plan, self.plan.cp
+        order = self.by_pos
+        rank, doc, start = plan.shard_rank[order], plan.shard_doc[order], plan.shard_start[order]
+        end, first_key = self.shard_end[order], key_start[order]
+        need = np.zeros((plan.num_shards, cp), dtype=np.int64)
+        position = np.arange(order.size)
+        for r in range(cp):
+            mine = np.flatnonzero(rank == r)
+            if mine.size == 0:
+                continue
+            after = np.searchsorted(mine, position, side="right")
+            nxt = mine[np.minimum(after, mine.size - 1)]
+            sees = (after < mine.size) & (doc[nxt] == doc) & (rank != r)
+            need[order, r] = np.where(sees, np.clip(end - np.maximum(start, first_key[nxt]), 0, end - start), 0)
+        return need
+
+    def _range_pieces(self, docs, starts, ends) -> tuple[np.ndarray, ...]:
+        """The pieces of each range ``[starts[i], ends[i])`` of document ``docs[i]``, range after range.
+
+        Returns ``(range, piece, offset, length)``: which range, the piece's shard, where the range enters the
+        piece (tokens from the piece's start) and its tokens inside the range.
+        """
+        offset = self.doc_offset[docs]
+        first = np.searchsorted(self.pos_sorted, offset + starts, side="right") - 1
+        count = np.searchsorted(self.pos_sorted, offset + ends) - first
+        piece = self.by_pos[_ranges(first, count)]
+        which = np.repeat(np.arange(docs.size), count)
+        key_from = np.maximum(self.plan.shard_start[piece], starts[which])
+        length = np.minimum(self.shard_end[piece], ends[which]) - key_from
+        return which, piece, key_from - self.plan.shard_start[piece], length
+
+    def _kind_part(self, shards, key_start, chunk) -> tuple[QueryPart, tuple[np.ndarray, ...]]:
+        """The QueryPart of ``shards`` under the kind and the pieces of its keys ``(piece, offset, length)``."""
+        plan = self.plan
+        start, end = plan.shard_start[shards], self.shard_end[shards]
+        first = key_start[shards]
+        q_len, k_len = end - start, end - first
+        if chunk is not None:  # one sequence per (shard, chunk): the chunk's keys up to the shard's queries in it
+            count = (end - 1) // chunk - start // chunk + 1
+            owner = np.repeat(np.arange(shards.size), count)
+            boundary = (start // chunk)[owner] * chunk + chunk * (np.arange(owner.size)
+                                                                 - np.repeat(_cumsum0(count)[:-1], count))
+            stop = np.minimum(boundary + chunk, end[owner])
+            q_len = stop - np.maximum(boundary, start[owner])
+            k_len = stop - np.maximum(boundary, first[owner])
+        part = QueryPart(q_index=_long(_ranges(self.shard_local[shards], end - start)),
+                         cu_seqlens_q=_int32(_cumsum0(q_len)), cu_seqlens_k=_int32(_cumsum0(k_len)),
+                         max_seqlen_q=int(q_len.max(initial=0)), max_seqlen_k=int(k_len.max(initial=0)))
+        _, piece, offset, length = self._range_pieces(plan.shard_doc[shards], first, end)
+        return part, (piece, offset, length)
+
+    def kind_meta(self, meta: CPAttnMeta, window: int | None, chunk: int | None) -> CPAttnMeta:
+        """``meta`` (this layout's) for a window or chunk layer: its parts and exchanges move only what it needs."""
+        plan, cp, rank, shards = self.plan, self.plan.cp, self.rank, self.shards
+        key_start = self.key_start(plan.shard_start, window, chunk)
+        need = self.kind_need(key_start)
+        # a shard is local-only when this rank holds every key it sees
+        which, piece, _, _ = self._range_pieces(plan.shard_doc[shards], key_start[shards], self.shard_end[shards])
+        foreign = np.bincount(which, weights=plan.shard_rank[piece] != rank, minlength=shards.size)
+        local_only = foreign == 0
+        local, (local_piece, local_offset, local_len) = self._kind_part(shards[local_only], key_start, chunk)
+        remote, (piece, offset, key_len) = self._kind_part(shards[~local_only], key_start, chunk)
+        num_tokens = meta.num_tokens
+        order = np.concatenate([local.q_index.numpy(), remote.q_index.numpy()])
+        out_index = np.empty(num_tokens, dtype=np.int64)
+        out_index[order] = np.arange(num_tokens)
+
+        held = plan.shard_rank[piece] == rank
+        shard_len = plan.shard_len
+
+        def exchange(mode, active, send_index, send_rows, recv_rows, first_row, wire, splits=((), ())):
+            # first_row[j]: the row shard j's first token would have in the receive buffer (its needed suffix
+            # is there); held pieces read the local K/V
+            row = np.where(held, self.shard_local[piece], num_tokens + first_row[piece]) + offset
+            return Exchange(mode=mode, active=active, send_index=_long(send_index), send_rows=send_rows,
+                            recv_rows=recv_rows, send_splits=splits[0], recv_splits=splits[1],
+                            kv_index=_long(_ranges(row, key_len)), wire_send_tokens=wire[0], wire_recv_tokens=wire[1])
+
+        # a2a: rank r receives need[:, r], by (owner, owner's local position); owners send peer after peer
+        received = need.sum(axis=0)
+        sent = np.bincount(plan.shard_rank, weights=need.sum(axis=1), minlength=cp).astype(np.int64)
+        a2a_busiest = int(busiest_rows(sent, received))
+        mine = need[:, rank]
+        by_owner = np.lexsort((self.shard_local, plan.shard_rank))
+        rows = np.empty(plan.num_shards, dtype=np.int64)
+        rows[by_owner] = _cumsum0(mine[by_owner])[:-1]
+        recv_splits = tuple(int(c) for c in np.bincount(plan.shard_rank, weights=mine, minlength=cp))
+        amount = need[shards].T.reshape(-1)  # peer after peer, this rank's shards in local order
+        ends = np.tile(self.shard_local[shards] + shard_len[shards], cp)
+        a2a_send = _ranges(ends - amount, amount)
+        send_splits = tuple(int(c) for c in need[shards].sum(axis=0))
+        assert (offset[~held] >= (shard_len - mine)[piece[~held]]).all()
+
+        # allgather: each shard contributes the suffix any other rank needs
+        contribution = need.max(axis=1)
+        per_rank = np.bincount(plan.shard_rank, weights=contribution, minlength=cp).astype(np.int64)
+        ag_slot = int(per_rank.max(initial=0))
+        ag_row = plan.shard_rank * ag_slot + _within_rank_offsets(contribution, plan.shard_rank)
+        ag_send = _ranges(self.shard_local[shards] + shard_len[shards] - contribution[shards], contribution[shards])
+        ag_wire = int(allgather_wire(ag_slot, cp))
+        full = meta.exchanges["full"]
+        exchanges = {
+            "allgather": exchange("allgather", ag_slot > 0, ag_send, ag_slot, cp * ag_slot,
+                                  ag_row - (shard_len - contribution), (ag_wire, ag_wire)),
+            "a2a": exchange("a2a", bool(received.any()), a2a_send, sum(send_splits), sum(recv_splits),
+                            rows - (shard_len - mine), (sum(send_splits), sum(recv_splits)),
+                            (send_splits, recv_splits)),
+            "full": exchange("full", full.active, full.send_index.numpy(), full.send_rows, full.recv_rows,
+                             plan.shard_rank * self.full_slot + self.shard_local,
+                             (full.wire_send_tokens, full.wire_recv_tokens)),
+        }
+        kind = replace(meta, shard_local_only=torch.from_numpy(local_only.copy()), local=local,
+                       local_kv_index=_long(_ranges(self.shard_local[local_piece] + local_offset, local_len)),
+                       remote=remote, out_index=_long(out_index), exchanges=exchanges,
+                       auto_comm="a2a" if auto_comm_a2a(a2a_busiest, ag_slot, cp, 2) else "allgather",
+                       ag_slot=ag_slot, a2a_busiest=a2a_busiest)
+        object.__setattr__(kind, "_layout", self)
+        object.__setattr__(kind, "_kinds", meta._kinds)  # for_kind of a kind's meta finds the others
+        return kind
 
 
 def build_rank_metas(plan: SequencePlan, doc_lens) -> list[CPAttnMeta]:
