@@ -51,6 +51,7 @@ from flashcp.costmodel.comm import (
     exchange_volumes,
 )
 from flashcp.planner.plan import SequencePlan
+from flashcp.runtime.kernels.library import chunk_segments
 
 __all__ = ["COLLECTIVE_MODES", "COMM_MODES", "CPAttnMeta", "Exchange", "QueryPart", "RingSchedule",
            "RingStep", "build_rank_metas", "rank_token_positions"]
@@ -628,13 +629,7 @@ class _RankLayout:
         first = key_start[shards]
         q_len, k_len = end - start, end - first
         if chunk is not None:  # one sequence per (shard, chunk): the chunk's keys up to the shard's queries in it
-            count = (end - 1) // chunk - start // chunk + 1
-            owner = np.repeat(np.arange(shards.size), count)
-            boundary = (start // chunk)[owner] * chunk + chunk * (np.arange(owner.size)
-                                                                 - np.repeat(_cumsum0(count)[:-1], count))
-            stop = np.minimum(boundary + chunk, end[owner])
-            q_len = stop - np.maximum(boundary, start[owner])
-            k_len = stop - np.maximum(boundary, first[owner])
+            _, q_len, k_len, _ = chunk_segments(q_len, k_len, first, chunk)
         part = QueryPart(q_index=_long(_ranges(self.shard_local[shards], end - start)),
                          cu_seqlens_q=_int32(_cumsum0(q_len)), cu_seqlens_k=_int32(_cumsum0(k_len)),
                          max_seqlen_q=int(q_len.max(initial=0)), max_seqlen_k=int(k_len.max(initial=0)))
