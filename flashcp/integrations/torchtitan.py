@@ -147,7 +147,7 @@ class CPInnerAttention(Module):
 def apply_cp_attention(model: nn.Module) -> int:
     """Replace every inner attention module of ``model`` with ``CPInnerAttention``; returns how many.
 
-    The model transform: torchtitan's ``VarlenAttention`` (causal, no sliding window), ``FlexAttention``
+    The model transform: torchtitan's ``VarlenAttention`` (causal, whole or windowed), ``FlexAttention``
     and ``ScaledDotProductAttention`` are replaced wherever a module holds one as ``inner_attention`` (every
     ``GQAttention`` of a Llama3 or Qwen3 decoder). Run it before FSDP2 wrapping; the replaced modules hold
     no parameters, so weights and checkpoints are unchanged. Idempotent. Raises ValueError (one sentence)
