@@ -43,78 +43,19 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 import torch
 
-from flashcp.costmodel.comm import (
-    allgather_shard_mask,
-    allgather_wire,
-    auto_comm_a2a,
-    busiest_rows,
-    exchange_volumes,
-)
+from flashcp.costmodel.comm import allgather_shard_mask, allgather_wire, auto_comm_a2a, exchange_volumes
 from flashcp.planner.plan import SequencePlan
-from flashcp.runtime.kernels.library import chunk_segments
+from flashcp.runtime.exchange_parts import Exchange, QueryPart
+from flashcp.runtime.index_arrays import as_int32, as_long, cumsum0, ranges, within_rank_offsets
+from flashcp.runtime.kind_exchange import kind_meta
 
-__all__ = ["COLLECTIVE_MODES", "COMM_MODES", "CPAttnMeta", "Exchange", "QueryPart", "RingSchedule",
+__all__ = ["COLLECTIVE_MODES", "COMM_MODES", "CPAttnMeta", "Exchange", "QueryPart", "RankLayout", "RingSchedule",
            "RingStep", "build_rank_metas", "rank_token_positions"]
 
 COLLECTIVE_MODES = ("allgather", "a2a", "full")
 """Comm modes that move K/V with one collective (an ``Exchange``)."""
 COMM_MODES = (*COLLECTIVE_MODES, "ring")
 """Comm modes every meta describes; ``ring`` rotates K/V point-to-point (a ``RingSchedule``)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
-class QueryPart:
-    """A group of query shards computed by one varlen kernel call."""
-
-    q_index: torch.Tensor
-    """(Tq,) int64: local token positions of the queries, shard after shard."""
-    cu_seqlens_q: torch.Tensor
-    """(B + 1,) int32: offsets of each sequence's queries in the gathered queries. A sequence is a shard, or
-    in a chunk layer's meta (``CPAttnMeta.for_kind``) a shard's piece inside one chunk."""
-    cu_seqlens_k: torch.Tensor
-    """(B + 1,) int32: offsets of each sequence's keys in the gathered keys: the document's ``[0, end)``, or
-    the range the layer kind sees (``CPAttnMeta.for_kind``); they end with the sequence's last query."""
-    max_seqlen_q: int
-    """Longest query sequence (0 when the part is empty)."""
-    max_seqlen_k: int
-    """Longest key sequence (0 when the part is empty)."""
-
-    @property
-    def num_tokens(self) -> int:
-        """Query tokens in this part."""
-        return int(self.q_index.shape[0])
-
-
-@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
-class Exchange:
-    """How one comm mode moves K/V for this rank, and where the remote part finds its keys."""
-
-    mode: str
-    """``allgather``, ``a2a`` or ``full``."""
-    active: bool
-    """False when no rank moves anything in this mode; every rank then skips the collective alike."""
-    send_index: torch.Tensor
-    """(num_payload,) int64: local tokens this rank puts into its collective input, in order (no padding)."""
-    send_rows: int
-    """Rows of this rank's collective input: ``P`` / ``Q`` (with zero padding) or the a2a send total."""
-    recv_rows: int
-    """Rows of the receive buffer: ``cp * P`` / ``cp * Q`` (all-gather output) or the a2a receive total."""
-    send_splits: tuple[int, ...]
-    """a2a only: rows sent to each rank; empty for the all-gather modes."""
-    recv_splits: tuple[int, ...]
-    """a2a only: rows received from each rank; empty for the all-gather modes."""
-    kv_index: torch.Tensor
-    """(Sk,) int64: for each key of the remote part (shard after shard, prefix ``[0, end)``), its row in
-    ``cat(local K/V (T rows), receive buffer)``."""
-    wire_send_tokens: int
-    """Tokens of K/V leaving this rank per pass: ``(cp-1) * P`` for an all-gather, the send total for a2a."""
-    wire_recv_tokens: int
-    """Tokens of K/V that arrive at this rank per pass."""
-
-    @property
-    def num_payload(self) -> int:
-        """Real (non-padding) tokens in this rank's collective input."""
-        return int(self.send_index.shape[0])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -197,13 +138,13 @@ class CPAttnMeta:
     _on: torch.device | None = field(default=None, init=False, repr=False, compare=False)
     _comm: str | None = field(default=None, init=False, repr=False, compare=False)
     _host: CPAttnMeta | None = field(default=None, init=False, repr=False, compare=False)
-    _layout: _RankLayout | None = field(default=None, init=False, repr=False, compare=False)
+    _layout: RankLayout | None = field(default=None, init=False, repr=False, compare=False)
     _kinds: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_plan(cls, plan: SequencePlan, doc_lens, rank: int) -> CPAttnMeta:
         """Build rank ``rank``'s meta from a validated plan of a sequence with documents ``doc_lens``."""
-        layout = _RankLayout(plan, doc_lens, rank)
+        layout = RankLayout(plan, doc_lens, rank)
         meta = layout.meta()
         object.__setattr__(meta, "_layout", layout)
         return meta
@@ -231,7 +172,10 @@ class CPAttnMeta:
         if key not in host._kinds:
             if host._layout is None:
                 raise ValueError("this meta was not built by CPAttnMeta.from_plan; it has no per-kind exchanges")
-            host._kinds[key] = host._layout.kind_meta(host, *key)
+            kind = kind_meta(host._layout, host, *key)
+            object.__setattr__(kind, "_layout", host._layout)
+            object.__setattr__(kind, "_kinds", host._kinds)  # for_kind of a kind's meta finds the others
+            host._kinds[key] = kind
         return host._kinds[key]
 
     @property
@@ -346,31 +290,6 @@ def _copy_as_one(tensors: list[torch.Tensor], device: torch.device) -> list[torc
     return [buffer[start:start + n].view(t.dtype).view(t.shape) for t, start, n in zip(tensors, offsets, sizes)]
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenated ``arange(start, start + length)`` for each pair. int64."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.cumsum(lengths) - lengths
-    return np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64)
-
-
-def _cumsum0(values: np.ndarray) -> np.ndarray:
-    return np.concatenate([np.zeros(1, np.int64), np.cumsum(values, dtype=np.int64)])
-
-
-def _within_rank_offsets(lengths: np.ndarray, shard_rank: np.ndarray) -> np.ndarray:
-    """For each shard, the sum of ``lengths`` of earlier shards (row order) of the same rank."""
-    order = np.argsort(shard_rank, kind="stable")
-    sorted_len = lengths[order]
-    cum = np.cumsum(sorted_len) - sorted_len
-    group_first = np.r_[True, shard_rank[order][1:] != shard_rank[order][:-1]]
-    cum -= np.maximum.accumulate(np.where(group_first, cum, 0))
-    out = np.empty_like(cum)
-    out[order] = cum
-    return out
-
-
 def _as_range(index: np.ndarray) -> tuple[int, int] | None:
     """``(a, b)`` when ``index`` is ``arange(a, b)`` with ``b > a``, else None."""
     if index.size == 0 or index[-1] - index[0] + 1 != index.size or (np.diff(index) != 1).any():
@@ -378,15 +297,7 @@ def _as_range(index: np.ndarray) -> tuple[int, int] | None:
     return int(index[0]), int(index[-1]) + 1
 
 
-def _long(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-
-
-def _int32(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
-
-
-class _RankLayout:
+class RankLayout:
     """One rank's share of a sequence's plan (host, numpy), built from the plan rows alone.
 
     Everything is derived from the shards, never from per-token maps of the whole sequence: a key prefix
@@ -394,6 +305,8 @@ class _RankLayout:
     and each piece is a run of its owner's local layout. The work is O(num_shards * cp) integer steps in the
     cost model's compiled kernels (the plan-wide numbers every rank must agree on: the all-gather slot and the
     a2a busiest rank) plus O(what this rank holds, receives and sends); no loop over the other ranks' metas.
+    The meta keeps it: ``CPAttnMeta.for_kind`` builds the exchange of a window or chunk layer from it
+    (``flashcp.runtime.kind_exchange``).
     """
 
     def __init__(self, plan: SequencePlan, doc_lens, rank: int):
@@ -404,10 +317,10 @@ class _RankLayout:
         if not 0 <= rank < cp:
             raise ValueError(f"rank {rank} is outside [0, {cp})")
         self.plan, self.rank = plan, rank
-        self.doc_offset = _cumsum0(self.doc_lens)[:-1]
+        self.doc_offset = cumsum0(self.doc_lens)[:-1]
         self.context_len = int(self.doc_lens.sum())
         self.shard_end = plan.shard_start + plan.shard_len
-        self.shard_local = _within_rank_offsets(plan.shard_len, plan.shard_rank)
+        self.shard_local = within_rank_offsets(plan.shard_len, plan.shard_rank)
         self.rank_tokens = np.bincount(plan.shard_rank, weights=plan.shard_len, minlength=cp).astype(np.int64)
         self.shards = plan.rank_slice(rank)
 
@@ -422,7 +335,7 @@ class _RankLayout:
         self.contributes = allgather_shard_mask(*args)
         self.ag_slot = volumes.ag_slot
         contrib_len = np.where(self.contributes, plan.shard_len, 0)
-        self.ag_base = plan.shard_rank * self.ag_slot + _within_rank_offsets(contrib_len, plan.shard_rank)
+        self.ag_base = plan.shard_rank * self.ag_slot + within_rank_offsets(contrib_len, plan.shard_rank)
 
         # full: every token, padded to the largest quota
         self.full_slot = int(self.rank_tokens.max())
@@ -440,7 +353,7 @@ class _RankLayout:
         """
         first = self.doc_first[docs]
         count = np.searchsorted(self.pos_sorted, self.doc_offset[docs] + ends) - first
-        piece = self.by_pos[_ranges(first, count)]
+        piece = self.by_pos[ranges(first, count)]
         prefix = np.repeat(np.arange(docs.size), count)
         length = np.minimum(self.shard_end[piece], ends[prefix]) - self.plan.shard_start[piece]
         return prefix, piece, length
@@ -460,7 +373,7 @@ class _RankLayout:
         piece, length = piece[foreign], length[foreign]
         order = np.lexsort((self.shard_local[piece], plan.shard_rank[piece]))
         rows = np.full(plan.num_shards, -1, dtype=np.int64)
-        rows[piece[order]] = _cumsum0(length[order])[:-1]
+        rows[piece[order]] = cumsum0(length[order])[:-1]
         splits = np.bincount(plan.shard_rank[piece], weights=length, minlength=plan.cp).astype(np.int64)
         return rows, tuple(int(c) for c in splits)
 
@@ -481,15 +394,15 @@ class _RankLayout:
         start, length = plan.shard_start[shards, None], plan.shard_len[shards, None]
         amount = np.clip(peer_end[doc_row.reshape(-1)] - start, 0, length)  # (n_mine, cp)
         amount[:, self.rank] = 0
-        send = _ranges(np.tile(self.shard_local[shards], cp), amount.T.reshape(-1))
+        send = ranges(np.tile(self.shard_local[shards], cp), amount.T.reshape(-1))
         return send, tuple(int(c) for c in amount.sum(axis=0))
 
     def _part(self, shards: np.ndarray) -> tuple[QueryPart, tuple[np.ndarray, np.ndarray]]:
         """The QueryPart of ``shards`` and the pieces of its keys: ``(piece, length)``, shard after shard."""
         plan = self.plan
         length, end = plan.shard_len[shards], self.shard_end[shards]
-        part = QueryPart(q_index=_long(_ranges(self.shard_local[shards], length)),
-                         cu_seqlens_q=_int32(_cumsum0(length)), cu_seqlens_k=_int32(_cumsum0(end)),
+        part = QueryPart(q_index=as_long(ranges(self.shard_local[shards], length)),
+                         cu_seqlens_q=as_int32(cumsum0(length)), cu_seqlens_k=as_int32(cumsum0(end)),
                          max_seqlen_q=int(length.max(initial=0)), max_seqlen_k=int(end.max(initial=0)))
         _, piece, key_len = self._prefix_pieces(plan.shard_doc[shards], end)
         return part, (piece, key_len)
@@ -508,13 +421,13 @@ class _RankLayout:
             count = np.bincount(query[runs], weights=key_len[runs], minlength=shards.size).astype(np.int64)
             seen = count > 0
             assert step > 0 or (count >= length).all()
-            part = QueryPart(q_index=_long(_ranges(self.shard_local[shards[seen]], length[seen])),
-                             cu_seqlens_q=_int32(_cumsum0(length[seen])),
-                             cu_seqlens_k=_int32(_cumsum0(count[seen])),
+            part = QueryPart(q_index=as_long(ranges(self.shard_local[shards[seen]], length[seen])),
+                             cu_seqlens_q=as_int32(cumsum0(length[seen])),
+                             cu_seqlens_k=as_int32(cumsum0(count[seen])),
                              max_seqlen_q=int(length[seen].max(initial=0)),
                              max_seqlen_k=int(count[seen].max(initial=0)))
-            kv_index = _ranges(self.shard_local[piece[runs]], key_len[runs])
-            steps.append(RingStep(source=source, causal=step == 0, part=part, kv_index=_long(kv_index),
+            kv_index = ranges(self.shard_local[piece[runs]], key_len[runs])
+            steps.append(RingStep(source=source, causal=step == 0, part=part, kv_index=as_long(kv_index),
                                   q_range=_as_range(part.q_index.numpy()), kv_range=_as_range(kv_index)))
         total = self.context_len
         return RingSchedule(rank=rank, steps=tuple(steps), block_rows=tuple(int(t) for t in self.rank_tokens),
@@ -539,16 +452,16 @@ class _RankLayout:
 
         held = plan.shard_rank[piece] == rank
         held_key = np.repeat(held, key_len)
-        base_row = np.where(held_key, _ranges(self.shard_local[piece], key_len), num_tokens)
+        base_row = np.where(held_key, ranges(self.shard_local[piece], key_len), num_tokens)
 
         def exchange(mode, active, send_index, send_rows, recv_rows, piece_row, wire, splits=((), ())):
             assert (piece_row[~held] >= 0).all()
-            kv_index = base_row + np.where(held_key, 0, _ranges(np.where(held, 0, piece_row), key_len))
-            return Exchange(mode=mode, active=active, send_index=_long(send_index), send_rows=send_rows,
+            kv_index = base_row + np.where(held_key, 0, ranges(np.where(held, 0, piece_row), key_len))
+            return Exchange(mode=mode, active=active, send_index=as_long(send_index), send_rows=send_rows,
                             recv_rows=recv_rows, send_splits=splits[0], recv_splits=splits[1],
-                            kv_index=_long(kv_index), wire_send_tokens=wire[0], wire_recv_tokens=wire[1])
+                            kv_index=as_long(kv_index), wire_send_tokens=wire[0], wire_recv_tokens=wire[1])
 
-        ag_send = _ranges(self.shard_local[shards], plan.shard_len[shards])[
+        ag_send = ranges(self.shard_local[shards], plan.shard_len[shards])[
             np.repeat(self.contributes[shards], plan.shard_len[shards])]
         ag_row = np.where(self.contributes, self.ag_base, -1)
         ag_wire = int(allgather_wire(self.ag_slot, cp))
@@ -564,146 +477,14 @@ class _RankLayout:
                              plan.shard_rank[piece] * self.full_slot + self.shard_local[piece],
                              (full_wire, full_wire)),
         }
-        return CPAttnMeta(rank=rank, cp=cp, num_tokens=num_tokens, shard_doc=_long(plan.shard_doc[shards]),
-                          shard_start=_long(plan.shard_start[shards]),
-                          shard_len=_long(plan.shard_len[shards]),
+        return CPAttnMeta(rank=rank, cp=cp, num_tokens=num_tokens, shard_doc=as_long(plan.shard_doc[shards]),
+                          shard_start=as_long(plan.shard_start[shards]),
+                          shard_len=as_long(plan.shard_len[shards]),
                           shard_local_only=torch.from_numpy(local_only.copy()), local=local,
-                          local_kv_index=_long(_ranges(self.shard_local[local_piece], local_len)),
-                          remote=remote, out_index=_long(out_index), exchanges=exchanges,
+                          local_kv_index=as_long(ranges(self.shard_local[local_piece], local_len)),
+                          remote=remote, out_index=as_long(out_index), exchanges=exchanges,
                           ring=self._ring_schedule(), auto_comm=self.auto_comm,
                           ag_slot=self.ag_slot, a2a_busiest=self.a2a_busiest)
-
-
-    # ------------------------------------------------------------ per layer kind (CPAttnMeta.for_kind)
-
-    def key_start(self, start: np.ndarray, window: int | None, chunk: int | None) -> np.ndarray:
-        """First document position the queries of a shard starting at ``start`` see under the kind (int64)."""
-        first = np.zeros_like(start)
-        if chunk is not None:
-            first = start // chunk * chunk
-        if window is not None:
-            first = np.maximum(first, start - (window - 1))
-        return first
-
-    def kind_need(self, key_start: np.ndarray) -> np.ndarray:
-        """(num_shards, cp) int64: tokens of shard j that rank r needs and does not hold, a suffix of j.
-
-        Rank r's shards after j in j's document see ``[key_start, end)``, which meets j in a suffix of it; the
-        first of them has the smallest key start (it grows with the shard's start), so it alone sets the need.
-        """
-        plan, cp = self.plan, self.plan.cp
-        order = self.by_pos
-        rank, doc, start = plan.shard_rank[order], plan.shard_doc[order], plan.shard_start[order]
-        end, first_key = self.shard_end[order], key_start[order]
-        need = np.zeros((plan.num_shards, cp), dtype=np.int64)
-        position = np.arange(order.size)
-        for r in range(cp):
-            mine = np.flatnonzero(rank == r)
-            if mine.size == 0:
-                continue
-            after = np.searchsorted(mine, position, side="right")
-            nxt = mine[np.minimum(after, mine.size - 1)]
-            sees = (after < mine.size) & (doc[nxt] == doc) & (rank != r)
-            need[order, r] = np.where(sees, np.clip(end - np.maximum(start, first_key[nxt]), 0, end - start), 0)
-        return need
-
-    def _range_pieces(self, docs, starts, ends) -> tuple[np.ndarray, ...]:
-        """The pieces of each range ``[starts[i], ends[i])`` of document ``docs[i]``, range after range.
-
-        Returns ``(range, piece, offset, length)``: which range, the piece's shard, where the range enters the
-        piece (tokens from the piece's start) and its tokens inside the range.
-        """
-        offset = self.doc_offset[docs]
-        first = np.searchsorted(self.pos_sorted, offset + starts, side="right") - 1
-        count = np.searchsorted(self.pos_sorted, offset + ends) - first
-        piece = self.by_pos[_ranges(first, count)]
-        which = np.repeat(np.arange(docs.size), count)
-        key_from = np.maximum(self.plan.shard_start[piece], starts[which])
-        length = np.minimum(self.shard_end[piece], ends[which]) - key_from
-        return which, piece, key_from - self.plan.shard_start[piece], length
-
-    def _kind_part(self, shards, key_start, chunk) -> tuple[QueryPart, tuple[np.ndarray, ...]]:
-        """The QueryPart of ``shards`` under the kind and the pieces of its keys ``(piece, offset, length)``."""
-        plan = self.plan
-        start, end = plan.shard_start[shards], self.shard_end[shards]
-        first = key_start[shards]
-        q_len, k_len = end - start, end - first
-        if chunk is not None:  # one sequence per (shard, chunk): the chunk's keys up to the shard's queries in it
-            _, q_len, k_len, _ = chunk_segments(q_len, k_len, first, chunk)
-        part = QueryPart(q_index=_long(_ranges(self.shard_local[shards], end - start)),
-                         cu_seqlens_q=_int32(_cumsum0(q_len)), cu_seqlens_k=_int32(_cumsum0(k_len)),
-                         max_seqlen_q=int(q_len.max(initial=0)), max_seqlen_k=int(k_len.max(initial=0)))
-        _, piece, offset, length = self._range_pieces(plan.shard_doc[shards], first, end)
-        return part, (piece, offset, length)
-
-    def kind_meta(self, meta: CPAttnMeta, window: int | None, chunk: int | None) -> CPAttnMeta:
-        """``meta`` (this layout's) for a window or chunk layer: its parts and exchanges move only what it needs."""
-        plan, cp, rank, shards = self.plan, self.plan.cp, self.rank, self.shards
-        key_start = self.key_start(plan.shard_start, window, chunk)
-        need = self.kind_need(key_start)
-        # a shard is local-only when this rank holds every key it sees
-        which, piece, _, _ = self._range_pieces(plan.shard_doc[shards], key_start[shards], self.shard_end[shards])
-        foreign = np.bincount(which, weights=plan.shard_rank[piece] != rank, minlength=shards.size)
-        local_only = foreign == 0
-        local, (local_piece, local_offset, local_len) = self._kind_part(shards[local_only], key_start, chunk)
-        remote, (piece, offset, key_len) = self._kind_part(shards[~local_only], key_start, chunk)
-        num_tokens = meta.num_tokens
-        order = np.concatenate([local.q_index.numpy(), remote.q_index.numpy()])
-        out_index = np.empty(num_tokens, dtype=np.int64)
-        out_index[order] = np.arange(num_tokens)
-
-        held = plan.shard_rank[piece] == rank
-        shard_len = plan.shard_len
-
-        def exchange(mode, active, send_index, send_rows, recv_rows, first_row, wire, splits=((), ())):
-            # first_row[j]: the row shard j's first token would have in the receive buffer (its needed suffix
-            # is there); held pieces read the local K/V
-            row = np.where(held, self.shard_local[piece], num_tokens + first_row[piece]) + offset
-            return Exchange(mode=mode, active=active, send_index=_long(send_index), send_rows=send_rows,
-                            recv_rows=recv_rows, send_splits=splits[0], recv_splits=splits[1],
-                            kv_index=_long(_ranges(row, key_len)), wire_send_tokens=wire[0], wire_recv_tokens=wire[1])
-
-        # a2a: rank r receives need[:, r], by (owner, owner's local position); owners send peer after peer
-        received = need.sum(axis=0)
-        sent = np.bincount(plan.shard_rank, weights=need.sum(axis=1), minlength=cp).astype(np.int64)
-        a2a_busiest = int(busiest_rows(sent, received))
-        mine = need[:, rank]
-        by_owner = np.lexsort((self.shard_local, plan.shard_rank))
-        rows = np.empty(plan.num_shards, dtype=np.int64)
-        rows[by_owner] = _cumsum0(mine[by_owner])[:-1]
-        recv_splits = tuple(int(c) for c in np.bincount(plan.shard_rank, weights=mine, minlength=cp))
-        amount = need[shards].T.reshape(-1)  # peer after peer, this rank's shards in local order
-        ends = np.tile(self.shard_local[shards] + shard_len[shards], cp)
-        a2a_send = _ranges(ends - amount, amount)
-        send_splits = tuple(int(c) for c in need[shards].sum(axis=0))
-        assert (offset[~held] >= (shard_len - mine)[piece[~held]]).all()
-
-        # allgather: each shard contributes the suffix any other rank needs
-        contribution = need.max(axis=1)
-        per_rank = np.bincount(plan.shard_rank, weights=contribution, minlength=cp).astype(np.int64)
-        ag_slot = int(per_rank.max(initial=0))
-        ag_row = plan.shard_rank * ag_slot + _within_rank_offsets(contribution, plan.shard_rank)
-        ag_send = _ranges(self.shard_local[shards] + shard_len[shards] - contribution[shards], contribution[shards])
-        ag_wire = int(allgather_wire(ag_slot, cp))
-        full = meta.exchanges["full"]
-        exchanges = {
-            "allgather": exchange("allgather", ag_slot > 0, ag_send, ag_slot, cp * ag_slot,
-                                  ag_row - (shard_len - contribution), (ag_wire, ag_wire)),
-            "a2a": exchange("a2a", bool(received.any()), a2a_send, sum(send_splits), sum(recv_splits),
-                            rows - (shard_len - mine), (sum(send_splits), sum(recv_splits)),
-                            (send_splits, recv_splits)),
-            "full": exchange("full", full.active, full.send_index.numpy(), full.send_rows, full.recv_rows,
-                             plan.shard_rank * self.full_slot + self.shard_local,
-                             (full.wire_send_tokens, full.wire_recv_tokens)),
-        }
-        kind = replace(meta, shard_local_only=torch.from_numpy(local_only.copy()), local=local,
-                       local_kv_index=_long(_ranges(self.shard_local[local_piece] + local_offset, local_len)),
-                       remote=remote, out_index=_long(out_index), exchanges=exchanges,
-                       auto_comm="a2a" if auto_comm_a2a(a2a_busiest, ag_slot, cp, 2) else "allgather",
-                       ag_slot=ag_slot, a2a_busiest=a2a_busiest)
-        object.__setattr__(kind, "_layout", self)
-        object.__setattr__(kind, "_kinds", meta._kinds)  # for_kind of a kind's meta finds the others
-        return kind
 
 
 def build_rank_metas(plan: SequencePlan, doc_lens) -> list[CPAttnMeta]:
@@ -720,6 +501,6 @@ def rank_token_positions(plan: SequencePlan, doc_lens, rank: int) -> tuple[np.nd
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
     shards = plan.rank_slice(rank)
     lengths = plan.shard_len[shards]
-    doc_pos = _ranges(plan.shard_start[shards], lengths)
+    doc_pos = ranges(plan.shard_start[shards], lengths)
     doc = np.repeat(plan.shard_doc[shards], lengths)
-    return _cumsum0(doc_lens)[:-1][doc] + doc_pos, doc_pos, doc
+    return cumsum0(doc_lens)[:-1][doc] + doc_pos, doc_pos, doc

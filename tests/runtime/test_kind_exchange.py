@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from flashcp.runtime.attention import attention_after_exchange
+from flashcp.runtime.layer_kinds import LayerKind
 from flashcp.runtime.meta import CPAttnMeta, build_rank_metas, rank_token_positions
 from tests.emulate import emulate_exchange, random_plan
 from tests.naive import naive_document_attention
@@ -128,7 +129,7 @@ def test_per_kind_exchange_equals_dense_reference_forward_and_backward(comm):
             out = torch.zeros_like(ref)
             for r, meta in enumerate(metas):
                 out_r = attention_after_exchange(leaves[0][positions[r]], ks[r], vs[r], recvs[r], meta, comm,
-                                                 softmax_scale=0.3, sinks=used_sinks, **_kind(layer))
+                                                 softmax_scale=0.3, kind=LayerKind(**layer), sinks=used_sinks)
                 out = out.index_put((positions[r],), out_r)
             grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
             errors = [(out - ref).abs().max().item()] + [
@@ -138,12 +139,6 @@ def test_per_kind_exchange_equals_dense_reference_forward_and_backward(comm):
                 failures.append(f"cp={cp} plan {index} K={num_kv_heads} {kind} {comm}: max |err| out, dq, dk, dv, "
                                 f"dsinks = {errors}")
     assert not failures, "\n".join(failures)
-
-
-def _kind(layer):
-    from flashcp.runtime.layer_kinds import LayerKind
-
-    return {"kind": LayerKind(**layer)}
 
 
 def test_for_kind_is_cached_and_refuses_nonsense():
