@@ -19,6 +19,16 @@ from flashcp.runtime.meta import CPAttnMeta, build_rank_metas, rank_token_positi
 from tests.emulate import emulate_exchange, random_plan
 from tests.naive import naive_document_attention
 
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tensors of a few hundred tokens: torch's intra-op threads only contend (7x slower on a busy 2-core box)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 KINDS = ({"window": 1}, {"window": 3}, {"window": 7}, {"chunk": 2}, {"chunk": 5}, {"window": 3, "chunk": 4})
 
 
