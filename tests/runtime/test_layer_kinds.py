@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from flashcp.runtime import cp_attention
+from flashcp.runtime.comm import CommStats
 from flashcp.runtime.kernels import (
     BackendFallbackWarning,
     BackendUnavailableError,
@@ -66,6 +67,26 @@ def _kind_case(name, plan, doc_lens, num_heads, num_kv_heads, kinds, rank, failu
                                 f"dk, dv(, dsinks) = {errors}")
 
 
+def _kind_volumes(plan, doc_lens, rank):
+    """The collectives of a window layer move what its meta says, and less than full attention's in all."""
+    failures = []
+    meta = CPAttnMeta.from_plan(plan, doc_lens, rank)
+    x = torch.zeros(meta.num_tokens, 2, 8, dtype=torch.float64, requires_grad=True)
+    moved = []
+    for kind in ({}, {"window": 3}):
+        stats = CommStats()
+        cp_attention(x, x, x, meta, comm="a2a", stats=stats, **kind).sum().backward()
+        got = (stats.total("sent_tokens", "forward"), stats.total("recv_tokens", "forward"))
+        if got != meta.for_kind(**kind).wire_tokens("a2a"):
+            failures.append(f"rank {rank} {kind}: the a2a moved {got}, its meta says "
+                            f"{meta.for_kind(**kind).wire_tokens('a2a')}")
+        moved.append(torch.tensor(float(got[1])))
+        torch.distributed.all_reduce(moved[-1])
+    if not moved[1] < moved[0]:
+        failures.append(f"a window of 3 received {moved[1].item()} tokens in all, full attention {moved[0].item()}")
+    return failures
+
+
 def _worker(rank, world_size):
     failures = []
     keep = ("random0", "random1", "random2", "one-doc", "strategy-flashcp+", "empty-ranks")  # GQA, MHA, MQA
@@ -76,6 +97,7 @@ def _worker(rank, world_size):
                   doc_lens, 4, 2))
     for name, plan, doc_lens, num_heads, num_kv_heads in cases:
         _kind_case(name, plan, doc_lens, num_heads, num_kv_heads, KINDS, rank, failures)
+    failures += _kind_volumes(*cases[-1][1:3], rank)
     # the ring computes plain causal attention and says so
     name, plan, doc_lens, *_ = cases[0]
     meta = CPAttnMeta.from_plan(plan, doc_lens, rank)
