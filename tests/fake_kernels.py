@@ -403,23 +403,24 @@ def _fa2_custom_ops():
 
 # ---------------------------------------------------------------- FlashAttention-3 (hopper/)
 
-def _fa3_forward_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window):
+def _fa3_forward_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap=0.0):
     check(_state["capability"] >= (8, 0), "FlashAttention only supports Ampere GPUs or newer.")
     check_varlen(q, k, v, cu_q, cu_k, max_q, max_k, half_only=False)
     check(q.dtype in (torch.float16, torch.bfloat16, torch.float8_e4m3fn),
           "FlashAttention only supports fp16, bf16, and fp8_e4m3 data type")
     check(q.shape[-1] % 8 == 0, "head_size should be a multiple of 8")
-    out, lse = attend64(q, k, v, cu_q, cu_k, scale, causal, window)
+    out, lse = attend64(q, k, v, cu_q, cu_k, scale, causal, window, softcap)
     return out.to(q.dtype), lse.float()
 
 
-def _fa3_backward_kernel(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dq, dk, dv, scale, causal, window):
+def _fa3_backward_kernel(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dq, dk, dv, scale, causal, window,
+                         softcap=0.0):
     check(cu_q is not None and cu_k is not None, "the fake runs varlen only")
     check_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
     _check_backward(dout, q, k, v, out, dq, dk, dv)
     _check_lse(lse, q.shape[1], q.shape[0])
     for target, grad in zip((dq, dk, dv), attend_backward64(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal,
-                                                            window)):
+                                                            window, softcap)):
         target.copy_(grad)
 
 
@@ -444,7 +445,8 @@ def _fa3_custom_backward():
         dv = torch.empty_like(v) if dv is None else dv
         scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
         _fa3_backward_kernel(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                             max_seqlen_k, dq, dk, dv, scale, is_causal, (window_size_left, window_size_right))
+                             max_seqlen_k, dq, dk, dv, scale, is_causal, (window_size_left, window_size_right),
+                             softcap)
         return torch.zeros(q.shape[1], q.shape[0] + 128 * (cu_seqlens_q.numel() - 1), dtype=torch.float32)
 
     _CUSTOM_OPS["fa3"] = _flash_attn_backward
@@ -460,46 +462,50 @@ def _make_fa3(custom_op: bool):
                      deterministic=False, sm_margin=0):
             dout, q, k, v, out = (_maybe_contiguous(x) for x in (dout, q, k, v, out))
             _fa3_backward_kernel(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                 max_seqlen_k, dq, dk, dv, softmax_scale, causal, tuple(window_size))
+                                 max_seqlen_k, dq, dk, dv, softmax_scale, causal, tuple(window_size), softcap)
             return dq, dk, dv, torch.zeros(1)
 
-    def call_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dq, dk, dv, scale, causal, window):
+    def call_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dq, dk, dv, scale, causal, window,
+                      softcap):
         if custom_op:
             return backward(dout, q, k, v, out, lse, cu_q, cu_k, None, None, max_q, max_k, dq, dk, dv, scale,
-                            causal, window[0], window[1], 0.0, False, 0)
+                            causal, window[0], window[1], softcap, False, 0)
         return backward(dout, q, k, v, out, lse, cu_q, cu_k, None, None, max_q, max_k, dq, dk, dv, scale, causal,
-                        window, 0.0, False, 0)
+                        window, softcap, False, 0)
 
     class FlashAttnVarlenFunc(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size, return_softmax):
+        def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size, softcap,
+                    return_softmax):
             if softmax_scale is None:
                 softmax_scale = q.shape[-1] ** (-0.5)
             q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
             out, softmax_lse = _fa3_forward_kernel(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal,
-                                                   tuple(window_size))
+                                                   tuple(window_size), softcap)
             ctx.save_for_backward(q, k, v, out, softmax_lse, cu_q, cu_k)
-            ctx.args = (max_q, max_k, softmax_scale, causal, tuple(window_size))
+            ctx.args = (max_q, max_k, softmax_scale, causal, tuple(window_size), softcap)
             return (out, softmax_lse) if return_softmax else out
 
         @staticmethod
         def backward(ctx, dout, *args):
             q, k, v, out, softmax_lse, cu_q, cu_k = ctx.saved_tensors
-            max_q, max_k, scale, causal, window = ctx.args
+            max_q, max_k, scale, causal, window, softcap = ctx.args
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
             call_backward(dout.contiguous(), q, k, v, out, softmax_lse, cu_q, cu_k, max_q, max_k, dq, dk, dv, scale,
-                          causal, window)
-            return dq, dk, dv, *([None] * 8)
+                          causal, window, softcap)
+            return dq, dk, dv, *([None] * 9)
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
                                seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None,
                                k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0,
                                softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
                                return_attn_probs=False):
-        check(seqused_q is None and seqused_k is None and qv is None and softcap == 0.0 and attention_chunk == 0,
+        # hopper/flash_attn_interface.py: softcap goes to flash_attn_3_cuda.fwd, and _flash_attn_backward passes it
+        # on to flash_attn_3_cuda.bwd (both the April 2025 function and the later custom op)
+        check(seqused_q is None and seqused_k is None and qv is None and attention_chunk == 0,
               "the fake supports plain varlen attention only")
         return FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         softmax_scale, causal, window_size, return_attn_probs)
+                                         softmax_scale, causal, window_size, float(softcap), return_attn_probs)
 
     return {"flash_attn_interface": _module("flash_attn_interface", flash_attn_varlen_func=flash_attn_varlen_func,
                                             _flash_attn_backward=backward)}
@@ -559,6 +565,8 @@ def _make_fa4():
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
         window = (-1 if window_size_left is None else window_size_left,
                   -1 if window_size_right is None else window_size_right)
+        # flash_attn/cute/interface.py declares softcap here but hands the kernel None ("softcap - not yet
+        # supported in backward"): the gradient is that of attention without the cap, as here
         grads = attend_backward64(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, causal, window)
         return tuple(g.to(q.dtype) for g in grads)
 

@@ -92,24 +92,29 @@ class CPInnerAttention(Module):
 
     Called by torchtitan's ``GQAttention`` as ``inner(q_BLNH, k_BLNH, v_BLNH, attention_masks=..., scale=...,
     enable_gqa=...)`` with RoPE already applied; ``attention_masks`` must be the batch's ``CPAttention``
-    (``titan_inputs`` puts it there). Causal attention inside each document; no attention dropout, score
-    modification, sliding window or LSE epilogue (``out_transform``).
+    (``titan_inputs`` puts it there). Causal attention inside each document, over the replaced layer's
+    sliding window if it had one; no attention dropout, score modification or LSE epilogue (``out_transform``).
     """
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
-        """Nothing to configure: the batch's CPAttention brings the meta, group, comm and kernels."""
+        """The replaced layer's window; the batch's CPAttention brings the meta, group, comm and kernels."""
 
         replaced: str = ""
         """Class name of the torchtitan module this one replaced (for the model's repr)."""
+        window: int | None = None
+        """Sliding window W in tokens, the query included (a ``VarlenAttention`` of ``window_size`` (W-1, 0));
+        None: the whole document before the query."""
 
     def __init__(self, config: Config):
         super().__init__()
         self.replaced = config.replaced
+        self.window = config.window
 
     def extra_repr(self) -> str:
-        """What the module replaced, for ``print(model)``."""
-        return f"replaced={self.replaced}" if self.replaced else ""
+        """What the module replaced and its window, for ``print(model)``."""
+        words = [f"replaced={self.replaced}"] if self.replaced else []
+        return ", ".join(words + ([] if self.window is None else [f"window={self.window}"]))
 
     def forward(self, q_BLNH: torch.Tensor, k_BLNH: torch.Tensor, v_BLNH: torch.Tensor, *,
                 attention_masks: Any = None, scale: float | None = None, enable_gqa: bool = False,
@@ -135,28 +140,32 @@ class CPInnerAttention(Module):
         if changing:  # never dropped: an argument flashcp does not know may change the result
             raise ValueError(f"cp_attention cannot honour the inner-attention arguments {sorted(changing)}; it "
                              "computes plain causal attention inside each document")
-        out_THD = attention_masks(q_BLNH[0], k_BLNH[0], v_BLNH[0], softmax_scale=scale)
+        out_THD = attention_masks(q_BLNH[0], k_BLNH[0], v_BLNH[0], softmax_scale=scale, window=self.window)
         return out_THD[None]
 
 
 def apply_cp_attention(model: nn.Module) -> int:
     """Replace every inner attention module of ``model`` with ``CPInnerAttention``; returns how many.
 
-    The model transform: torchtitan's ``VarlenAttention`` (causal, no sliding window), ``FlexAttention``
+    The model transform: torchtitan's ``VarlenAttention`` (causal, whole or windowed), ``FlexAttention``
     and ``ScaledDotProductAttention`` are replaced wherever a module holds one as ``inner_attention`` (every
     ``GQAttention`` of a Llama3 or Qwen3 decoder). Run it before FSDP2 wrapping; the replaced modules hold
     no parameters, so weights and checkpoints are unchanged. Idempotent. Raises ValueError (one sentence)
     for a model that is not a Llama3 or Qwen3 decoder (``TITAN_MODEL_MODULES``: gpt-oss's sinks, DeepSeek's
-    latent attention, Qwen3.5's Gated DeltaNet layers are refused before any step), a convolution, an attention
-    module other than ``GQAttention``, a model without inner attention, or one with an inner attention of
-    another kind or a sliding window (flashcp's masks are causal per document; a FlexAttention layer of these
-    decoders uses the causal document mask they build).
+    latent attention, Qwen3.5's Gated DeltaNet layers are refused before any step; the sentence names a
+    windowed layer when there is one), a convolution, an attention module other than ``GQAttention``, a model
+    without inner attention, or one with an inner attention of another kind or a window that is not causal. A
+    ``VarlenAttention`` of ``window_size`` (W-1, 0) (a sliding window of W tokens) runs ``cp_attention`` with
+    ``window=W``, whose exchange moves only the W-1 keys before each piece; a FlexAttention layer of these
+    decoders uses the causal document mask they build.
     """
     family = type(model).__module__
     if not family.startswith(TITAN_MODEL_MODULES):
+        windowed = _windowed_layer(model)
+        whose = "" if windowed is None else f", whose layer {windowed[0]} has a sliding window of {windowed[1]} tokens"
         raise ValueError(f"flashcp trains torchtitan's {', '.join(TITAN_ARCHITECTURES)} decoders exactly under CP, "
-                         f"got a {type(model).__name__} ({family}); its layers are not verified to be plain causal "
-                         "attention")
+                         f"got a {type(model).__name__} ({family}){whose}; its layers are not verified to be plain "
+                         "causal attention (windows run in llama3 and qwen3 varlen layers only)")
     replaced = 0
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.conv._ConvNd):
@@ -175,15 +184,33 @@ def apply_cp_attention(model: nn.Module) -> int:
         if not isinstance(inner, REPLACED_KINDS):
             raise ValueError(f"{where} is a {type(inner).__name__}; flashcp replaces "
                              f"{', '.join(k.__name__ for k in REPLACED_KINDS)}")
+        window = None
         if isinstance(inner, VarlenAttention) and tuple(inner.window_size) != (-1, 0):
-            raise ValueError(f"{where} has window_size {inner.window_size}; flashcp computes causal "
-                             "attention over whole documents (window_size (-1, 0)) only")
-        module.inner_attention = CPInnerAttention.Config(replaced=type(inner).__name__).build()
+            left, right = inner.window_size
+            if right != 0 or left < 0:
+                raise ValueError(f"{where} has window_size {inner.window_size}; flashcp computes causal attention, "
+                                 "over whole documents (window_size (-1, 0)) or a sliding window of W tokens "
+                                 "(window_size (W-1, 0))")
+            window = left + 1
+        module.inner_attention = CPInnerAttention.Config(replaced=type(inner).__name__, window=window).build()
         replaced += 1
     if not replaced:
         raise ValueError(f"found no inner attention module in a {type(model).__name__}; apply_cp_attention "
                          "takes a torchtitan decoder (Llama3, Qwen3)")
     return replaced
+
+
+def _windowed_layer(model: nn.Module) -> tuple[str, int] | None:
+    """``(layer, W)`` of the first layer with a sliding window of W tokens, from the model's config; or None.
+
+    torchtitan 0.3's windowed decoders (gpt-oss, muse_glimmer) declare it as ``sliding_window_size`` on a
+    layer's attention config.
+    """
+    for index, layer in enumerate(getattr(getattr(model, "config", None), "layers", None) or ()):
+        size = getattr(getattr(layer, "attention", None), "sliding_window_size", None)
+        if isinstance(size, int):
+            return f"layers.{index}.attention", size
+    return None
 
 
 def _registry(arch: str):

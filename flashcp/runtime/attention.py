@@ -21,9 +21,11 @@ the input dtype once (``flashcp.runtime.comm`` for what that costs on the wire).
 same: a bf16 -> float32 -> bf16 round trip is exact. It costs float32 copies of the gathered keys.
 
 A layer kind (``flashcp.runtime.layer_kinds``: a sliding ``window``, a ``chunk``, learned ``sinks``, a logit
-``softcap``) changes only the kernel calls of steps 2-3: their keys are each shard's document prefix ``[0,
-end)``, which holds everything a window or chunk needs (and more: an exchange sized per kind is not built yet).
-The ``ring`` mode computes plain causal attention and refuses them.
+``softcap``) runs the same steps over the meta of its kind (``CPAttnMeta.for_kind``): each shard's keys are
+only those the kind sees (the W-1 before the shard under a window, the shard's chunk under a chunk), so the
+exchange moves only those, and under a chunk each shard is split at chunk boundaries into plain causal
+sequences, so every backend runs chunk layers. The ``ring`` mode computes plain causal attention and refuses
+them.
 
 Steps 3-4 without the collective are ``attention_after_exchange``: given the receive buffer a rank would hold,
 it computes that rank's output, so single-process emulation and benchmarks run exactly the same code.
@@ -75,10 +77,11 @@ def cp_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, 
     in q, k, v and the sinks.
     """
     kind = LayerKind(window=window, chunk=chunk, softcap=softcap)
-    mode = meta.resolve_comm(comm, k_TKD.element_size())
-    if mode == "ring" and not (kind.plain and sinks is None):
+    if meta.resolve_comm(comm) == "ring" and not (kind.plain and sinks is None):
         raise ValueError(f"comm='ring' computes plain causal attention only, got {_kind_words(kind, sinks)}: use "
                          "comm allgather, a2a or full")
+    meta, kind = _for_kind(meta, kind)
+    mode = meta.resolve_comm(comm, k_TKD.element_size())
     meta = meta.to(q_THD.device, comm=mode)
     _check_inputs(q_THD, k_TKD, v_TKD, meta)
     check_sinks(sinks, q_THD.shape[1])
@@ -113,6 +116,15 @@ def cp_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, 
 def _kind_words(kind: LayerKind, sinks) -> str:
     words = [f"{name}={value}" for name, value in kind.kernel_args().items() if value is not None]
     return ", ".join(words + ([] if sinks is None else ["sinks"]))
+
+
+def _for_kind(meta: CPAttnMeta, kind: LayerKind) -> tuple[CPAttnMeta, LayerKind]:
+    """The meta of the layer's kind (``CPAttnMeta.for_kind``) and what is left for the kernels to mask.
+
+    The kind's meta splits shards at chunk boundaries, so the kernels see no chunk: a window or a soft-cap
+    at most.
+    """
+    return meta.for_kind(window=kind.window, chunk=kind.chunk), LayerKind(window=kind.window, softcap=kind.softcap)
 
 
 def _resolve(backend: str, q_THD: torch.Tensor, kind: LayerKind, sinks, ring: bool = False) -> str:
@@ -191,7 +203,7 @@ def attention_after_exchange(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: to
 
     ``kind`` and ``sinks``: the layer's, as ``cp_attention``'s window, chunk, softcap and sinks.
     """
-    kind = kind or LayerKind()
+    meta, kind = _for_kind(meta, kind or LayerKind())
     comm = meta.resolve_comm(comm, k_TKD.element_size())
     meta = meta.to(q_THD.device, comm=comm)
     _check_inputs(q_THD, k_TKD, v_TKD, meta)

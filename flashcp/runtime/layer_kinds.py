@@ -17,10 +17,12 @@ hands the kernel the sinked output and ``lse' = logaddexp(lse, sink)``, with whi
 and ``rowsum(dO * O)`` are exactly the softmax gradient over the keys and the sink; ``d sink =
 -sum(dO * O) * exp(sink - lse')``.
 
-Positions are those of the key sequences the kernel gets: each is a document's prefix from its first token,
-as ``CPAttnMeta`` builds them (a query shard ``[start, end)`` attends to keys ``[0, end)``). That exchange
-moves a superset of what a window or chunk needs; one sized per kind (the W-1 keys before a piece, or the
-piece's chunk) is not built yet.
+The kernels align a window bottom-right (the last query of a sequence sees the last key, flash-attn's
+convention when a sequence has more keys than queries), so a key sequence may start anywhere before its
+queries: ``cp_attention`` gives each shard only the keys its kind sees (``CPAttnMeta.for_kind``). A chunk
+needs the key's position mod K: the kernels count positions from each key sequence's first key, so a chunk
+layer's key sequences start at chunk boundaries, or, as ``cp_attention`` runs them, are split at chunk
+boundaries beforehand so that the kernels see no chunk at all.
 
 Shape legend: ``T`` packed query tokens, ``S`` packed key tokens, ``H`` query heads, ``K`` key/value heads,
 ``D`` head dim.

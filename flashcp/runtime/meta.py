@@ -20,6 +20,12 @@ and describes, for each comm mode, the exchange (docs/DESIGN.md section 2):
 - ``full`` (Llama3 / Per-Doc baseline): every rank contributes all its tokens, padded to the largest quota
   ``Q``; receive buffer ``cp * Q`` rows.
 
+A layer of sliding window W or chunk K sees less: ``for_kind(window=, chunk=)`` builds (once, cached) the
+rank's meta for that kind, whose parts and exchanges cover only the keys ``[max(0, start - W + 1), end)`` or
+``[K*floor(start/K), end)`` of each shard ``[start, end)`` (the parts then split shards at chunk boundaries);
+each exchange moves what it did for full attention, restricted to those keys (``full`` still moves every
+token). The ``ring`` schedule stays full-causal.
+
 The ``ring`` mode (Ring-Attn baseline) has no collective: each rank's whole K/V block (its tokens in local
 order) travels around the ring point-to-point. Its ``RingSchedule`` lists, for each of the ``cp`` steps, the
 visiting block's source rank and one varlen kernel call: every local query shard attends to the block's
@@ -39,67 +45,17 @@ import torch
 
 from flashcp.costmodel.comm import allgather_shard_mask, allgather_wire, auto_comm_a2a, exchange_volumes
 from flashcp.planner.plan import SequencePlan
+from flashcp.runtime.exchange_parts import Exchange, QueryPart
+from flashcp.runtime.index_arrays import as_int32, as_long, cumsum0, ranges, within_rank_offsets
+from flashcp.runtime.kind_exchange import kind_meta
 
-__all__ = ["COLLECTIVE_MODES", "COMM_MODES", "CPAttnMeta", "Exchange", "QueryPart", "RingSchedule",
+__all__ = ["COLLECTIVE_MODES", "COMM_MODES", "CPAttnMeta", "Exchange", "QueryPart", "RankLayout", "RingSchedule",
            "RingStep", "build_rank_metas", "rank_token_positions"]
 
 COLLECTIVE_MODES = ("allgather", "a2a", "full")
 """Comm modes that move K/V with one collective (an ``Exchange``)."""
 COMM_MODES = (*COLLECTIVE_MODES, "ring")
 """Comm modes every meta describes; ``ring`` rotates K/V point-to-point (a ``RingSchedule``)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
-class QueryPart:
-    """A group of query shards computed by one varlen kernel call."""
-
-    q_index: torch.Tensor
-    """(Tq,) int64: local token positions of the queries, shard after shard."""
-    cu_seqlens_q: torch.Tensor
-    """(n + 1,) int32: offsets of each shard's queries in the gathered queries."""
-    cu_seqlens_k: torch.Tensor
-    """(n + 1,) int32: offsets of each shard's key prefix ``[0, end)`` in the gathered keys."""
-    max_seqlen_q: int
-    """Longest shard (0 when the part is empty)."""
-    max_seqlen_k: int
-    """Longest key prefix (0 when the part is empty)."""
-
-    @property
-    def num_tokens(self) -> int:
-        """Query tokens in this part."""
-        return int(self.q_index.shape[0])
-
-
-@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
-class Exchange:
-    """How one comm mode moves K/V for this rank, and where the remote part finds its keys."""
-
-    mode: str
-    """``allgather``, ``a2a`` or ``full``."""
-    active: bool
-    """False when no rank moves anything in this mode; every rank then skips the collective alike."""
-    send_index: torch.Tensor
-    """(num_payload,) int64: local tokens this rank puts into its collective input, in order (no padding)."""
-    send_rows: int
-    """Rows of this rank's collective input: ``P`` / ``Q`` (with zero padding) or the a2a send total."""
-    recv_rows: int
-    """Rows of the receive buffer: ``cp * P`` / ``cp * Q`` (all-gather output) or the a2a receive total."""
-    send_splits: tuple[int, ...]
-    """a2a only: rows sent to each rank; empty for the all-gather modes."""
-    recv_splits: tuple[int, ...]
-    """a2a only: rows received from each rank; empty for the all-gather modes."""
-    kv_index: torch.Tensor
-    """(Sk,) int64: for each key of the remote part (shard after shard, prefix ``[0, end)``), its row in
-    ``cat(local K/V (T rows), receive buffer)``."""
-    wire_send_tokens: int
-    """Tokens of K/V leaving this rank per pass: ``(cp-1) * P`` for an all-gather, the send total for a2a."""
-    wire_recv_tokens: int
-    """Tokens of K/V that arrive at this rank per pass."""
-
-    @property
-    def num_payload(self) -> int:
-        """Real (non-padding) tokens in this rank's collective input."""
-        return int(self.send_index.shape[0])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -182,11 +138,45 @@ class CPAttnMeta:
     _on: torch.device | None = field(default=None, init=False, repr=False, compare=False)
     _comm: str | None = field(default=None, init=False, repr=False, compare=False)
     _host: CPAttnMeta | None = field(default=None, init=False, repr=False, compare=False)
+    _layout: RankLayout | None = field(default=None, init=False, repr=False, compare=False)
+    _kinds: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_plan(cls, plan: SequencePlan, doc_lens, rank: int) -> CPAttnMeta:
         """Build rank ``rank``'s meta from a validated plan of a sequence with documents ``doc_lens``."""
-        return _RankLayout(plan, doc_lens, rank).meta()
+        layout = RankLayout(plan, doc_lens, rank)
+        meta = layout.meta()
+        object.__setattr__(meta, "_layout", layout)
+        return meta
+
+    def for_kind(self, window: int | None = None, chunk: int | None = None) -> CPAttnMeta:
+        """The rank's meta for a layer of sliding ``window`` W or ``chunk`` K: its exchanges move only those keys.
+
+        A query shard ``[start, end)`` of a document needs the keys ``[max(0, start - W + 1), end)`` under a
+        window and ``[K * floor(start / K), end)`` under a chunk (with both, the later start). The returned
+        meta has the same shards, but its local/remote split, parts, ``kv_index`` and the exchanges of
+        ``allgather``, ``a2a`` and ``full`` (its ``wire_tokens``, ``ag_slot``, ``a2a_busiest`` and
+        ``auto_comm``) are those of the kind. Under a chunk every shard is also split at chunk boundaries: its
+        parts' sequences are the pieces of a shard inside one chunk, each with the keys of its chunk up to its
+        last query, so a plain bottom-right causal varlen call (with the window, if any) computes the chunk
+        layer on every backend, and no kernel needs a key's position in its document. ``ring`` keeps the
+        full-causal schedule (it runs plain causal attention only). Both None: this meta. Built on first use
+        and cached on the host meta, so calling it per layer is cheap; the result moves with ``to`` as usual.
+        """
+        host = self._host if self._host is not None else self
+        if window is None and chunk is None:
+            return self
+        key = (None if window is None else int(window), None if chunk is None else int(chunk))
+        if min(value for value in key if value is not None) < 1:
+            raise ValueError(f"window and chunk must be positive numbers of tokens, got {window!r}, {chunk!r}")
+        if key not in host._kinds:
+            if host._layout is None:
+                raise ValueError("this meta was not built by CPAttnMeta.from_plan; it has no per-kind exchanges")
+            kind = kind_meta(host._layout, host, *key)
+            object.__setattr__(kind, "_layout", host._layout)
+            object.__setattr__(kind, "_kinds", host._kinds)  # for_kind of a kind's meta finds the others
+            host._kinds[key] = kind
+        return host._kinds[key]
 
     @property
     def device(self) -> torch.device:
@@ -300,31 +290,6 @@ def _copy_as_one(tensors: list[torch.Tensor], device: torch.device) -> list[torc
     return [buffer[start:start + n].view(t.dtype).view(t.shape) for t, start, n in zip(tensors, offsets, sizes)]
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenated ``arange(start, start + length)`` for each pair. int64."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.cumsum(lengths) - lengths
-    return np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64)
-
-
-def _cumsum0(values: np.ndarray) -> np.ndarray:
-    return np.concatenate([np.zeros(1, np.int64), np.cumsum(values, dtype=np.int64)])
-
-
-def _within_rank_offsets(lengths: np.ndarray, shard_rank: np.ndarray) -> np.ndarray:
-    """For each shard, the sum of ``lengths`` of earlier shards (row order) of the same rank."""
-    order = np.argsort(shard_rank, kind="stable")
-    sorted_len = lengths[order]
-    cum = np.cumsum(sorted_len) - sorted_len
-    group_first = np.r_[True, shard_rank[order][1:] != shard_rank[order][:-1]]
-    cum -= np.maximum.accumulate(np.where(group_first, cum, 0))
-    out = np.empty_like(cum)
-    out[order] = cum
-    return out
-
-
 def _as_range(index: np.ndarray) -> tuple[int, int] | None:
     """``(a, b)`` when ``index`` is ``arange(a, b)`` with ``b > a``, else None."""
     if index.size == 0 or index[-1] - index[0] + 1 != index.size or (np.diff(index) != 1).any():
@@ -332,15 +297,7 @@ def _as_range(index: np.ndarray) -> tuple[int, int] | None:
     return int(index[0]), int(index[-1]) + 1
 
 
-def _long(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-
-
-def _int32(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
-
-
-class _RankLayout:
+class RankLayout:
     """One rank's share of a sequence's plan (host, numpy), built from the plan rows alone.
 
     Everything is derived from the shards, never from per-token maps of the whole sequence: a key prefix
@@ -348,6 +305,8 @@ class _RankLayout:
     and each piece is a run of its owner's local layout. The work is O(num_shards * cp) integer steps in the
     cost model's compiled kernels (the plan-wide numbers every rank must agree on: the all-gather slot and the
     a2a busiest rank) plus O(what this rank holds, receives and sends); no loop over the other ranks' metas.
+    The meta keeps it: ``CPAttnMeta.for_kind`` builds the exchange of a window or chunk layer from it
+    (``flashcp.runtime.kind_exchange``).
     """
 
     def __init__(self, plan: SequencePlan, doc_lens, rank: int):
@@ -358,10 +317,10 @@ class _RankLayout:
         if not 0 <= rank < cp:
             raise ValueError(f"rank {rank} is outside [0, {cp})")
         self.plan, self.rank = plan, rank
-        self.doc_offset = _cumsum0(self.doc_lens)[:-1]
+        self.doc_offset = cumsum0(self.doc_lens)[:-1]
         self.context_len = int(self.doc_lens.sum())
         self.shard_end = plan.shard_start + plan.shard_len
-        self.shard_local = _within_rank_offsets(plan.shard_len, plan.shard_rank)
+        self.shard_local = within_rank_offsets(plan.shard_len, plan.shard_rank)
         self.rank_tokens = np.bincount(plan.shard_rank, weights=plan.shard_len, minlength=cp).astype(np.int64)
         self.shards = plan.rank_slice(rank)
 
@@ -376,7 +335,7 @@ class _RankLayout:
         self.contributes = allgather_shard_mask(*args)
         self.ag_slot = volumes.ag_slot
         contrib_len = np.where(self.contributes, plan.shard_len, 0)
-        self.ag_base = plan.shard_rank * self.ag_slot + _within_rank_offsets(contrib_len, plan.shard_rank)
+        self.ag_base = plan.shard_rank * self.ag_slot + within_rank_offsets(contrib_len, plan.shard_rank)
 
         # full: every token, padded to the largest quota
         self.full_slot = int(self.rank_tokens.max())
@@ -394,7 +353,7 @@ class _RankLayout:
         """
         first = self.doc_first[docs]
         count = np.searchsorted(self.pos_sorted, self.doc_offset[docs] + ends) - first
-        piece = self.by_pos[_ranges(first, count)]
+        piece = self.by_pos[ranges(first, count)]
         prefix = np.repeat(np.arange(docs.size), count)
         length = np.minimum(self.shard_end[piece], ends[prefix]) - self.plan.shard_start[piece]
         return prefix, piece, length
@@ -414,7 +373,7 @@ class _RankLayout:
         piece, length = piece[foreign], length[foreign]
         order = np.lexsort((self.shard_local[piece], plan.shard_rank[piece]))
         rows = np.full(plan.num_shards, -1, dtype=np.int64)
-        rows[piece[order]] = _cumsum0(length[order])[:-1]
+        rows[piece[order]] = cumsum0(length[order])[:-1]
         splits = np.bincount(plan.shard_rank[piece], weights=length, minlength=plan.cp).astype(np.int64)
         return rows, tuple(int(c) for c in splits)
 
@@ -435,15 +394,15 @@ class _RankLayout:
         start, length = plan.shard_start[shards, None], plan.shard_len[shards, None]
         amount = np.clip(peer_end[doc_row.reshape(-1)] - start, 0, length)  # (n_mine, cp)
         amount[:, self.rank] = 0
-        send = _ranges(np.tile(self.shard_local[shards], cp), amount.T.reshape(-1))
+        send = ranges(np.tile(self.shard_local[shards], cp), amount.T.reshape(-1))
         return send, tuple(int(c) for c in amount.sum(axis=0))
 
     def _part(self, shards: np.ndarray) -> tuple[QueryPart, tuple[np.ndarray, np.ndarray]]:
         """The QueryPart of ``shards`` and the pieces of its keys: ``(piece, length)``, shard after shard."""
         plan = self.plan
         length, end = plan.shard_len[shards], self.shard_end[shards]
-        part = QueryPart(q_index=_long(_ranges(self.shard_local[shards], length)),
-                         cu_seqlens_q=_int32(_cumsum0(length)), cu_seqlens_k=_int32(_cumsum0(end)),
+        part = QueryPart(q_index=as_long(ranges(self.shard_local[shards], length)),
+                         cu_seqlens_q=as_int32(cumsum0(length)), cu_seqlens_k=as_int32(cumsum0(end)),
                          max_seqlen_q=int(length.max(initial=0)), max_seqlen_k=int(end.max(initial=0)))
         _, piece, key_len = self._prefix_pieces(plan.shard_doc[shards], end)
         return part, (piece, key_len)
@@ -462,13 +421,13 @@ class _RankLayout:
             count = np.bincount(query[runs], weights=key_len[runs], minlength=shards.size).astype(np.int64)
             seen = count > 0
             assert step > 0 or (count >= length).all()
-            part = QueryPart(q_index=_long(_ranges(self.shard_local[shards[seen]], length[seen])),
-                             cu_seqlens_q=_int32(_cumsum0(length[seen])),
-                             cu_seqlens_k=_int32(_cumsum0(count[seen])),
+            part = QueryPart(q_index=as_long(ranges(self.shard_local[shards[seen]], length[seen])),
+                             cu_seqlens_q=as_int32(cumsum0(length[seen])),
+                             cu_seqlens_k=as_int32(cumsum0(count[seen])),
                              max_seqlen_q=int(length[seen].max(initial=0)),
                              max_seqlen_k=int(count[seen].max(initial=0)))
-            kv_index = _ranges(self.shard_local[piece[runs]], key_len[runs])
-            steps.append(RingStep(source=source, causal=step == 0, part=part, kv_index=_long(kv_index),
+            kv_index = ranges(self.shard_local[piece[runs]], key_len[runs])
+            steps.append(RingStep(source=source, causal=step == 0, part=part, kv_index=as_long(kv_index),
                                   q_range=_as_range(part.q_index.numpy()), kv_range=_as_range(kv_index)))
         total = self.context_len
         return RingSchedule(rank=rank, steps=tuple(steps), block_rows=tuple(int(t) for t in self.rank_tokens),
@@ -493,16 +452,16 @@ class _RankLayout:
 
         held = plan.shard_rank[piece] == rank
         held_key = np.repeat(held, key_len)
-        base_row = np.where(held_key, _ranges(self.shard_local[piece], key_len), num_tokens)
+        base_row = np.where(held_key, ranges(self.shard_local[piece], key_len), num_tokens)
 
         def exchange(mode, active, send_index, send_rows, recv_rows, piece_row, wire, splits=((), ())):
             assert (piece_row[~held] >= 0).all()
-            kv_index = base_row + np.where(held_key, 0, _ranges(np.where(held, 0, piece_row), key_len))
-            return Exchange(mode=mode, active=active, send_index=_long(send_index), send_rows=send_rows,
+            kv_index = base_row + np.where(held_key, 0, ranges(np.where(held, 0, piece_row), key_len))
+            return Exchange(mode=mode, active=active, send_index=as_long(send_index), send_rows=send_rows,
                             recv_rows=recv_rows, send_splits=splits[0], recv_splits=splits[1],
-                            kv_index=_long(kv_index), wire_send_tokens=wire[0], wire_recv_tokens=wire[1])
+                            kv_index=as_long(kv_index), wire_send_tokens=wire[0], wire_recv_tokens=wire[1])
 
-        ag_send = _ranges(self.shard_local[shards], plan.shard_len[shards])[
+        ag_send = ranges(self.shard_local[shards], plan.shard_len[shards])[
             np.repeat(self.contributes[shards], plan.shard_len[shards])]
         ag_row = np.where(self.contributes, self.ag_base, -1)
         ag_wire = int(allgather_wire(self.ag_slot, cp))
@@ -518,12 +477,12 @@ class _RankLayout:
                              plan.shard_rank[piece] * self.full_slot + self.shard_local[piece],
                              (full_wire, full_wire)),
         }
-        return CPAttnMeta(rank=rank, cp=cp, num_tokens=num_tokens, shard_doc=_long(plan.shard_doc[shards]),
-                          shard_start=_long(plan.shard_start[shards]),
-                          shard_len=_long(plan.shard_len[shards]),
+        return CPAttnMeta(rank=rank, cp=cp, num_tokens=num_tokens, shard_doc=as_long(plan.shard_doc[shards]),
+                          shard_start=as_long(plan.shard_start[shards]),
+                          shard_len=as_long(plan.shard_len[shards]),
                           shard_local_only=torch.from_numpy(local_only.copy()), local=local,
-                          local_kv_index=_long(_ranges(self.shard_local[local_piece], local_len)),
-                          remote=remote, out_index=_long(out_index), exchanges=exchanges,
+                          local_kv_index=as_long(ranges(self.shard_local[local_piece], local_len)),
+                          remote=remote, out_index=as_long(out_index), exchanges=exchanges,
                           ring=self._ring_schedule(), auto_comm=self.auto_comm,
                           ag_slot=self.ag_slot, a2a_busiest=self.a2a_busiest)
 
@@ -542,6 +501,6 @@ def rank_token_positions(plan: SequencePlan, doc_lens, rank: int) -> tuple[np.nd
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
     shards = plan.rank_slice(rank)
     lengths = plan.shard_len[shards]
-    doc_pos = _ranges(plan.shard_start[shards], lengths)
+    doc_pos = ranges(plan.shard_start[shards], lengths)
     doc = np.repeat(plan.shard_doc[shards], lengths)
-    return _cumsum0(doc_lens)[:-1][doc] + doc_pos, doc_pos, doc
+    return cumsum0(doc_lens)[:-1][doc] + doc_pos, doc_pos, doc

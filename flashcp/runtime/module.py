@@ -37,7 +37,12 @@ class CPAttention:
     """Records every collective issued, or None."""
 
     def __call__(self, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
-                 softmax_scale: float | None = None) -> torch.Tensor:
-        """Attention of this rank's queries (T, H, D) over keys/values (T, K, D); returns (T, H, D)."""
+                 softmax_scale: float | None = None, *, window: int | None = None, chunk: int | None = None,
+                 sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+        """Attention of this rank's queries (T, H, D) over keys/values (T, K, D); returns (T, H, D).
+
+        ``window``, ``chunk``, ``sinks`` (H,) and ``softcap``: the layer's kind, as ``cp_attention`` takes them.
+        """
         return cp_attention(q_THD, k_TKD, v_TKD, self.meta, group=self.group, comm=self.comm,
-                            backend=self.backend, stats=self.stats, softmax_scale=softmax_scale)
+                            backend=self.backend, stats=self.stats, softmax_scale=softmax_scale, window=window,
+                            chunk=chunk, sinks=sinks, softcap=softcap)

@@ -269,16 +269,20 @@ def test_the_transform_refuses_what_it_cannot_serve():
     config = titan_model_config("llama3", attn_backend="varlen", **SHAPE)
     with torch.device("meta"):
         windowed = config.build()
-    windowed.layers["1"].attention.inner_attention.window_size = (128, 0)
-    with pytest.raises(ValueError, match=r"layers.1.attention.inner_attention has window_size \(128, 0\)"):
+    windowed.layers["1"].attention.inner_attention.window_size = (128, 1)  # sees a token ahead: not causal
+    with pytest.raises(ValueError, match=r"layers.1.attention.inner_attention has window_size \(128, 1\); flashcp "
+                                         r"computes causal attention"):
         apply_cp_attention(windowed)
     from torchtitan.models.deepseek_v3 import deepseekv3_configs
     from torchtitan.models.gpt_oss import gptoss_configs
 
-    for configs, name in [(gptoss_configs, "GptOssModel"), (deepseekv3_configs, "DeepSeekV3Model")]:
+    for configs, name, window in [(gptoss_configs, "GptOssModel", ", whose layer layers.0.attention has a sliding "
+                                                                  "window of 128 tokens"),
+                                  (deepseekv3_configs, "DeepSeekV3Model", "")]:
         with torch.device("meta"):  # sinks and sliding windows; latent attention
             other = configs["debugmodel"](attn_backend="flex", moe_comm_backend="standard").build()
-        with pytest.raises(ValueError, match=f"got a {name} .*not verified to be plain causal attention"):
+        with pytest.raises(ValueError, match=f"got a {name} \\([a-z0-9_.]+\\){window}; its layers are not "
+                                             "verified to be plain causal attention"):
             apply_cp_attention(other)
     inner = model.layers["0"].attention.inner_attention
     q = torch.zeros(1, 4, 2, 8)
@@ -291,3 +295,40 @@ def test_the_transform_refuses_what_it_cannot_serve():
         titan_model_config("qwen3", "7B")
     with pytest.raises(ValueError, match="'debugmodel_moe' is a mixture-of-experts flavor"):
         titan_model_config("qwen3", "debugmodel_moe", num_layers=2)
+
+
+class _DenseDocumentAttention(nn.Module):
+    """A torchtitan inner attention computing ``tests.naive`` dense document attention with a window."""
+
+    def __init__(self, doc_lens, window):
+        super().__init__()
+        self.doc_lens, self.window = doc_lens, window
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, scale=None, **_):
+        return naive_document_attention(q_BLNH[0], k_BLNH[0], v_BLNH[0], self.doc_lens, scale=scale,
+                                        window=self.window)[None]
+
+
+def test_a_varlen_layer_with_a_sliding_window_runs_cp_attention_with_it():
+    torch.manual_seed(SEED)
+    config = titan_model_config("llama3", attn_backend="varlen", **SHAPE)
+    with torch.device("meta"), set_default_dtype(torch.float64):
+        model = config.build()
+    model.layers["1"].attention.inner_attention.window_size = (2, 0)  # torchtitan's window of 3 tokens
+    assert apply_cp_attention(model) == LAYERS
+    assert [layer.attention.inner_attention.window for layer in model.layers.values()] == [None, 3]
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    doc_lens, tokens, positions = _whole_sequence()
+    meta = CPAttnMeta.from_plan(plan_sequence("llama3", doc_lens, 1), doc_lens, 0)
+    logits = {}
+    with torch.no_grad():
+        logits["cp"] = model(tokens, positions=positions, attention_masks=CPAttention(meta=meta))
+        for name, windows in (("dense", (None, 3)), ("no window", (None, None))):
+            for layer, window in zip(model.layers.values(), windows):
+                layer.attention.inner_attention = _DenseDocumentAttention(doc_lens, window)
+            logits[name] = model(tokens, positions=positions)
+    err = (logits["cp"] - logits["dense"]).abs().max().item()
+    assert err < 1e-12, f"max |logit err| {err:.2e} against dense attention with layer 1's window"
+    assert (logits["dense"] - logits["no window"]).abs().max() > 1e-3  # the window mattered

@@ -1,7 +1,7 @@
 """Layer kinds (window, chunk, sinks, soft-cap) of cp_attention against a float64 single-process reference.
 
 The reference (``tests/naive.py``) is dense attention over the whole packed sequence with the document mask
-and the layer's own mask. On 2 and 3 gloo ranks every comm mode runs forward and backward (dq, dk, dv and the
+and the layer's own mask. On 2 and 4 gloo ranks every comm mode runs forward and backward (dq, dk, dv and the
 sinks' gradient) for random plans, one document spread over every rank (shards of length 1), and documents
 shorter and longer than the window and the chunk. The GPU backends run windows through their CPU fakes.
 """
@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from flashcp.runtime import cp_attention
-from flashcp.runtime.kernels import BackendFallbackWarning, BackendUnavailableError, resolve_backend
+from flashcp.runtime.comm import CommStats
+from flashcp.runtime.kernels import (
+    BackendFallbackWarning,
+    BackendUnavailableError,
+    resolve_backend,
+    varlen_attention_backward,
+    varlen_attention_forward,
+)
 from flashcp.runtime.layer_kinds import LayerKind
 from flashcp.runtime.meta import CPAttnMeta, rank_token_positions
 from tests import fake_kernels
@@ -25,8 +32,9 @@ from tests.runtime.attention_cases import build_cases, max_abs
 TOL = 1e-10
 COMMS = ("allgather", "a2a", "full")
 KINDS = ({"window": 3}, {"chunk": 4}, {"softcap": 1.5}, {"sinks": True}, {"window": 1},
-         {"window": 5, "sinks": True, "softcap": 2.0}, {"chunk": 2, "sinks": True})
-"""W = 3 and K = 4 against documents of 1 to 14 tokens: shorter and longer than both; W = 1: itself only."""
+         {"window": 5, "sinks": True}, {"window": 5, "softcap": 2.0})
+"""W = 3 and K = 4 against documents of 1 to 14 tokens: shorter and longer than both; W = 1: itself only;
+window + sinks as gpt-oss combines them, window + soft-cap as Gemma 2 does."""
 
 
 def _kind_case(name, plan, doc_lens, num_heads, num_kv_heads, kinds, rank, failures, scale=0.4):
@@ -59,9 +67,29 @@ def _kind_case(name, plan, doc_lens, num_heads, num_kv_heads, kinds, rank, failu
                                 f"dk, dv(, dsinks) = {errors}")
 
 
+def _kind_volumes(plan, doc_lens, rank):
+    """The collectives of a window layer move what its meta says, and less than full attention's in all."""
+    failures = []
+    meta = CPAttnMeta.from_plan(plan, doc_lens, rank)
+    x = torch.zeros(meta.num_tokens, 2, 8, dtype=torch.float64, requires_grad=True)
+    moved = []
+    for kind in ({}, {"window": 3}):
+        stats = CommStats()
+        cp_attention(x, x, x, meta, comm="a2a", stats=stats, **kind).sum().backward()
+        got = (stats.total("sent_tokens", "forward"), stats.total("recv_tokens", "forward"))
+        if got != meta.for_kind(**kind).wire_tokens("a2a"):
+            failures.append(f"rank {rank} {kind}: the a2a moved {got}, its meta says "
+                            f"{meta.for_kind(**kind).wire_tokens('a2a')}")
+        moved.append(torch.tensor(float(got[1])))
+        torch.distributed.all_reduce(moved[-1])
+    if not moved[1] < moved[0]:
+        failures.append(f"a window of 3 received {moved[1].item()} tokens in all, full attention {moved[0].item()}")
+    return failures
+
+
 def _worker(rank, world_size):
     failures = []
-    keep = ("random0", "random1", "random3", "one-doc", "strategy-flashcp+", "empty-ranks")
+    keep = ("random0", "random1", "random2", "one-doc", "strategy-flashcp+", "empty-ranks")  # GQA, MHA, MQA
     cases = [case for case in build_cases(world_size) if case[0] in keep]
     rng = np.random.default_rng(500 + world_size)
     doc_lens = np.array([1, 2, 3, 4, 5, 9, 14])  # shorter, equal to and longer than W = 3 and K = 4
@@ -69,6 +97,7 @@ def _worker(rank, world_size):
                   doc_lens, 4, 2))
     for name, plan, doc_lens, num_heads, num_kv_heads in cases:
         _kind_case(name, plan, doc_lens, num_heads, num_kv_heads, KINDS, rank, failures)
+    failures += _kind_volumes(*cases[-1][1:3], rank)
     # the ring computes plain causal attention and says so
     name, plan, doc_lens, *_ = cases[0]
     meta = CPAttnMeta.from_plan(plan, doc_lens, rank)
@@ -82,7 +111,7 @@ def _worker(rank, world_size):
     return failures
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_layer_kinds_match_dense_reference_on_gloo(world_size):
     spawn(_worker, world_size)
 
@@ -116,13 +145,19 @@ def installed():
 
 
 WINDOW_FAKES = ("flash_attn-2.6", "flash_attn-2.8", "fa3", "fa3-2025-04", "fa4", "torch_varlen")
+SOFTCAP_BACKENDS = ("flash_attn", "fa3")
+"""Whose forward and backward both take a soft-cap (FA2 2.6+, FA3); FA4's backward ignores it."""
 
 
+@pytest.mark.parametrize("layer", ["window", "chunk"])
 @pytest.mark.parametrize("fake", WINDOW_FAKES)
-def test_window_sinks_and_softcap_through_each_fake(fake, installed):
+def test_layer_kinds_with_sinks_through_each_fake(fake, layer, installed):
     installed(fake)
     backend = fake_kernels.BACKEND_OF[fake]
-    kind = {"window": 5, "softcap": 1.5} if backend == "flash_attn" else {"window": 5}  # FA2 2.6+ soft-caps
+    if layer == "chunk":  # split into plain causal sequences: every backend runs it
+        kind = {"chunk": 4}
+    else:
+        kind = {"window": 5, "softcap": 1.5} if backend in SOFTCAP_BACKENDS else {"window": 5}
     doc_lens = np.array([9, 1, 14, 4])
     plan = random_plan(doc_lens, 1, np.random.default_rng(3))
     meta = CPAttnMeta.from_plan(plan, doc_lens, 0)
@@ -147,25 +182,60 @@ def test_window_sinks_and_softcap_through_each_fake(fake, installed):
     assert (out.double() - ref64).abs().max() > 1e-2  # the kind changed the result: it was not dropped
 
 
+@pytest.mark.parametrize("fake", ["flash_attn-2.8", "fa3", "fa4", "torch_varlen"])
+def test_chunks_run_as_plain_causal_sequences_on_backends_without_them(fake, installed):
+    """The kernels' own entry points with a chunk: key sequences from the document's start, queries late."""
+    installed(fake)
+    backend = fake_kernels.BACKEND_OF[fake]
+    gen = torch.Generator().manual_seed(5)
+    num_q, num_k = [3, 9, 1, 4], [11, 9, 6, 4]  # the first and third skip whole chunks of K = 4 before their queries
+    cu_q, cu_k = (torch.tensor(np.r_[0, np.cumsum(n)], dtype=torch.int32) for n in (num_q, num_k))
+    q, dout = (torch.randn(sum(num_q), 4, 16, generator=gen).bfloat16() for _ in range(2))
+    k, v = (torch.randn(sum(num_k), 2, 16, generator=gen).bfloat16() for _ in range(2))
+    lengths = (cu_q, cu_k, max(num_q), max(num_k))
+    out, lse = varlen_attention_forward(q, k, v, *lengths, causal=True, backend=backend, chunk=4, window=3)
+    grads = varlen_attention_backward(dout, q, k, v, out, lse, *lengths, causal=True, backend=backend, chunk=4,
+                                      window=3)
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    out64, lse64 = varlen_attention_forward(q64, k64, v64, *lengths, causal=True, backend="reference", chunk=4,
+                                            window=3)
+    grads64 = varlen_attention_backward(dout.double(), q64, k64, v64, out64, lse64, *lengths, causal=True,
+                                        backend="reference", chunk=4, window=3)
+    errors = [(a.double() - b).abs().max().item() for a, b in zip((out, lse, *grads), (out64, lse64, *grads64))]
+    assert max(errors) < 3e-2, f"{fake}: max |err| of out, lse, dq, dk, dv vs float64 reference: {errors}"
+    plain, _ = varlen_attention_forward(q64, k64, v64, *lengths, causal=True, backend="reference", window=3)
+    assert (plain - out64).abs().max() > 0.1  # the chunk mattered
+    skipped = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 20, 21, 22, 23])  # keys of chunks before any query
+    assert grads[1][skipped].abs().max() == 0 and grads[2][skipped].abs().max() == 0
+
+
 def test_kinds_a_backend_cannot_run_are_refused_and_auto_falls_back(installed):
-    installed("fa3", "flash_attn-2.8", "torch_varlen")
+    installed("fa3", "fa4", "flash_attn-2.8", "torch_varlen")
     q = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
-    with pytest.raises(BackendUnavailableError, match="fa3 has no chunked attention"):
-        resolve_backend("fa3", q, chunk=8)
+    for backend in ("fa3", "fa4", "flash_attn", "torch_varlen"):  # chunks: split into plain causal sequences
+        assert resolve_backend(backend, q, chunk=8) == backend
+    assert resolve_backend("fa3", q, softcap=30.0, window=8) == "fa3"
     with pytest.raises(BackendUnavailableError, match=r"torch_varlen takes no logit soft-capping \(softcap=30.0\)"):
         resolve_backend("torch_varlen", q, softcap=30.0)
-    with pytest.raises(BackendUnavailableError, match="does not pass logit soft-capping .softcap=30.0. to fa3 yet"):
-        resolve_backend("fa3", q, softcap=30.0)
+    with pytest.raises(BackendUnavailableError, match="does not pass logit soft-capping .softcap=30.0. to fa4: its "
+                                                      "_flash_attn_bwd ignores softcap"):
+        resolve_backend("fa4", q, softcap=30.0)
+    assert resolve_backend("auto", q, softcap=30.0, window=8) == "fa3"
+    assert resolve_backend("auto", q, chunk=8) == "fa3"
+
+
+def test_auto_passes_over_a_backend_that_cannot_soft_cap(installed):
+    installed("fa4", "flash_attn-2.8", "torch_varlen")
+    q = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert resolve_backend("auto", q, softcap=30.0, window=8) == "flash_attn"  # FA2 takes the soft-cap
     said = [str(w.message) for w in caught if issubclass(w.category, BackendFallbackWarning)]
-    assert len(said) == 1 and "skipped fa3 (flashcp does not pass logit soft-capping" in said[0], said
+    assert len(said) == 1 and "skipped fa4 (flashcp does not pass logit soft-capping" in said[0], said
+    installed("torch_varlen")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert resolve_backend("auto", q, chunk=8) == "reference"
-        assert resolve_backend("auto", q, chunk=8) == "reference"
+        assert resolve_backend("auto", q, softcap=30.0) == "reference"
     said = [str(w.message) for w in caught if issubclass(w.category, BackendFallbackWarning)]
-    assert len(said) == 1 and "fa3 has no chunked attention" in said[0], said
-    assert "head dim 64 and chunk=8" in said[0] and "(the GPU kernels run windows, and FA2 soft-caps)" in said[0]
-    assert resolve_backend("auto", q, window=128) == "fa3"
+    assert len(said) == 1 and "torch_varlen takes no logit soft-capping" in said[0], said
+    assert "head dim 64 and softcap=30.0" in said[0] and "FA2 and FA3 soft-caps" in said[0]

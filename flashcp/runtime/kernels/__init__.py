@@ -34,9 +34,12 @@ reason in one sentence. ``_device_capability`` is the one place that looks at th
 Layer kinds (``flashcp.runtime.layer_kinds``) run through the log-sum-exp entry points below, which take a
 sliding ``window``, a ``chunk`` and a logit ``softcap``: the reference kernel runs all three; FA2 (2.6+), FA3,
 FA4 and ``torch_varlen`` a window, which their forward and backward entry points declare (``window_size`` or
-``window_size_left/right``); FA2 (2.6+) a soft-cap (``softcap``; FA3 and FA4 declare one too, but flashcp
-does not pass it to them yet). No backward entry point flashcp calls takes a chunk (FA3's ``attention_chunk``
-is a forward argument), so chunks run on the reference kernel. For a kind a backend cannot run, ``auto``
+``window_size_left/right``); FA2 (2.6+) and FA3 a soft-cap (``softcap``, which their forward and backward
+take; FA4's backward declares one but ignores it, so flashcp does not pass it to FA4). No backward entry
+point flashcp calls takes a chunk (FA3's ``attention_chunk`` is a forward argument), so every backend but
+the reference runs a chunk as plain causal sequences split at chunk boundaries (``library.chunk_segments``:
+each chunk's queries with that chunk's keys up to the last of them; no padding), forward and backward, with
+the log-sum-exp. For a kind a backend cannot run, ``auto``
 falls back with its one warning and a backend asked for by name says why.
 
 Block-wise attention (the ``ring`` comm mode) needs two more entry points, not differentiable themselves:
@@ -63,6 +66,7 @@ from __future__ import annotations
 import functools
 import warnings
 
+import numpy as np
 import torch
 
 from flashcp.runtime.kernels.fa2 import FLASH_ATTN
@@ -76,6 +80,7 @@ from flashcp.runtime.kernels.library import (
     BackendUnavailableError,
     Library,
     Unavailable,
+    chunk_segments,
     declares,
     fold_softmax_scale,
     lse_dtype,
@@ -128,24 +133,22 @@ def _auto_order(capability: tuple[int, int]) -> tuple[str, ...]:
 
 
 # the parameter names that say an entry point takes a kind; why a library does not run one flashcp does not pass
-_KIND_PARAMETERS = {"window": ("window_size", "window_size_left"), "softcap": ("softcap",),
-                    "chunk": ("attention_chunk",)}
-_NOT_PASSED = {"window": "flashcp does not pass a sliding window (window={value}) to {name} yet",
-               "softcap": "flashcp does not pass logit soft-capping (softcap={value}) to {name} yet",
-               "chunk": "{name} has no chunked attention (chunk={value}) in both its forward and backward"}
+_KIND_PARAMETERS = {"window": ("window_size", "window_size_left"), "softcap": ("softcap",)}
+_NOT_PASSED = {"window": "flashcp does not pass a sliding window (window={value}) to {name}",
+               "softcap": "flashcp does not pass logit soft-capping (softcap={value}) to {name}"}
 _NOT_DECLARED = {"window": "{name} takes no sliding window (window={value}) in this release",
-                 "softcap": "{name} takes no logit soft-capping (softcap={value})",
-                 "chunk": "{name} takes no chunked attention (chunk={value}) in this release"}
+                 "softcap": "{name} takes no logit soft-capping (softcap={value})"}
 
 
 def _kind_problem(library: Library, api: Api, kind: dict[str, int | float | None]) -> str | None:
-    """Why ``library`` cannot run the window, chunk or soft-cap of ``kind``, or None."""
+    """Why ``library`` cannot run the window or soft-cap of ``kind``, or None (every library runs chunks)."""
     for name in KINDS:
         value = kind.get(name)
-        if value is None:
+        if value is None or name == "chunk":  # split into plain causal sequences where not native
             continue
         if name not in library.kinds:
-            return _NOT_PASSED[name].format(name=library.name, value=value)
+            why = dict(library.withheld).get(name)
+            return _NOT_PASSED[name].format(name=library.name, value=value) + (f": {why}" if why else "")
         if library.kinds_declared and not (declares(api.forward, *_KIND_PARAMETERS[name])
                                            and declares(api.backward, *_KIND_PARAMETERS[name])):
             return _NOT_DECLARED[name].format(name=library.name, value=value)
@@ -234,7 +237,7 @@ def resolve_backend(backend: str, q: torch.Tensor, blockwise: bool = False, **ki
             skipped.append(why if why.startswith(name) else f"{name} ({why})")
     asked = [f"{name}={value}" for name, value in kind.items() if value is not None]
     what = f" and {', '.join(asked)}" if asked else ""
-    hint = ("the GPU kernels run windows, and FA2 soft-caps" if asked and q.dtype in HALF_DTYPES else
+    hint = ("the GPU kernels run windows and chunks, and FA2 and FA3 soft-caps" if asked and q.dtype in HALF_DTYPES else
             "train in bfloat16 or float16 to use the GPU kernels")
     _warn_once(f"attention backend auto found no GPU kernel for {q.dtype} tensors with head dim {q.shape[-1]}{what} "
                f"on {q.device} ({'; '.join(skipped) or 'none is installed'}): running the reference kernel, a Python "
@@ -292,8 +295,13 @@ def varlen_attention_forward(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: to
     num_tokens, num_heads, _ = q_THD.shape
     if num_tokens == 0:
         return q_THD.clone(), q_THD.new_zeros((0, num_heads), dtype=lse_dtype(q_THD.dtype))
-    return LIBRARIES[backend].forward(_api(backend), q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                      max_seqlen_k, causal, window, chunk, softcap)
+    library = LIBRARIES[backend]
+    if chunk is not None and "chunk" not in library.kinds:
+        split = _ChunkSplit(cu_seqlens_q, cu_seqlens_k, chunk, causal)
+        return library.forward(_api(backend), q_THD, split.keys(k_SKD), split.keys(v_SKD), *split.lengths, causal,
+                               window, None, softcap)
+    return library.forward(_api(backend), q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, causal, window, chunk, softcap)
 
 
 def varlen_attention_backward(grad_out_THD: torch.Tensor, q_THD: torch.Tensor, k_SKD: torch.Tensor,
@@ -327,6 +335,44 @@ def varlen_attention_backward(grad_out_THD: torch.Tensor, q_THD: torch.Tensor, k
     backend = resolve_backend(backend, q_THD, blockwise=True, window=window, chunk=chunk, softcap=softcap)
     if q_THD.shape[0] == 0:
         return q_THD.clone(), torch.zeros_like(k_SKD), torch.zeros_like(v_SKD)
-    return LIBRARIES[backend].backward(_api(backend), grad_out_THD, q_THD, k_SKD, v_SKD, out_THD, lse_TH,
-                                       cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, chunk,
-                                       softcap)
+    library = LIBRARIES[backend]
+    if chunk is not None and "chunk" not in library.kinds:
+        split = _ChunkSplit(cu_seqlens_q, cu_seqlens_k, chunk, causal)
+        dq, dk, dv = library.backward(_api(backend), grad_out_THD, q_THD, split.keys(k_SKD), split.keys(v_SKD),
+                                      out_THD, lse_TH, *split.lengths, causal, window, None, softcap)
+        return dq, split.key_grad(dk, k_SKD), split.key_grad(dv, v_SKD)
+    return library.backward(_api(backend), grad_out_THD, q_THD, k_SKD, v_SKD, out_THD, lse_TH, cu_seqlens_q,
+                            cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, chunk, softcap)
+
+
+class _ChunkSplit:
+    """Causal sequences split at chunk boundaries (``library.chunk_segments``), for a library without chunks.
+
+    Reads ``cu_seqlens`` on the host (one sync per call; ``cp_attention`` needs none: its metas are split
+    already). Keys of a sequence's chunks before its first query are no piece's: they are left out of the
+    call (a gather) and their gradient is zero.
+    """
+
+    def __init__(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, chunk: int, causal: bool):
+        if not causal:
+            raise ValueError("chunked attention needs the causal mask (causal=True)")
+        cu_q, cu_k = cu_seqlens_q.cpu().numpy().astype(np.int64), cu_seqlens_k.cpu().numpy().astype(np.int64)
+        num_k = np.diff(cu_k)
+        sequence, q_len, k_len, k_skip = chunk_segments(np.diff(cu_q), num_k, np.zeros_like(num_k), chunk)
+        device = cu_seqlens_q.device
+        self.lengths = (torch.from_numpy(np.r_[0, np.cumsum(q_len)].astype(np.int32)).to(device),
+                        torch.from_numpy(np.r_[0, np.cumsum(k_len)].astype(np.int32)).to(device),
+                        int(q_len.max(initial=0)), int(k_len.max(initial=0)))
+        self.index = None
+        if k_len.sum() != cu_k[-1]:  # pieces are in order and disjoint: equal totals mean every key is used
+            starts = cu_k[:-1][sequence] + k_skip
+            index = np.repeat(starts - (np.cumsum(k_len) - k_len), k_len) + np.arange(int(k_len.sum()))
+            self.index = torch.from_numpy(index).to(device)
+
+    def keys(self, x_SKD: torch.Tensor) -> torch.Tensor:
+        """The keys (or values) the pieces read, in piece order."""
+        return x_SKD if self.index is None else x_SKD.index_select(0, self.index)
+
+    def key_grad(self, grad: torch.Tensor, like_SKD: torch.Tensor) -> torch.Tensor:
+        """The pieces' key (or value) gradient put back on all keys, zero where no piece reads."""
+        return grad if self.index is None else torch.zeros_like(like_SKD).index_copy_(0, self.index, grad)

@@ -2,7 +2,9 @@
 
 Its backward ``_flash_attn_backward`` is a ``torch.library.custom_op`` from July 2025 on (``is_causal``,
 ``window_size_left/right``), a plain function before (``causal``, ``window_size``). Its forward takes a
-soft-cap and ``attention_chunk`` too; flashcp passes neither yet (no backward takes a chunk).
+soft-cap, which both backwards pass on to ``flash_attn_3_cuda.bwd`` (hopper/flash_attn_interface.py), so
+flashcp runs soft-capped layers on it; and ``attention_chunk``, which no backward takes, so chunks run split
+into plain causal sequences (``kernels.varlen_attention_forward``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def _backward(api: Api, dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, 
 
 FA3 = Library(
     name="fa3", load=_load, min_capability=(8, 0), dtypes=library.HALF_DTYPES, head_dims=library.up_to_256,
-    kinds=frozenset({"window"}), kinds_declared=True, auto_majors=(9, 9),
+    kinds=frozenset({"window", "softcap"}), kinds_declared=True, auto_majors=(9, 9),
     attention=library.pad_attention(library.flash_attention),
     forward=library.pad_forward("fa3", library.probs_forward("fa3")), backward=library.pad_backward(_backward))
 """FlashAttention-3; ``"auto"`` tries it on Hopper (9.x) only."""

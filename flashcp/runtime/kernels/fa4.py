@@ -2,7 +2,9 @@
 
 ``flash_attn_varlen_func`` takes ``qv`` as its fourth positional parameter and always returns ``(out, lse)``;
 the block-wise backward is ``flash_attn.cute.interface._flash_attn_bwd``. On Blackwell (10.x, 11.x) it takes
-head dims up to 128, or exactly 256. It declares a soft-cap, which flashcp does not pass yet.
+head dims up to 128, or exactly 256. Its forward takes a soft-cap, but ``_flash_attn_bwd`` hands its kernel
+None for it ("softcap - not yet supported in backward", flash_attn/cute/interface.py): the gradient would be
+that of uncapped attention, so flashcp refuses soft-capping on FA4 and ``auto`` takes FA3 or FA2.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def _backward(api: Api, dout, q, k, v, out, lse_HT, cu_seqlens_q, cu_seqlens_k, 
 FA4 = Library(
     name="fa4", load=_load, min_capability=(9, 0), dtypes=library.HALF_DTYPES, head_dims=_head_dims,
     kinds=frozenset({"window"}), kinds_declared=True, auto_majors=(9, None),
+    withheld=(("softcap", "its _flash_attn_bwd ignores softcap (flash_attn/cute/interface.py passes the kernel "
+                          "None), so the gradient would be wrong"),),
     attention=library.pad_attention(library.flash_attention), forward=library.pad_forward("fa4", _forward),
     backward=library.pad_backward(_backward))
 """FlashAttention-4; ``"auto"`` tries it on Hopper after FA3, first on Blackwell and newer."""

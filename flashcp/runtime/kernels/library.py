@@ -20,13 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from flashcp.errors import FlashcpError
 
 __all__ = ["HALF_DTYPES", "KINDS", "Api", "BackendFallbackWarning", "BackendUnavailableError", "Library",
-           "Unavailable", "attribute", "call", "declares", "flash_attention", "fold_softmax_scale",
+           "Unavailable", "attribute", "call", "chunk_segments", "declares", "flash_attention", "fold_softmax_scale",
            "import_module", "lse_dtype", "pad_attention", "pad_backward", "pad_forward", "padded_head_dim",
            "parameters", "probs_forward", "up_to_256", "version_of"]
 
@@ -99,6 +100,9 @@ class Library:
     kinds_declared: bool
     """Whether it runs one of ``kinds`` only when its forward and backward entry points declare the parameter
     (``window_size``/``window_size_left``, ``softcap``): releases differ."""
+    withheld: tuple[tuple[str, str], ...] = ()
+    """``(kind, why)`` for a kind this library declares but flashcp does not pass to it (a backward that
+    ignores it, say): the reason a request for it is refused with."""
     auto_majors: tuple[int, int | None] | None
     """The compute capability majors on which ``"auto"`` tries it, first and last (None: every newer one);
     None: ``"auto"`` does not try it (the reference kernel, its last resort)."""
@@ -182,6 +186,34 @@ def call(fn, leading: list, known: dict[str, Any]):
         raise BackendUnavailableError(f"{getattr(fn, '__qualname__', fn)} needs arguments flashcp does not "
                                       f"know: {', '.join(missing)}")
     return fn(*leading, **{name: known[name] for name in rest if name in known})
+
+
+# ---------------------------------------------------------------- chunks as plain causal sequences
+
+def chunk_segments(num_q: np.ndarray, num_k: np.ndarray, first_key: np.ndarray,
+                   chunk: int) -> tuple[np.ndarray, ...]:
+    """Split bottom-right causal sequences at chunk boundaries into plain causal sequences (host, int64).
+
+    Sequence ``i`` has ``num_k[i]`` keys at the document positions ``first_key[i], first_key[i] + 1, ...`` and
+    ``num_q[i]`` queries at the last ``num_q[i]`` of them. Under chunked attention a query at position p sees
+    the keys ``[K*floor(p/K), p]``: the queries of one chunk with the keys of that chunk up to the last of them
+    are a bottom-right causal sequence of their own. No padding: the pieces' queries tile the sequence's.
+
+    Returns ``(sequence, q_len, k_len, k_skip)`` per piece, in order: its sequence, queries, keys, and the
+    sequence's keys before the piece's first key (keys of earlier chunks no query of the piece sees).
+    """
+    num_q, num_k, first_key = (np.asarray(x, dtype=np.int64) for x in (num_q, num_k, first_key))
+    last = first_key + num_k
+    first_query = last - num_q
+    first_chunk = first_query // chunk
+    count = np.where(num_q > 0, (last - 1) // chunk - first_chunk + 1, 0)
+    sequence = np.repeat(np.arange(num_q.size), count)
+    within = np.arange(sequence.size) - np.repeat(np.cumsum(count) - count, count)
+    boundary = (first_chunk[sequence] + within) * chunk
+    stop = np.minimum(boundary + chunk, last[sequence])
+    key_from = np.maximum(boundary, first_key[sequence])
+    return sequence, stop - np.maximum(boundary, first_query[sequence]), stop - key_from, \
+        key_from - first_key[sequence]
 
 
 # ---------------------------------------------------------------- padded head dims and scales
