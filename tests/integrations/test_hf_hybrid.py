@@ -6,8 +6,9 @@ process running every document alone through the unmodified transformers model (
 own pure-PyTorch recurrent path), so the recurrent state and the convolution inputs start at zero at each
 document's start, on the same packed sequences.
 
-- Fast: one step through ``hf_loss_sum`` on 2 gloo ranks, a plan that cuts documents (one head on rank 1 and
-  tail on rank 0, one in three pieces over both ranks): loss and every gradient against the reference, float32.
+- Fast: one step through ``hf_loss_sum`` on 2 gloo ranks (Qwen3.5 too), a plan that cuts documents (one head on
+  rank 1 and tail on rank 0, one in three pieces over both ranks): loss and every gradient against the reference,
+  float32.
 - Slow (torchrun launches of 2 and 4 gloo ranks, ``tests/hf_trainer_worker.py``): ``CPTrainer`` trains 3 steps
   of 2 accumulated sequences (``test_hf_trainer``'s dataset, written again here: 256 tokens, plans ``cp2`` and ``cp4``
   that cut documents) against a plain single-process ``Trainer`` whose loss runs each document alone
@@ -45,6 +46,7 @@ from tests.integrations.test_hf_trainer import (  # noqa: E402
 )
 
 HYBRIDS = ("qwen3_next", "nemotron_h")
+ONE_STEP_ARCHS = ("qwen3_next", "qwen3_5", "nemotron_h")  # the one-step check takes Qwen3.5's projections too
 STEPS, GA = 3, 2
 # Gated DeltaNet's decay parameters: transformers' initialisation draws A up to 16, so some heads forget almost
 # everything at each token (exp(g) ~ 1e-9) and their dt_bias / A_log gradients are ~1e-7 and below, under the
@@ -96,7 +98,7 @@ def _one_step(rank, world_size):
     failures = []
     tokens = torch.randint(0, SHAPE["vocab_size"], (int(DOC_LENS.sum()),), generator=torch.Generator().manual_seed(3))
     num_labels = int(DOC_LENS.sum() - DOC_LENS.size)
-    for arch in HYBRIDS:
+    for arch in ONE_STEP_ARCHS:
         reference = make_model(arch, attn_implementation="eager")
         want_loss = documents_apart_loss_sum(reference, tokens, DOC_LENS) / num_labels
         want_loss.backward()
@@ -123,7 +125,7 @@ def _one_step(rank, world_size):
 
 
 def test_hf_loss_sum_one_step_equals_one_process():
-    for arch in HYBRIDS:  # transformers' model modules load lazily: once here, then the ranks fork
+    for arch in ONE_STEP_ARCHS:  # transformers' model modules load lazily: once here, then the ranks fork
         make_model(arch, attn_implementation="eager")
     spawn(_one_step, 2, start_method="fork")
 
