@@ -33,6 +33,7 @@ from flashcp.planner.plan import SequencePlan  # noqa: E402
 from flashcp.runtime import CPAttnMeta, CPLoader  # noqa: E402
 from flashcp.runtime.loader import IGNORE_INDEX, Batch  # noqa: E402
 from flashcp.runtime.meta import rank_token_positions  # noqa: E402
+from flashcp.runtime.recurrent import RecurrentMeta  # noqa: E402
 from tests.dist import spawn  # noqa: E402
 from tests.equivalence import planned_dataset  # noqa: E402
 from tests.hf_trainer_worker import SEED, SHAPE, make_model, training_arguments  # noqa: E402
@@ -128,6 +129,19 @@ def test_hf_loss_sum_one_step_equals_one_process():
     for arch in ONE_STEP_ARCHS:  # transformers' model modules load lazily: once here, then the ranks fork
         make_model(arch, attn_implementation="eager")
     spawn(_one_step, 2, start_method="fork")
+
+
+def test_a_batch_gives_its_recurrent_meta_from_its_plan():
+    tokens = torch.arange(int(DOC_LENS.sum())) % SHAPE["vocab_size"]
+    for rank in (0, 1):
+        meta = rank_batch(tokens, rank).recurrent()
+        assert meta.rank == rank and meta.num_tokens == int(PLAN.shard_len[PLAN.shard_rank == rank].sum())
+        assert meta.active and meta.cu_seqlens == RecurrentMeta.from_plan(PLAN, DOC_LENS, rank).cu_seqlens
+    by_hand = Batch(input_ids=tokens[:4], position_ids=torch.arange(4), labels=tokens[:4],
+                    attn=CPAttnMeta.from_plan(SequencePlan.from_arrays([0], [0], [4], [0], 1), np.array([4]), 0),
+                    num_label_tokens=3, file_index=0, row=0)
+    with pytest.raises(ValueError, match="without its plan and doc_lens has no RecurrentMeta"):
+        by_hand.recurrent()
 
 
 def test_the_plan_cuts_documents_across_ranks():
