@@ -10,8 +10,8 @@ document's start, on the same packed sequences.
   rank 1 and tail on rank 0, one in three pieces over both ranks): loss and every gradient against the reference,
   float32.
 - Slow (torchrun launches of 2 and 4 gloo ranks, ``tests/hf_trainer_worker.py``): ``CPTrainer`` trains 3 steps
-  of 2 accumulated sequences (``test_hf_trainer``'s dataset, written again here: 256 tokens, plans ``cp2`` and ``cp4``
-  that cut documents) against a plain single-process ``Trainer`` whose loss runs each document alone
+  of 2 accumulated sequences (``test_hf_trainer``'s dataset from ``hf_trainer_harness``: 256 tokens, plans
+  ``cp2`` and ``cp4`` that cut documents) against a plain single-process ``Trainer`` whose loss runs each document alone
   (``DocumentsApartTrainer``): logged losses, grad norms and final parameters within ``test_hf_trainer``'s
   float32 tolerances (Gated DeltaNet's decay parameters within one learning rate: ``DECAY_PARAM_TOL``). bf16
   (``bf16=True``, autocast on CPU) against the float32 reference within the tolerances
@@ -35,14 +35,11 @@ from flashcp.runtime.loader import IGNORE_INDEX, Batch  # noqa: E402
 from flashcp.runtime.meta import rank_token_positions  # noqa: E402
 from flashcp.runtime.recurrent import RecurrentMeta  # noqa: E402
 from tests.dist import spawn  # noqa: E402
-from tests.equivalence import planned_dataset  # noqa: E402
-from tests.hf_trainer_worker import SEED, SHAPE, make_model, training_arguments  # noqa: E402
-from tests.integrations.test_hf_trainer import (  # noqa: E402
-    CONTEXT,
-    LR,
-    NUM_SEQS,
+from tests.hf_trainer_worker import LR, SEED, SHAPE, make_model, training_arguments  # noqa: E402
+from tests.integrations.hf_trainer_harness import (  # noqa: E402
     check_equal,
     launch,
+    planned_sequences,
     stream_order,
 )
 
@@ -155,16 +152,8 @@ def test_the_plan_cuts_documents_across_ranks():
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    """``test_hf_trainer``'s dataset (its seed and rows), plans ``cp1``, ``cp2``, ``cp4``; sequences by (file, row)."""
-    from functools import partial
-
-    from flashcp.planner.planning import plan_sequence
-
-    root = tmp_path_factory.mktemp("hf_hybrid") / "data"
-    plans = {f"cp{cp}": (partial(plan_sequence, "flashcp"), cp) for cp in (1, 2, 4)}
-    sequences = planned_dataset(root, CONTEXT, plans, seed=5, num_seqs=NUM_SEQS, cuts=(3, 9),
-                                fixed_rows={1: np.r_[1, 1, 200, 54]}, row_group_rows=4, vocab_size=64)
-    return root, {(0, i): sequence for i, sequence in enumerate(sequences)}
+    """``test_hf_trainer``'s dataset: plans ``cp1``, ``cp2``, ``cp4``; sequences by (file, row)."""
+    return planned_sequences(tmp_path_factory.mktemp("hf_hybrid") / "data")
 
 
 class _Sequences(torch.utils.data.Dataset):
