@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flashcp.integrations.hf_recurrent import apply_cp_recurrent, uses_cp_recurrent
 from flashcp.integrations.hf_support import (
     UnsupportedModelError,
     attention_kwarg_problem,
@@ -43,6 +44,7 @@ from flashcp.integrations.hf_support import (
 )
 from flashcp.runtime import CommStats, CPAttention, CPAttnMeta, cp_attention
 from flashcp.runtime.loader import Batch
+from flashcp.runtime.recurrent import RecurrentMeta
 from flashcp.train.loss import causal_lm_loss_sum
 
 __all__ = ["ATTN_IMPLEMENTATION", "HF_ARCHITECTURES", "CPTrainer", "flashcp_attention_forward",  # noqa: F822
@@ -51,8 +53,10 @@ __all__ = ["ATTN_IMPLEMENTATION", "HF_ARCHITECTURES", "CPTrainer", "flashcp_atte
 ATTN_IMPLEMENTATION = "cp_attention"
 """The name flashcp registers in transformers' AttentionInterface."""
 
-HF_ARCHITECTURES = ("llama", "qwen2")
-"""Architectures ``tiny_hf_model`` builds (both with grouped-query attention)."""
+HF_ARCHITECTURES = ("llama", "qwen2", "qwen3_next", "qwen3_5", "nemotron_h")
+"""Architectures ``tiny_hf_model`` builds: Llama and Qwen2 (grouped-query attention), and the hybrids whose
+recurrent layers flashcp runs (``hf_recurrent``): Qwen3-Next and Qwen3.5 (Gated DeltaNet layers, gated full
+attention on every fourth layer and the last), Nemotron-H (Mamba-2, attention and MLP blocks in turn)."""
 
 
 def register_flashcp_attention(name: str = ATTN_IMPLEMENTATION) -> str:
@@ -71,17 +75,22 @@ def register_flashcp_attention(name: str = ATTN_IMPLEMENTATION) -> str:
 
 
 def hf_attention_kwargs(meta: CPAttnMeta, *, group=None, comm: str = "auto", backend: str = "auto",
-                        stats: CommStats | None = None) -> dict[str, Any]:
-    """Keyword arguments for a transformers model's forward that make it attend with ``cp_attention``."""
+                        stats: CommStats | None = None, recurrent: RecurrentMeta | None = None) -> dict[str, Any]:
+    """Keyword arguments for a transformers model's forward that make it attend with ``cp_attention``.
+
+    ``recurrent``: this rank's RecurrentMeta of the batch (``batch.recurrent()``), which a hybrid model's recurrent
+    mixers need (``flashcp.integrations.hf_recurrent``); None for a model of attention layers only.
+    """
     return {"flashcp_meta": meta, "flashcp_group": group, "flashcp_comm": comm, "flashcp_backend": backend,
-            "flashcp_stats": stats}
+            "flashcp_stats": stats, "flashcp_recurrent": recurrent}
 
 
 def flashcp_attention_forward(module: nn.Module | None, query: torch.Tensor, key: torch.Tensor,
                               value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None = None,
                               *, flashcp_meta: CPAttnMeta | None = None, flashcp_group=None,
                               flashcp_comm: str = "auto", flashcp_backend: str = "auto",
-                              flashcp_stats: CommStats | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                              flashcp_stats: CommStats | None = None, flashcp_recurrent: RecurrentMeta | None = None,
+                              **kwargs) -> tuple[torch.Tensor, None]:
     """Attention function for transformers: ``cp_attention`` on this rank's packed tokens.
 
     Args:
@@ -97,6 +106,8 @@ def flashcp_attention_forward(module: nn.Module | None, query: torch.Tensor, key
         flashcp_comm: ``allgather``, ``a2a``, ``full`` or ``auto``.
         flashcp_backend: ``flash_attn``, ``torch_varlen``, ``reference`` or ``auto``.
         flashcp_stats: a CommStats recording the collectives, or None.
+        flashcp_recurrent: the batch's RecurrentMeta for a hybrid's recurrent mixers (``hf_recurrent``); here it
+            only lets the config check accept their layer kinds.
         **kwargs: the layer's other arguments. ``sliding_window`` (transformers passes it to sliding layers
             only), learned sinks ``s_aux`` (or ``sinks``) and ``softcap`` are honoured (``cp_attention``'s
             window, sinks and softcap); a layer the config marks ``chunked_attention`` attends within chunks of
@@ -111,7 +122,7 @@ def flashcp_attention_forward(module: nn.Module | None, query: torch.Tensor, key
     if module is not None and not getattr(module, "_flashcp_checked", False):
         config = getattr(module, "config", None)
         if config is not None:
-            check_hf_config(config)
+            check_hf_config(config, recurrent=flashcp_recurrent is not None)
         object.__setattr__(module, "_flashcp_checked", True)  # a plain attribute: not in the state dict
     kind = {"window": kwargs.pop("sliding_window", None), "softcap": kwargs.pop("softcap", None),
             "chunk": layer_chunk(module)}
@@ -147,21 +158,26 @@ def hf_loss_sum(model: nn.Module, batch: Batch, attn: CPAttention) -> torch.Tens
     before any gradient.
     """
     if not getattr(model, "_flashcp_checked", False):
+        apply_cp_recurrent(model)  # a hybrid's recurrent mixers run through flashcp.runtime.recurrent
         check_hf_model(model)
         object.__setattr__(model, "_flashcp_checked", True)  # a plain attribute: not in the state dict
+    recurrent = batch.recurrent() if uses_cp_recurrent(model) else None
     out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], use_cache=False,
                 **hf_attention_kwargs(attn.meta, group=attn.group, comm=attn.comm, backend=attn.backend,
-                                      stats=attn.stats))
+                                      stats=attn.stats, recurrent=recurrent))
     return causal_lm_loss_sum(out.logits[0], batch.labels)
 
 
 def tiny_hf_model(arch: str, *, vocab_size: int, dim: int, num_layers: int, num_heads: int, num_kv_heads: int,
                   ffn_dim: int, dtype: torch.dtype = torch.float32,
                   attn_implementation: str = ATTN_IMPLEMENTATION) -> nn.Module:
-    """A small randomly initialised ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` (nothing is downloaded).
+    """A small randomly initialised causal LM of ``arch`` (``HF_ARCHITECTURES``; nothing is downloaded).
 
     Initialised from torch's global RNG (seed it for identical weights on every rank). With the default
-    ``attn_implementation`` flashcp is registered first.
+    ``attn_implementation`` flashcp is registered first. The hybrids' recurrent layers take their sizes from the
+    attention's: Gated DeltaNet ``num_kv_heads`` key heads and ``num_heads`` value heads of ``dim // num_heads``;
+    Mamba-2 ``num_heads`` heads of ``2 * dim // num_heads``, ``num_kv_heads`` B/C groups, state 16, chunks of
+    64 tokens; both with a convolution of 4 taps. Dense MLPs only (no experts).
     """
     if attn_implementation == ATTN_IMPLEMENTATION:
         register_flashcp_attention()
@@ -179,7 +195,36 @@ def tiny_hf_model(arch: str, *, vocab_size: int, dim: int, num_layers: int, num_
 
         model = Qwen2ForCausalLM._from_config(Qwen2Config(**shape, use_sliding_window=False),
                                               attn_implementation=attn_implementation, dtype=dtype)
+    elif arch in ("qwen3_next", "qwen3_5", "nemotron_h"):
+        model = _tiny_hybrid(arch, shape, dtype, attn_implementation)
     else:
         raise ValueError(f"unknown architecture '{arch}' (choose from {', '.join(HF_ARCHITECTURES)})")
     return model.train()
+
+
+def _tiny_hybrid(arch: str, shape: dict[str, Any], dtype: torch.dtype, attn_implementation: str) -> nn.Module:
+    layers, heads, kv_heads = shape["num_hidden_layers"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim = shape["hidden_size"] // heads
+    if arch == "nemotron_h":
+        from transformers import NemotronHConfig, NemotronHForCausalLM
+
+        blocks = [("mamba", "attention", "mlp")[i % 3] for i in range(layers)]
+        config: Any = NemotronHConfig(**{k: v for k, v in shape.items() if k != "num_hidden_layers"},
+                                      layers_block_type=blocks, head_dim=head_dim, mamba_num_heads=heads,
+                                      mamba_head_dim=2 * head_dim, n_groups=kv_heads, ssm_state_size=16,
+                                      conv_kernel=4, chunk_size=64)
+        return NemotronHForCausalLM._from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    kinds = ["full_attention" if i % 4 == 3 or (i == layers - 1 and layers < 4) else "linear_attention"
+             for i in range(layers)]
+    linear = dict(head_dim=head_dim, layer_types=kinds, linear_num_key_heads=kv_heads, linear_num_value_heads=heads,
+                  linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, linear_conv_kernel_dim=4)
+    if arch == "qwen3_next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        return Qwen3NextForCausalLM._from_config(Qwen3NextConfig(**shape, **linear, num_experts=0),
+                                                 attn_implementation=attn_implementation, dtype=dtype)
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    return Qwen3_5ForCausalLM._from_config(Qwen3_5TextConfig(**shape, **linear),
+                                           attn_implementation=attn_implementation, dtype=dtype)
 

@@ -1,13 +1,15 @@
 """Which Hugging Face models flashcp trains exactly under CP, decided before the first step.
 
-flashcp's CP is exact for one kind of token mixing: causal attention inside each document, run through
-``cp_attention`` with the plan's document mask. A decoder layer that mixes tokens any other way trains silently
-wrong under CP: a recurrent or state-space layer (Gated DeltaNet, Mamba-2) or a short convolution run on a
-rank's tokens carries state across document and shard boundaries and receives nothing from the ranks before;
-a layer kind the runtime does not run, or an option or a bias passed to the attention function that it does
-not honour, would be dropped. The loss of a random model barely moves (1e-4 relative), the parameter updates
-are wrong by 14% to 216% (issue 31's table): the bug class that made accelerate refuse these models
-(accelerate #4177).
+flashcp's CP is exact for two kinds of token mixing: causal attention inside each document, run through
+``cp_attention`` with the plan's document mask, and the recurrent mixers of the hybrid models in
+``CP_RECURRENT_MIXERS`` (Gated DeltaNet, Mamba-2, with their short convolutions) once
+``flashcp.integrations.hf_recurrent.apply_cp_recurrent`` runs them through ``flashcp.runtime.recurrent``. A
+decoder layer that mixes tokens any other way trains silently wrong under CP: a recurrent or state-space layer
+(Gated DeltaNet, Mamba-2) or a short convolution run by its own code on a rank's tokens carries state across
+document and shard boundaries and receives nothing from the ranks before; a layer kind the runtime does not
+run, or an option or a bias passed to the attention function that it does not honour, would be dropped. The
+loss of a random model barely moves (1e-4 relative), the parameter updates are wrong by 14% to 216% (issue 31's
+table): the bug class that made accelerate refuse these models (accelerate #4177).
 
 So acceptance is an allowlist, never a list of what is known to break:
 
@@ -16,7 +18,11 @@ So acceptance is an allowlist, never a list of what is known to break:
    MLP, mixture of experts, norms) and that train one step under CP equal to one process running each document
    alone (``tests/integrations/test_hf_support.py`` builds a tiny model of every ``*ForCausalLM`` architecture
    of the installed transformers and checks exactly that). Their config must still declare only those kinds:
-   ``layer_types`` of full, sliding or chunked attention, chunks only on layers marked chunked.
+   ``layer_types`` of full, sliding or chunked attention, chunks only on layers marked chunked. A hybrid of
+   ``CP_RECURRENT_MIXERS`` is accepted with its recurrent layers (``linear_attention``, Nemotron-H's ``M``) only
+   when every recurrent mixer of it runs flashcp's forward (``apply_cp_recurrent``; ``CPTrainer`` and
+   ``hf_loss_sum`` apply it), and the attention function accepts its config only when the call carries a
+   ``RecurrentMeta``.
 2. Another architecture transformers knows is refused, naming its first layer flashcp does not run exactly
    (from the config's layer kinds, else the first module that mixes tokens outside attention), else saying it
    has not been verified.
@@ -36,8 +42,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["HARMLESS_ATTENTION_KWARGS", "VERIFIED_MODEL_TYPES", "UnsupportedModelError", "attention_kwarg_problem",
-           "check_hf_config", "check_hf_model"]
+__all__ = ["CP_RECURRENT_MIXERS", "HARMLESS_ATTENTION_KWARGS", "VERIFIED_MODEL_TYPES", "UnsupportedModelError",
+           "attention_kwarg_problem", "check_hf_config", "check_hf_model", "recurrent_mixers"]
 
 VERIFIED_MODEL_TYPES = frozenset({
     # dense decoders of full attention
@@ -51,8 +57,22 @@ VERIFIED_MODEL_TYPES = frozenset({
     "qwen2_moe", "qwen3_moe", "sarvam_moe", "solar_open",
     # sliding-window, chunked, sink or soft-capped layers, which cp_attention runs
     "cohere2", "exaone4", "gemma2", "gemma3_text", "gpt_oss", "llama4_text", "ministral", "olmo3",
+    # hybrids whose recurrent mixers flashcp runs (CP_RECURRENT_MIXERS, after apply_cp_recurrent)
+    "nemotron_h", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next",
 })
 """transformers ``model_type`` values flashcp trains exactly under CP (checked by the every-architecture test)."""
+
+CP_RECURRENT_MIXERS: dict[str, dict[str, str]] = {
+    "qwen3_next": {"Qwen3NextGatedDeltaNet": "gated_delta"},
+    "qwen3_5_text": {"Qwen3_5GatedDeltaNet": "gated_delta"},
+    "qwen3_5_moe_text": {"Qwen3_5MoeGatedDeltaNet": "gated_delta"},
+    "nemotron_h": {"NemotronHMamba2Mixer": "mamba2"},
+}
+"""Per transformers ``model_type``: the recurrent mixer classes ``hf_recurrent.apply_cp_recurrent`` runs under CP
+and the recurrence each computes (``gated_delta``: Gated DeltaNet; ``mamba2``: Mamba-2 SSD)."""
+
+RECURRENT_KINDS = frozenset({"linear_attention", "M"})
+"""Layer kinds (``layer_types`` entries, Nemotron-H's ``hybrid_override_pattern`` symbol) of those mixers."""
 
 FULL_ATTENTION_KINDS = frozenset({"full_attention", "attention"})
 """Layer kinds (``layer_types`` / ``layers_block_type`` entries) that are causal full attention."""
@@ -95,7 +115,9 @@ def check_hf_model(model: nn.Module) -> None:
                                     f"{type(base).__name__}")
     name = type(base).__name__
     model_type = _model_type(config)
-    problem = _config_problem(config)
+    problem = _unswapped_mixer(base, model_type)
+    recurrent = model_type in CP_RECURRENT_MIXERS and problem is None
+    problem = problem or _config_problem(config, recurrent=recurrent)
     if problem is None and model_type not in VERIFIED_MODEL_TYPES:
         problem = _token_mixing_module(base)
         if problem is None and _known_to_transformers(model_type):
@@ -106,12 +128,13 @@ def check_hf_model(model: nn.Module) -> None:
         raise UnsupportedModelError(f"{name} cannot train under flashcp context parallelism: {problem}")
 
 
-def check_hf_config(config: Any) -> None:
+def check_hf_config(config: Any, *, recurrent: bool = False) -> None:
     """The config half of ``check_hf_model``, for callers that see only a layer's config (the attention function).
 
-    Layer kinds, windows, chunks, latent attention, soft-capping and the architecture.
+    Layer kinds, windows, chunks, latent attention, soft-capping and the architecture. ``recurrent``: the call
+    carries a RecurrentMeta, so the recurrent layers of a ``CP_RECURRENT_MIXERS`` type are accepted.
     """
-    problem = _config_problem(config)
+    problem = _config_problem(config, recurrent=recurrent and _model_type(config) in CP_RECURRENT_MIXERS)
     model_type = _model_type(config)
     if problem is None and model_type not in VERIFIED_MODEL_TYPES and _known_to_transformers(model_type):
         problem = _unverified(model_type)
@@ -172,20 +195,25 @@ def _unverified(model_type: str) -> str:
             "(flashcp.integrations.hf_support.VERIFIED_MODEL_TYPES)")
 
 
-def _config_problem(config: Any) -> str | None:
-    """The first layer the config declares that is not full attention (or token-local), else None."""
+def _config_problem(config: Any, *, recurrent: bool = False) -> str | None:
+    """The first layer the config declares that flashcp does not run, else None.
+
+    Accepted: attention, token-local layers and, with ``recurrent``, the recurrent layers of ``RECURRENT_KINDS``.
+    """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    accepted = ATTENTION_KINDS | TOKEN_LOCAL_KINDS | (RECURRENT_KINDS if recurrent else frozenset())
+    hint = _recurrent_hint(_model_type(config))
     for field in ("layer_types", "layers_block_type"):
         kinds = getattr(text, field, None)
         for index, kind in enumerate(kinds or ()):
-            if kind not in ATTENTION_KINDS | TOKEN_LOCAL_KINDS:
+            if kind not in accepted:
                 return (f"layer {index} is {kind} ({field}), and flashcp runs layers of full, sliding-window or "
-                        "chunked attention only")
+                        f"chunked attention only{hint}")
     pattern = getattr(text, "hybrid_override_pattern", None)
     for index, symbol in enumerate(pattern or ""):
-        if symbol not in "*-E":  # Nemotron-H: * attention, - MLP, E mixture of experts, M Mamba-2
+        if symbol not in "*-E" and symbol not in accepted:  # Nemotron-H: * attention, - MLP, E MoE, M Mamba-2
             return (f"layer {index} is '{symbol}' in hybrid_override_pattern (a state-space layer), and flashcp "
-                    "runs layers of full attention only")
+                    f"runs layers of full attention only{hint}")
     for field in ("attn_layer_indices", "attn_layer_period", "hybrid_layer_ids"):
         if getattr(text, field, None) is not None:  # attention on some layers only: the others are recurrent
             return (f"its config sets {field} (attention on some layers, recurrent or convolution layers on the "
@@ -203,6 +231,32 @@ def _config_problem(config: Any) -> str | None:
     if getattr(text, "kv_lora_rank", None) is not None:
         return (f"layer 0 is multi-head latent attention (kv_lora_rank={text.kv_lora_rank}), whose query/key and "
                 "value heads differ in size, and flashcp runs standard multi-head and grouped-query attention only")
+    return None
+
+
+def _recurrent_hint(model_type: str) -> str:
+    if model_type not in CP_RECURRENT_MIXERS:
+        return ""
+    return (" until flashcp.integrations.hf_recurrent.apply_cp_recurrent(model) runs its recurrent layers and the "
+            "call passes hf_attention_kwargs(..., recurrent=...)")
+
+
+def recurrent_mixers(model: nn.Module):
+    """``(path, module)`` of every module of ``model`` whose class is a recurrent mixer in ``CP_RECURRENT_MIXERS``."""
+    names = {name for kinds in CP_RECURRENT_MIXERS.values() for name in kinds}
+    for path, module in model.named_modules():
+        if type(module).__name__ in names:
+            yield path, module
+
+
+def _unswapped_mixer(model: nn.Module, model_type: str) -> str | None:
+    if model_type not in CP_RECURRENT_MIXERS:
+        return None
+    for path, module in recurrent_mixers(model):
+        if not getattr(module, "_flashcp_recurrent", False):
+            return (f"module {path} is a {type(module).__name__}, a recurrent layer that transformers' own forward "
+                    "would run on each rank's tokens alone; run flashcp.integrations.hf_recurrent."
+                    "apply_cp_recurrent(model) first (CPTrainer and hf_loss_sum apply it)")
     return None
 
 

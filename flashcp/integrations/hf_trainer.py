@@ -17,7 +17,9 @@ and replaces the five things CP changes:
   ``ceil(num_sequences / (dp * B))`` micro-batches of the loader's global stream, which runs on from one Trainer
   epoch to the next (``CPLoader``: nothing is dropped or repeated at a data epoch's end).
 - **Attention.** The model attends through the registered ``cp_attention`` (its attention implementation is
-  switched to it), called with the batch's meta and the CP group; no attention mask is used or accepted.
+  switched to it), called with the batch's meta and the CP group; no attention mask is used or accepted. A
+  hybrid's recurrent mixers (Qwen3-Next, Qwen3.5, Nemotron-H) run through ``flashcp.runtime.recurrent``
+  (``hf_recurrent.apply_cp_recurrent``, applied at construction) with the batch's ``RecurrentMeta``.
 - **Loss.** An optimizer step's global batch is ``gradient_accumulation_steps`` micro-batches of ``B``
   sequences on each of the ``dp`` replicas (``B x gradient_accumulation_steps x dp`` sequences: the Trainer's
   total train batch size, by which it counts steps, epochs and ``max_steps``). Each rank's loss is its local
@@ -84,6 +86,7 @@ from flashcp.data.dataset import Dataset
 from flashcp.errors import FlashcpError
 from flashcp.fileio import write_json_atomic
 from flashcp.integrations.hf import ATTN_IMPLEMENTATION, hf_attention_kwargs, register_flashcp_attention
+from flashcp.integrations.hf_recurrent import apply_cp_recurrent, uses_cp_recurrent
 from flashcp.integrations.hf_support import check_hf_model
 from flashcp.outputs import enclosing_dataset
 from flashcp.planner.plan_reader import PlanStore
@@ -128,9 +131,9 @@ class _CPStream(IterableDataset):
     """
 
     def __init__(self, loader: CPLoader, length: int, vocab_size: int | None = None, batch_size: int = 1,
-                 count_first: int | None = None):
+                 count_first: int | None = None, recurrent: bool = False):
         self.loader, self.length, self.skip_next, self.vocab_size = loader, length, 0, vocab_size
-        self.batch_size, self.count_first = batch_size, count_first
+        self.batch_size, self.count_first, self.recurrent = batch_size, count_first, recurrent
         self._source: Iterator[Batch] | None = None
         self._taken = 0  # loader steps taken: this replica's sequence of step k is stream sequence k * dp + d
 
@@ -167,10 +170,11 @@ class _CPStream(IterableDataset):
                              "train a model with the data's tokenizer vocabulary")
         return batch
 
-    @staticmethod
-    def _micro_batch(batch: Batch) -> dict[str, Any]:
+    def _micro_batch(self, batch: Batch) -> dict[str, Any]:
+        # the recurrent layers' meta only for a model that has them (hf_recurrent)
         return {"input_ids": batch.input_ids[None], "position_ids": batch.position_ids[None],
                 "labels": batch.labels[None], "flashcp_meta": batch.attn,
+                "flashcp_recurrent": batch.recurrent() if self.recurrent else None,
                 "num_label_tokens": batch.num_label_tokens}
 
 
@@ -333,6 +337,7 @@ class CPTrainerMixin:
         config = getattr(base, "config", None)
         if config is None or not hasattr(base, "set_attn_implementation"):
             raise ValueError(f"CPTrainer trains transformers models (PreTrainedModel), got a {type(base).__name__}")
+        apply_cp_recurrent(base)  # a hybrid's recurrent mixers run through flashcp.runtime.recurrent
         check_hf_model(base)
         if config._attn_implementation != ATTN_IMPLEMENTATION:
             base.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -357,7 +362,7 @@ class CPTrainerMixin:
             raise FlashcpError(f"dataset {self.cp_data} holds no sequences")
         batch_size = args.per_device_train_batch_size
         self._cp_stream = _CPStream(loader, math.ceil(len(loader) / (self.dp_size * batch_size)), self.cp_vocab_size,
-                                    batch_size)
+                                    batch_size, recurrent=uses_cp_recurrent(self.model))
         return DataLoader(self._cp_stream, batch_size=None, collate_fn=_keep, num_workers=0)
 
     def num_examples(self, dataloader: DataLoader) -> int:
@@ -421,7 +426,8 @@ class CPTrainerMixin:
         meta = inputs["flashcp_meta"].to(labels_BT.device)
         group = self.cp_groups.cp_group if self.cp_groups is not None else None
         outputs = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False,
-                        **hf_attention_kwargs(meta, group=group, comm=self.cp_comm, backend=self.cp_backend))
+                        **hf_attention_kwargs(meta, group=group, comm=self.cp_comm, backend=self.cp_backend,
+                                              recurrent=inputs.get("flashcp_recurrent")))
         return causal_lm_loss_sum(outputs.logits[0], labels_BT[0]), outputs
 
     def get_cp_size(self) -> int:
@@ -467,7 +473,8 @@ class CPTrainerMixin:
             loader = CPLoader(self.cp_eval_data, self.cp_eval_plan, 0, 1, shuffle=False, balance_window=0)
         num_sequences, batch_size = len(loader), self.args.per_device_eval_batch_size
         stream = _CPStream(loader, math.ceil(num_sequences / (self.dp_size * batch_size)), self.cp_vocab_size,
-                           batch_size, count_first=num_sequences)  # later ones: the next pass, not counted
+                           batch_size, count_first=num_sequences,  # later ones: the next pass, not counted
+                           recurrent=uses_cp_recurrent(self.model))
         model = self.model
         was_training = model.training
         model.eval()

@@ -75,6 +75,7 @@ from flashcp.planner.plan import SequencePlan
 from flashcp.planner.plan_reader import PlanStore
 from flashcp.runtime.balance import window_order
 from flashcp.runtime.meta import CPAttnMeta, rank_token_positions
+from flashcp.runtime.recurrent.meta import RecurrentMeta
 
 __all__ = ["Batch", "CPLoader", "stream_rows"]
 
@@ -106,6 +107,16 @@ class Batch:
     ``flashcp.runtime.batching.concat_batches`` builds the meta of several sequences from it."""
     doc_lens: np.ndarray | None = None
     """(num_docs,) int64: the sequence's document lengths (None for a batch built by hand)."""
+
+    def recurrent(self) -> RecurrentMeta:
+        """The RecurrentMeta of this rank and sequence, for a model with recurrent layers (built on each call).
+
+        Raises ValueError for a batch built by hand without its plan and document lengths.
+        """
+        if self.plan is None or self.doc_lens is None:
+            raise ValueError("a batch without its plan and doc_lens has no RecurrentMeta; take the batch from "
+                             "CPLoader (or flashcp.runtime.batching.concat_batches)")
+        return RecurrentMeta.from_plan(self.plan, self.doc_lens, self.attn.rank)
 
     def to(self, device: torch.device | str, non_blocking: bool = False, comm: str | None = None,
            kv_bytes: int = 2) -> Batch:

@@ -19,10 +19,12 @@ import torch
 import torch.distributed as dist
 
 from flashcp.integrations.hf import hf_attention_kwargs, register_flashcp_attention
+from flashcp.integrations.hf_recurrent import apply_cp_recurrent, uses_cp_recurrent
 from flashcp.planner.plan import SequencePlan
 from flashcp.runtime import CPAttnMeta
 from flashcp.runtime.loader import IGNORE_INDEX
 from flashcp.runtime.meta import rank_token_positions
+from flashcp.runtime.recurrent import RecurrentMeta
 from flashcp.train.loss import causal_lm_loss_sum
 
 WINDOW = 256
@@ -157,8 +159,9 @@ def cp_gradients(model, tokens: torch.Tensor, rank: int, group=None) -> dict[str
     global_pos, position = torch.from_numpy(global_pos), torch.from_numpy(position)
     is_last = position + 1 == torch.from_numpy(DOC_LENS[doc])
     labels = torch.where(is_last, IGNORE_INDEX, tokens[torch.clamp(global_pos + 1, max=tokens.numel() - 1)])
+    recurrent = RecurrentMeta.from_plan(PLAN, DOC_LENS, rank) if uses_cp_recurrent(model) else None
     logits = model(input_ids=tokens[global_pos][None], position_ids=position[None], use_cache=False,
-                   **hf_attention_kwargs(meta, group=group, comm="a2a")).logits[0]
+                   **hf_attention_kwargs(meta, group=group, comm="a2a", recurrent=recurrent)).logits[0]
     num_labels = int(DOC_LENS.sum() - DOC_LENS.size)
     (causal_lm_loss_sum(logits, labels) / num_labels).backward()
     grads = {}
@@ -182,12 +185,19 @@ def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) 
     return worst, where
 
 
-def cp_step_error(model_type: str, class_name: str, rank: int, group=None, **overrides) -> tuple[float, str]:
-    """One CP step of the tiny architecture against one process (module docstring)."""
+def cp_step_error(model_type: str, class_name: str, rank: int, group=None, *, run_recurrent: bool = True,
+                  **overrides) -> tuple[float, str]:
+    """One CP step of the tiny architecture against one process (module docstring).
+
+    ``run_recurrent=False`` leaves a hybrid's recurrent mixers to transformers' own forward (what the refusal
+    prevents).
+    """
     model = tiny_model(model_type, class_name, **overrides)
     tokens = sequence_tokens(model.config.get_text_config().vocab_size)
     want = reference_gradients(model, tokens)
     register_flashcp_attention()
     model.set_attn_implementation("cp_attention")
+    if run_recurrent:
+        apply_cp_recurrent(model)  # a hybrid's recurrent mixers, as hf_loss_sum and CPTrainer run them
     got = cp_gradients(model, tokens, rank, group)
     return relative_error(got, want)
