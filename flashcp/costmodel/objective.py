@@ -260,7 +260,7 @@ def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
     table = np.zeros(5 * cp + scratch + 3 * num_docs, np.int64)
     volumes = table[:5 * cp].reshape((5, cp))
     exchange_volumes_into(volumes, table[5 * cp:5 * cp + scratch], doc, start, length, rank, cp, per_node,
-                          num_docs, True)
+                          num_docs, True, 0, 0)
     sent = volumes[SENT]
     received = volumes[RECEIVED]
     # a document's prefix is local to its first shard's rank up to the first start of its shards elsewhere
