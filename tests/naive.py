@@ -862,7 +862,8 @@ def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float =
     (default ``naive_step_time``) wins when it is faster
     by more than ``tie`` (a share of the best time), or not faster but no less balanced and within ``tie``
     with a lower largest receive (equal receive: faster); then the local search with 16 evaluations per
-    unit of effort. (The kernel also skips candidates whose busiest rank alone is too slow to win: that
+    unit of effort; last, the first default plan of flashcp+, magi, flashcp, llama3 and ptrr that is faster
+    replaces it. (The kernel also skips candidates whose busiest rank alone is too slow to win: that
     must not change the plan.)"""
     step_time = step_time or naive_step_time(cp, gpus_per_node)
     zigzag = 8
@@ -918,6 +919,13 @@ def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float =
         window = math.floor(token_slack * sum(doc_lens) / cp)
         best = naive_finish(naive_local_search(best, cp, step_time, max(target, best_imbalance), 16 * effort,
                                                window=window))
+    # never slower than a peer's default plan: the first faster one replaces it
+    best_time = step_time(best)
+    for peer in (naive_flashcp_plus(doc_lens, cp, 1.01), naive_magi(doc_lens, cp, 512),
+                 naive_flashcp(doc_lens, cp, 1.05), naive_llama3(doc_lens, cp), naive_ptrr(doc_lens, cp, 128)):
+        t = step_time(peer)
+        if t < best_time:
+            best, best_time = peer, t
     return best
 
 

@@ -13,8 +13,8 @@ FULL, WINDOW, CHUNK = range(3)
 KIND_CODES = {"full": FULL, "window": WINDOW, "chunk": CHUNK}
 """The code of each kind's name (``flashcp.costmodel.models.KINDS``)."""
 
-__all__ = ["CHUNK", "FULL", "KIND_CODES", "PlanArrays", "WINDOW", "as_int64", "key_start", "kind_workload",
-           "kind_workloads", "imbalance_of", "imbalance_ratio", "max_over_mean", "offsets_of", "rank_tokens",
+__all__ = ["CHUNK", "FULL", "KIND_CODES", "PlanArrays", "WINDOW", "as_int64", "imbalance_of", "imbalance_ratio",
+           "key_start", "key_starts", "kind_workload", "kind_workloads", "max_over_mean", "offsets_of", "rank_tokens",
            "rank_workloads", "rank_workloads_kernel", "slack_tokens", "token_quotas", "token_quotas_kernel", "workload"]
 
 
@@ -101,6 +101,15 @@ def kind_workloads(kind, size, start, length):
     out = np.empty(start.shape[0], np.int64)
     for i in range(start.shape[0]):
         out[i] = kind_workload(kind, size, start[i], length[i])
+    return out
+
+
+@njit(cache=True)
+def key_starts(kind, size, start):
+    """``key_start`` of every shard: ``start`` (n,) int64; returns (n,) int64."""
+    out = np.empty(start.shape[0], np.int64)
+    for i in range(start.shape[0]):
+        out[i] = key_start(kind, size, start[i])
     return out
 
 
