@@ -184,7 +184,7 @@ def exchange_volumes_into(out, table, shard_doc, shard_start, shard_len, shard_r
                     out[RECEIVED_FAR, r] += amount
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _bounded_volumes_into(out, table, doc, start, length, rank, cp, gpus_per_node, num_docs, with_sends, kind,
                           size, holders, holder_at):
     """``exchange_volumes_into`` under a window or chunk kind, where a shard needs a bounded span of keys.

@@ -196,11 +196,18 @@ def shard_seconds(start, length, model):
     Two float64 arrays of ``kind_count(model) * n`` values, kind-major: kind j's seconds of shard i at
     ``j * n + i``.
     """
+    k = np.int64(model[_K])
+    knots = model[_HEADER:_HEADER + k]
+    fwd_curve = model[_HEADER + k:_HEADER + 2 * k]
+    bwd_curve = model[_HEADER + 2 * k:_HEADER + 3 * k]
     n = start.shape[0]
     sec_f = np.empty(kind_count(model) * n, np.float64)
     sec_b = np.empty(kind_count(model) * n, np.float64)
-    for i in range(n):
-        price_shard(start[i], length[i], model, sec_f, sec_b, i)
+    for j in range(kind_count(model)):
+        kind, size, _ = _kind_of(model, j)
+        for i in range(n):
+            sec_f[j * n + i], sec_b[j * n + i] = _shard_seconds_both(start[i], length[i], model, knots, fwd_curve,
+                                                                     bwd_curve, kind, size)
     return sec_f, sec_b
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flashcp.costmodel.comm import kv_bytes_per_token
 from flashcp.costmodel.workload import FULL, KIND_CODES
@@ -61,6 +61,18 @@ class AttentionShape:
             key = (KIND_CODES[kind], size)
             merged[key] = merged.get(key, 0) + count
         return tuple((code, size, count) for (code, size), count in merged.items())
+
+    def one_layer(self) -> tuple[AttentionShape, int]:
+        """A shape whose step time, divided by the returned count, is that of the mean layer of this one.
+
+        Every layer of one kind: that layer alone (count 1); several kinds: this shape and its ``layers``
+        (the kinds keep their shares).
+        """
+        runs = self.kind_runs()
+        if len(runs) > 1:
+            return self, self.layers
+        kinds = () if not self.layer_kinds else ((self.layer_kinds[0][0], runs[0][1], 1),)
+        return replace(self, layers=1, layer_kinds=kinds), 1
 
     @classmethod
     def from_params(cls, params: dict) -> AttentionShape:
