@@ -274,7 +274,11 @@ def _allgather_shard_mask(shard_doc, shard_start, shard_len, shard_rank, cp):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ExchangeVolumes:
-    """Every rank's K/V rows in one plan's exchanges, one forward pass; every array is (cp,) int64."""
+    """Every rank's K/V rows in one plan's exchanges, one forward pass; every array is (cp,) int64.
+
+    The fields say what full attention moves; under a window or chunk kind a shard needs only the keys
+    ``[key_start, end)`` of its document instead of ``[0, end)`` (``exchange_volumes_into``).
+    """
 
     sent: np.ndarray
     """Exact-need rows each rank sends: to every other rank r, its tokens of each document's prefix

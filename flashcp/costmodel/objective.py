@@ -20,7 +20,9 @@ Per rank, one layer, forward and backward (docs/DESIGN.md cost model, ``flashcp.
   not hide is paid;
 - copies: the runtime's gathers, send buffer and merge at ``hbm_gbps``.
 
-Step time: the slowest rank's forward plus the slowest rank's backward, times ``layers``. With token slack
+Step time: per layer kind of the model (``AttentionShape.layer_kinds``; all full by default), the slowest rank's
+forward plus the slowest rank's backward of one layer of that kind (its own pairs, keys, exchange volumes,
+``auto`` choice and local part), times that kind's layers, summed over the kinds. With token slack
 (ranks holding unequal tokens), every rank also pays its tokens' per-token layers: ``token_flops`` FLOPs per
 token and layer (projections and MLP, forward + backward: one third forward, two thirds backward) at the
 profile's dense peak, ASSUMPTION (optimistic: real matmuls reach less, which makes tokens dearer and slack

@@ -34,6 +34,11 @@ The model (every number from a ``HardwareProfile``; every formula for work and v
   block or the block's transfer, whichever is longer (``ring_step_work``); steps after the first merge
   partial outputs in float32; the backward moves K/V and dK/dV blocks (twice the bytes).
 
+- Layer kinds (``AttentionShape.layer_kinds``): each kind's layer is projected on its own, with its pairs
+  (``workload.kind_workload``), its keys ``[key_start, end)``, its exchange volumes and local shards
+  (``comm.exchange_volumes``, ``comm.kind_local_mask``) and its own ``auto`` choice; the result is the mean
+  layer.
+
 Per-rank times can instead be measured (``RankWork`` from ``flashcp.bench.measure``); communication is
 then still projected. All results are *projected* unless a ``RankWork`` came from a measurement.
 """
