@@ -11,6 +11,20 @@ def naive_workload(start: int, length: int) -> int:
     return sum(p + 1 for p in range(start, start + length))
 
 
+def naive_first_key(kind: str, size: int | None, position: int) -> int:
+    """The first key of its document the query at ``position`` sees under a layer kind (docs/DESIGN.md)."""
+    if kind == "window":
+        return max(0, position - size + 1)
+    if kind == "chunk":
+        return position - position % size
+    return 0
+
+
+def naive_kind_workload(kind: str, size: int | None, start: int, length: int) -> int:
+    """Count query-key pairs one query at a time: query p sees keys ``naive_first_key(p)..p``."""
+    return sum(p + 1 - naive_first_key(kind, size, p) for p in range(start, start + length))
+
+
 def naive_metrics(shards: list[tuple[int, int, int, int]], cp: int) -> tuple[float, int, int]:
     """(imbalance, all-gather critical path, exact-need critical path) of (doc, start, len, rank) shards."""
     work = [0] * cp
@@ -48,10 +62,15 @@ def naive_exact_need_sent(shards: list[tuple[int, int, int, int]], cp: int) -> l
     return sent
 
 
-def naive_exchange_volumes(shards: list[tuple[int, int, int, int]], cp: int,
-                           gpus_per_node: int = 0) -> dict[str, list[int]]:
+def naive_exchange_volumes(shards: list[tuple[int, int, int, int]], cp: int, gpus_per_node: int = 0,
+                           kind: str = "full", size: int | None = None) -> dict[str, list[int]]:
     """Every rank's exchange rows, token by token: exact-need ``sent`` and ``received``, their parts between
-    nodes (rank r on node ``r // gpus_per_node``; 0: one node), and the all-gather ``contributed``."""
+    nodes (rank r on node ``r // gpus_per_node``; 0: one node), and the all-gather ``contributed``.
+
+    Under a layer ``kind`` each query sees the keys ``naive_first_key(p)..p`` of its document: a rank receives
+    once every key some query it holds sees and another rank holds. A shard contributes to the all-gather,
+    when its document spans ranks, its keys that some later shard of the document sees.
+    """
     def node(rank: int) -> int:
         return rank // gpus_per_node if gpus_per_node else 0
 
@@ -59,8 +78,9 @@ def naive_exchange_volumes(shards: list[tuple[int, int, int, int]], cp: int,
     volumes = {name: [0] * cp for name in ("sent", "received", "sent_far", "received_far", "contributed")}
     for rank in range(cp):
         for doc in {s[0] for s in shards if s[3] == rank}:
-            end = max(s + n for d, s, n, r in shards if d == doc and r == rank)
-            for t in range(end):
+            seen = {t for d, s, n, r in shards if d == doc and r == rank for p in range(s, s + n)
+                    for t in range(naive_first_key(kind, size, p), p + 1)}
+            for t in seen:
                 sender = owner[(doc, t)]
                 if sender != rank:
                     volumes["received"][rank] += 1
@@ -70,9 +90,20 @@ def naive_exchange_volumes(shards: list[tuple[int, int, int, int]], cp: int,
                         volumes["sent_far"][sender] += 1
     for doc, start, length, rank in shards:
         same_doc = [s for s in shards if s[0] == doc]
-        if len({s[3] for s in same_doc}) > 1 and start != max(s[1] for s in same_doc):
-            volumes["contributed"][rank] += length
+        if len({s[3] for s in same_doc}) < 2:
+            continue
+        later = {t for d, s, n, _ in same_doc if s > start for p in range(s, s + n)
+                 for t in range(naive_first_key(kind, size, p), p + 1)}
+        volumes["contributed"][rank] += sum(1 for t in range(start, start + length) if t in later)
     return volumes
+
+
+def naive_local_shards(shards: list[tuple[int, int, int, int]], kind: str = "full",
+                       size: int | None = None) -> list[bool]:
+    """Per shard: whether every key its queries see lies on its own rank (its kernel needs no exchange)."""
+    owner = {(d, t): r for d, s, n, r in shards for t in range(s, s + n)}
+    return [all(owner[(doc, t)] == rank for p in range(start, start + length)
+                for t in range(naive_first_key(kind, size, p), p + 1)) for doc, start, length, rank in shards]
 
 
 def naive_document_attention(q, k, v, doc_lens, scale=None, window=None, chunk=None, sinks=None, softcap=None):
@@ -831,7 +862,8 @@ def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float =
     (default ``naive_step_time``) wins when it is faster
     by more than ``tie`` (a share of the best time), or not faster but no less balanced and within ``tie``
     with a lower largest receive (equal receive: faster); then the local search with 16 evaluations per
-    unit of effort. (The kernel also skips candidates whose busiest rank alone is too slow to win: that
+    unit of effort; last, the first default plan of flashcp+, magi, flashcp, llama3 and ptrr that is faster
+    replaces it. (The kernel also skips candidates whose busiest rank alone is too slow to win: that
     must not change the plan.)"""
     step_time = step_time or naive_step_time(cp, gpus_per_node)
     zigzag = 8
@@ -887,6 +919,13 @@ def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float =
         window = math.floor(token_slack * sum(doc_lens) / cp)
         best = naive_finish(naive_local_search(best, cp, step_time, max(target, best_imbalance), 16 * effort,
                                                window=window))
+    # never slower than a peer's default plan: the first faster one replaces it
+    best_time = step_time(best)
+    for peer in (naive_flashcp_plus(doc_lens, cp, 1.01), naive_magi(doc_lens, cp, 512),
+                 naive_flashcp(doc_lens, cp, 1.05), naive_llama3(doc_lens, cp), naive_ptrr(doc_lens, cp, 128)):
+        t = step_time(peer)
+        if t < best_time:
+            best, best_time = peer, t
     return best
 
 

@@ -21,7 +21,6 @@ spec's planning only (its plans are still priced for the model, the column every
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import numpy as np
 
@@ -75,8 +74,9 @@ def plan_quality(book: PlanBook, sources, strategies: list[str], cps: list[int],
                  time_sequences: bool = False, model: ModelSpec | None = None) -> dict:
     """Rows of plan metrics, one per (source, cp, strategy spec); see the module docstring.
 
-    ``model``: what every plan is priced for, one layer of it (None: ``DEFAULT_MODEL``); the result names it
-    (``model``, ``ModelSpec.as_dict()``).
+    ``model``: what every plan is priced for, its mean layer (each layer kind by its share of the layers,
+    ``AttentionShape.one_layer``; None: ``DEFAULT_MODEL``); the result names it (``model``,
+    ``ModelSpec.as_dict()``).
 
     ``gpus_per_node`` > 0 prices every plan with that many ranks per node (``--gpus-per-node``) and adds the
     busiest rank's intra- and inter-node receive; ``time_sequences`` also plans every sequence on its own and
@@ -89,7 +89,7 @@ def plan_quality(book: PlanBook, sources, strategies: list[str], cps: list[int],
     from flashcp.planner.planning import plan_rows, summarize
 
     spec_model = model or resolve_model(DEFAULT_MODEL)
-    shape = replace(spec_model.attention_shape(), layers=1)
+    shape, per_layer = spec_model.attention_shape().one_layer()
     specs = [parse_strategy(s, spec_model) for s in strategies]
     vector = model_vector(load_profile(None), shape, with_tokens=price_tokens, gpus_per_node=gpus_per_node)
     rows = []
@@ -107,7 +107,7 @@ def plan_quality(book: PlanBook, sources, strategies: list[str], cps: list[int],
                 seconds = time.perf_counter() - started
                 summary = summarize(planned.imbalance, planned.ag_comm_tokens, planned.a2a_comm_tokens, c, cp)
                 steps = batch_step_seconds(planned.shard_offsets, planned.shard_doc, planned.shard_start,
-                                           planned.shard_len, planned.shard_rank, cp, vector)
+                                           planned.shard_len, planned.shard_rank, cp, vector) / per_layer
                 shards = np.diff(planned.shard_offsets)
                 row = {"source": source.label, "context_len": c, "cp": cp, "strategy": spec,
                        "params": params, "num_seqs": len(sequences), **summary,

@@ -58,8 +58,10 @@ def _quality(console: Console, quality: dict) -> None:
     model = quality.get("model")  # reports written before the bench named its model priced H=32, H_kv=32
     shape = f"{model['name']} (H={model['num_heads']}, H_kv={model['num_kv_heads']}, D={model['head_dim']})" \
         if model else "H=32 H_kv=32 D=128 (no model)"
+    kinds = {run["kind"] for run in model.get("layers", [])} if model else set()
+    layer = "one layer" if kinds <= {"full"} else "the mean layer (each layer kind priced on its own)"
     table = _table(f"Plan quality ({rows[0]['num_seqs']} sequences per source; exact-need received: the busiest "
-                   f"rank's receive as a share of a full K/V all-gather's; step ms: projected, one layer of "
+                   f"rank's receive as a share of a full K/V all-gather's; step ms: projected, {layer} of "
                    f"{shape}, H100, {priced})", "source", "C", "cp", "strategy", "imbal mean", "p50", "max",
                    "all-gather saving", "exact-need received", "shards/rank", "mean shard len", "step ms",
                    "plan s")

@@ -70,13 +70,15 @@ def summary_lines(meta: dict) -> tuple[list[tuple[str, dict]], list[str], bool]:
 
 
 def _kinds_note(model: dict | None) -> list[str]:
-    """The line saying a model's window and chunk layers are priced as full attention (none without them)."""
-    local = [run for run in (model or {}).get("layers", []) if run.get("kind") != "full"]
-    if not local:
+    """The line naming the window and chunk layers priced by their own kind (none without them)."""
+    runs: dict[str, int] = {}
+    for run in (model or {}).get("layers", []):
+        name = run["kind"] if run.get("size") is None else f"{run['kind']} {run['size']}"
+        runs[name] = runs.get(name, 0) + run["count"]
+    if set(runs) <= {"full"}:
         return []
-    count = sum(run["count"] for run in local)
-    return [f"layer kinds: the model's {count} window/chunk layers are priced as full causal attention for now "
-            "(per-kind workload and exchange are not priced yet)"]
+    kinds = ", ".join(f"{count} {name}" for name, count in runs.items())
+    return [f"layer kinds: priced by kind ({kinds}): each with its own work and exact-need exchange"]
 
 
 def _reading(compared: list[tuple[str, dict]], compare: dict, sampled: bool) -> str:

@@ -15,9 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from flashcp._numba import njit
+from flashcp.costmodel.sort import sort_range
 from flashcp.costmodel.workload import (
+    FULL,
     as_int64,
     imbalance_ratio,
+    key_start,
     rank_tokens,
     rank_workloads,
 )
@@ -27,7 +30,7 @@ __all__ = ["CONTRIBUTED", "ExchangeVolumes", "PlanMetrics", "RECEIVED", "RECEIVE
            "auto_comm_a2a", "batch_node_received", "busiest_rows", "comm_saving", "exact_need_received",
            "exact_need_received_kernel", "exact_need_saving", "exact_need_sent", "exchange_volumes",
            "exchange_table_size", "exchange_volumes_into", "exchange_volumes_kernel",
-           "grad_bytes_per_token", "kv_bytes_per_token", "node_busiest",
+           "grad_bytes_per_token", "kind_local_mask", "shard_is_local", "kv_bytes_per_token", "node_busiest",
            "node_receive_summary", "plan_metrics", "ring_comm_tokens", "ring_held_before", "ring_step_work"]
 
 SENT, RECEIVED, SENT_FAR, RECEIVED_FAR, CONTRIBUTED = range(5)
@@ -46,16 +49,26 @@ def _num_docs(doc):
 
 @njit(cache=True, inline="always")
 def exchange_table_size(num_docs, num_shards, cp):
-    """int64 slots ``exchange_volumes_into`` needs in its ``table``."""
-    return num_docs * (2 * cp + 2) + 1 + num_shards
+    """int64 slots ``exchange_volumes_into`` needs in its ``table`` (the last ``num_shards``: ``shard_is_local``)."""
+    return num_docs * (2 * cp + 3) + 2 + 3 * num_shards + cp
 
 
 @njit(cache=True, inline="always")
-def _document_holders(table, doc, start, length, rank, cp, num_docs, received):
+def shard_is_local(table, num_docs, num_shards, cp):
+    """Which shards need no other rank: a (num_shards,) view of ``table`` after ``exchange_volumes_into``.
+
+    Filled under a window or chunk kind: 1 where every key the shard's queries see lies on its own rank.
+    """
+    at = exchange_table_size(num_docs, num_shards, cp) - num_shards
+    return table[at:at + num_shards]
+
+
+@njit(cache=True, inline="always")
+def _document_holders(table, doc, start, length, rank, cp, num_docs, received, full):
     """What the exchange volumes are made of, in one pass over the shards.
 
-    Written into ``table`` (zeros, ``exchange_table_size`` int64 slots); adds every rank's exact-need receive
-    to ``received`` ((cp,) int64) on the way.
+    Written into ``table`` (zeros, ``exchange_table_size`` int64 slots); with ``full``, adds every rank's
+    exact-need receive under full attention to ``received`` ((cp,) int64) on the way.
     ``max_end[d, r]``: end of the last token of document d that rank r holds (0: none); ``held[d, r]``: its
     tokens there; ``last_start[d]``: start of d's last shard; the ranks holding d are
     ``holders[holder_at[d]:holder_at[d + 1]]`` (a shard's sends then visit them only, not every rank).
@@ -79,7 +92,8 @@ def _document_holders(table, doc, start, length, rank, cp, num_docs, received):
             if held[d, r] > 0:
                 holders[holder_at[d] + ranks] = r
                 ranks += 1
-                received[r] += max_end[d, r] - held[d, r]
+                if full:
+                    received[r] += max_end[d, r] - held[d, r]
         holder_at[d + 1] = holder_at[d] + ranks
     return max_end, held, last_start, holders, holder_at
 
@@ -89,7 +103,7 @@ def _new_document_holders(doc, start, length, rank, cp):
     """``_document_holders`` in a table of its own."""
     num_docs = _num_docs(doc)
     table = np.zeros(exchange_table_size(num_docs, doc.shape[0], cp), np.int64)
-    return _document_holders(table, doc, start, length, rank, cp, num_docs, np.zeros(cp, np.int64))
+    return _document_holders(table, doc, start, length, rank, cp, num_docs, np.zeros(cp, np.int64), True)
 
 
 @njit(cache=True, inline="always")
@@ -100,25 +114,26 @@ def _contributes(i, doc, start, last_start, holder_at):
 
 
 @njit(cache=True)
-def exchange_volumes_kernel(shard_doc, shard_start, shard_len, shard_rank, cp, gpus_per_node):
+def exchange_volumes_kernel(shard_doc, shard_start, shard_len, shard_rank, cp, gpus_per_node, kind=FULL, size=0):
     """Every exchange volume of one plan in one pass (``exchange_volumes``), callable from other kernels.
 
     Returns (5, cp) int64 with rows ``SENT``, ``RECEIVED``, ``SENT_FAR``, ``RECEIVED_FAR``, ``CONTRIBUTED``;
     takes int64 arrays, no checks, no casts.
 
     ``gpus_per_node``: ranks per node (rank r on node ``r // gpus_per_node``); 0: one node, nothing is far.
+    ``kind``, ``size``: the layer kind (``workload.FULL``, ``WINDOW``, ``CHUNK``) and its W or K.
     """
     num_docs = _num_docs(shard_doc)
     out = np.zeros((5, cp), np.int64)
     table = np.zeros(exchange_table_size(num_docs, shard_doc.shape[0], cp), np.int64)
     exchange_volumes_into(out, table, shard_doc, shard_start, shard_len, shard_rank, cp, gpus_per_node, num_docs,
-                          True)
+                          True, kind, size)
     return out
 
 
 @njit(cache=True, inline="always")
 def exchange_volumes_into(out, table, shard_doc, shard_start, shard_len, shard_rank, cp, gpus_per_node, num_docs,
-                          with_sends):
+                          with_sends, kind, size):
     """``exchange_volumes_kernel`` into buffers the caller owns (the planner's search prices a plan per move).
 
     Args:
@@ -133,9 +148,22 @@ def exchange_volumes_into(out, table, shard_doc, shard_start, shard_len, shard_r
         gpus_per_node: ranks per node (0: one node, nothing is far).
         num_docs: one past the largest of ``shard_doc``.
         with_sends: False fills ``RECEIVED`` alone.
+        kind: the layer kind, ``workload.FULL``, ``WINDOW`` or ``CHUNK``.
+        size: its W or K in tokens (0 for full).
+
+    A shard ``[start, end)`` of a document needs its keys ``[key_start, end)`` (``workload.key_start``); a rank
+    receives once each key of its documents that one of its shards needs and another rank holds, and the
+    holder sends it. The all-gather takes, of each shard of a document spread over several ranks, the rows
+    that the document's later shards need (under full attention every shard but the last, paper Eq. 5).
+    Under a window or chunk kind, ``shard_is_local(table, ...)`` then says which shards need no other rank.
     """
+    full = kind == FULL
     max_end, held, last_start, holders, holder_at = _document_holders(table, shard_doc, shard_start, shard_len,
-                                                                      shard_rank, cp, num_docs, out[RECEIVED])
+                                                                      shard_rank, cp, num_docs, out[RECEIVED], full)
+    if not full:
+        _bounded_volumes_into(out, table, shard_doc, shard_start, shard_len, shard_rank, cp, gpus_per_node,
+                              num_docs, with_sends, kind, size, holders, holder_at)
+        return
     if not with_sends:
         return
     split = gpus_per_node > 0 and cp > gpus_per_node
@@ -157,12 +185,81 @@ def exchange_volumes_into(out, table, shard_doc, shard_start, shard_len, shard_r
 
 
 @njit(cache=True)
+def _bounded_volumes_into(out, table, doc, start, length, rank, cp, gpus_per_node, num_docs, with_sends, kind,
+                          size, holders, holder_at):
+    """``exchange_volumes_into`` under a window or chunk kind, where a shard needs a bounded span of keys.
+
+    The shards of each document in order of position: the first key a shard needs never decreases along the
+    document, so what shard j sends rank r is its tail from the first key that r's next shard after j needs,
+    and what the later shards need of j (its all-gather rows) is its tail from the next shard's first key.
+    A shard is local when its first key lies in the run of same-rank shards that ends with it.
+    """
+    num_shards = doc.shape[0]
+    at = num_docs * (2 * cp + 2) + 1 + num_shards
+    doc_at = table[at:at + num_docs + 1]
+    order = table[at + num_docs + 1:at + num_docs + 1 + num_shards]
+    next_key = table[at + num_docs + 1 + num_shards:at + num_docs + 1 + num_shards + cp]
+    local = shard_is_local(table, num_docs, num_shards, cp)
+    # the shards grouped by document (a counting sort), each group sorted by start
+    bits = 1
+    while (1 << bits) < num_shards:
+        bits += 1
+    mask = (1 << bits) - 1
+    for i in range(num_shards):
+        doc_at[doc[i] + 1] += 1
+    for d in range(num_docs):
+        doc_at[d + 1] += doc_at[d]
+    for i in range(num_shards):
+        order[doc_at[doc[i]]] = (start[i] << bits) | i
+        doc_at[doc[i]] += 1
+    for d in range(num_docs, 0, -1):
+        doc_at[d] = doc_at[d - 1]
+    doc_at[0] = 0
+    split = gpus_per_node > 0 and cp > gpus_per_node
+    for d in range(num_docs):
+        lo, hi = doc_at[d], doc_at[d + 1]
+        sort_range(order, lo, hi)
+        run_rank = -1
+        run_start = 0
+        for k in range(lo, hi):
+            i = order[k] & mask
+            if rank[i] != run_rank:
+                run_rank, run_start = rank[i], start[i]
+            local[i] = 1 if key_start(kind, size, start[i]) >= run_start else 0
+        if holder_at[d + 1] - holder_at[d] < 2:  # on one rank: nothing to send
+            continue
+        for h in range(holder_at[d], holder_at[d + 1]):
+            next_key[holders[h]] = -1
+        later_key = -1
+        for k in range(hi - 1, lo - 1, -1):
+            i = order[k] & mask
+            b, s, e = rank[i], start[i], start[i] + length[i]
+            if with_sends and later_key >= 0:
+                out[CONTRIBUTED, b] += e - max(s, min(e, later_key))
+            node = b // gpus_per_node if split else 0
+            for h in range(holder_at[d], holder_at[d + 1]):
+                r = holders[h]
+                if r == b or next_key[r] < 0:
+                    continue
+                amount = e - max(s, min(e, next_key[r]))
+                out[RECEIVED, r] += amount
+                if with_sends:
+                    out[SENT, b] += amount
+                    if split and r // gpus_per_node != node:
+                        out[SENT_FAR, b] += amount
+                        out[RECEIVED_FAR, r] += amount
+            later_key = key_start(kind, size, s)
+            next_key[b] = later_key
+
+
+@njit(cache=True)
 def exact_need_received_kernel(shard_doc, shard_start, shard_len, shard_rank, cp):
     """``exact_need_received`` inside a kernel: the ``RECEIVED`` row of ``exchange_volumes_kernel`` alone."""
     num_docs = _num_docs(shard_doc)
     out = np.zeros((5, cp), np.int64)
     table = np.zeros(exchange_table_size(num_docs, shard_doc.shape[0], cp), np.int64)
-    exchange_volumes_into(out, table, shard_doc, shard_start, shard_len, shard_rank, cp, 0, num_docs, False)
+    exchange_volumes_into(out, table, shard_doc, shard_start, shard_len, shard_rank, cp, 0, num_docs, False, FULL,
+                          0)
     return out[RECEIVED]
 
 
@@ -177,7 +274,11 @@ def _allgather_shard_mask(shard_doc, shard_start, shard_len, shard_rank, cp):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ExchangeVolumes:
-    """Every rank's K/V rows in one plan's exchanges, one forward pass; every array is (cp,) int64."""
+    """Every rank's K/V rows in one plan's exchanges, one forward pass; every array is (cp,) int64.
+
+    The fields say what full attention moves; under a window or chunk kind a shard needs only the keys
+    ``[key_start, end)`` of its document instead of ``[0, end)`` (``exchange_volumes_into``).
+    """
 
     sent: np.ndarray
     """Exact-need rows each rank sends: to every other rank r, its tokens of each document's prefix
@@ -205,16 +306,37 @@ class ExchangeVolumes:
 
 
 def exchange_volumes(shard_doc, shard_start, shard_len, shard_rank, cp: int,
-                     gpus_per_node: int = 0) -> ExchangeVolumes:
+                     gpus_per_node: int = 0, kind: int = FULL, size: int = 0) -> ExchangeVolumes:
     """Every rank's exact-need and all-gather rows of one plan, computed once (``exchange_volumes_kernel``).
 
     ``gpus_per_node``: ranks per node (rank r on node ``r // gpus_per_node``) for the parts crossing nodes;
-    0: one node.
+    0: one node. ``kind``, ``size``: one layer's kind (``workload.FULL``, ``WINDOW``, ``CHUNK``) and its W or K.
     """
     arrays = as_int64(shard_doc, shard_start, shard_len, shard_rank)
-    out = exchange_volumes_kernel(*arrays, cp, int(gpus_per_node))
+    out = exchange_volumes_kernel(*arrays, cp, int(gpus_per_node), int(kind), int(size))
     return ExchangeVolumes(sent=out[SENT], received=out[RECEIVED], sent_far=out[SENT_FAR],
                            received_far=out[RECEIVED_FAR], contributed=out[CONTRIBUTED])
+
+
+@njit(cache=True)
+def _kind_local_mask(shard_doc, shard_start, shard_len, shard_rank, cp, kind, size):
+    num_docs = _num_docs(shard_doc)
+    num_shards = shard_doc.shape[0]
+    out = np.zeros((5, cp), np.int64)
+    table = np.zeros(exchange_table_size(num_docs, num_shards, cp), np.int64)
+    exchange_volumes_into(out, table, shard_doc, shard_start, shard_len, shard_rank, cp, 0, num_docs, False, kind,
+                          size)
+    return shard_is_local(table, num_docs, num_shards, cp) > 0
+
+
+def kind_local_mask(shard_doc, shard_start, shard_len, shard_rank, cp: int, kind: int, size: int) -> np.ndarray:
+    """Shards every key of which (``[key_start, end)``) lies on their own rank, under a window or chunk kind.
+
+    Shape (num_shards,), bool; from ``exchange_volumes_into``'s pass (``shard_is_local``). Full attention's
+    is ``projection.local_only_mask``.
+    """
+    arrays = as_int64(shard_doc, shard_start, shard_len, shard_rank)
+    return _kind_local_mask(*arrays, cp, int(kind), int(size))
 
 
 def allgather_contributions(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> np.ndarray:

@@ -15,9 +15,8 @@ A config with a layer flashcp cannot price (linear attention, a state-space laye
 refused with a ``ModelError`` naming the layer and its kind: a price made as if such a layer were full
 attention would be wrong in both its work and its exchange.
 
-``ModelSpec.attention_shape()`` is the bridge to today's pricing (``AttentionShape``: heads, head dim,
-layers, and the per-token layers' FLOPs through ``hidden_mult``); the per-kind workload and exchange of
-issue 35's item 2 read ``ModelSpec.layers`` (``kind_counts``). This module reads JSON only: no transformers
+``ModelSpec.attention_shape()`` is the bridge to the pricing (``AttentionShape``: heads, head dim, layers by
+kind, and the per-token layers' FLOPs through ``hidden_mult``). This module reads JSON only: no transformers
 import, so the cost model stays the bottom floor (tests check the reading against transformers' own
 config classes).
 """
@@ -145,7 +144,10 @@ class ModelSpec:
         return 3.0 * forward
 
     def attention_shape(self, dtype_bytes: int = 2) -> AttentionShape:
-        """The ``AttentionShape`` this model is priced with today: its heads, K/V heads, head dim and layers.
+        """The ``AttentionShape`` this model is priced with: heads, K/V heads, head dim, layers and their kinds.
+
+        ``layer_kinds`` counts the layers of each kind and size (window W, chunk K, full), in order of first
+        appearance; a model of full layers alone gets the all-full default.
 
         ``AttentionShape`` prices a layer's per-token FLOPs as if the model width were ``H D`` and the MLP had
         two matrices of width ``hidden_mult * H D``. ``hidden_mult`` is set so that
@@ -162,8 +164,13 @@ class ModelSpec:
             raise ModelError(f"model {self.name}: its per-token FLOPs ({self.token_flops():.3g}) are below what "
                              f"AttentionShape prices for its attention projections alone (H D = {d}, hidden "
                              f"{self.hidden_size}), so no hidden_mult matches them")
+        kinds: dict[tuple[str, int], int] = {}
+        for layer, count in self.kind_counts().items():  # sinks and soft-capping change neither work nor exchange
+            key = (layer.kind, layer.size or 0)
+            kinds[key] = kinds.get(key, 0) + count
         return AttentionShape(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                              layers=self.num_layers, dtype_bytes=dtype_bytes, hidden_mult=mlp_flops / (4.0 * d * d))
+                              layers=self.num_layers, dtype_bytes=dtype_bytes, hidden_mult=mlp_flops / (4.0 * d * d),
+                              layer_kinds=tuple((kind, size, count) for (kind, size), count in kinds.items()))
 
     def kind_counts(self) -> dict[LayerKind, int]:
         """Each distinct layer kind and how many layers have it, in order of first appearance."""

@@ -20,7 +20,9 @@ Per rank, one layer, forward and backward (docs/DESIGN.md cost model, ``flashcp.
   not hide is paid;
 - copies: the runtime's gathers, send buffer and merge at ``hbm_gbps``.
 
-Step time: the slowest rank's forward plus the slowest rank's backward, times ``layers``. With token slack
+Step time: per layer kind of the model (``AttentionShape.layer_kinds``; all full by default), the slowest rank's
+forward plus the slowest rank's backward of one layer of that kind (its own pairs, keys, exchange volumes,
+``auto`` choice and local part), times that kind's layers, summed over the kinds. With token slack
 (ranks holding unequal tokens), every rank also pays its tokens' per-token layers: ``token_flops`` FLOPs per
 token and layer (projections and MLP, forward + backward: one third forward, two thirds backward) at the
 profile's dense peak, ASSUMPTION (optimistic: real matmuls reach less, which makes tokens dearer and slack
@@ -49,14 +51,16 @@ from flashcp.costmodel.comm import (
     grad_bytes_per_token,
     kv_bytes_per_token,
     node_busiest,
+    shard_is_local,
 )
 from flashcp.costmodel.curve import curve_at_length, curve_on_segment, curve_segment
 from flashcp.costmodel.shape import AttentionShape
-from flashcp.costmodel.workload import workload
+from flashcp.costmodel.workload import FULL, key_start, kind_workload, workload
 
 __all__ = ["BWD_FLOPS", "GPUS_PER_NODE_SLOT", "batch_step_seconds", "cached_model", "cached_shape_model",
-           "exchange_seconds", "model_vector", "one_shard_seconds", "pair_flops", "pair_seconds", "plan_step_seconds",
-           "rank_floor", "sequence_flops", "shard_seconds", "step_seconds", "step_seconds_of", "token_seconds"]
+           "exchange_seconds", "kind_count", "model_vector", "pair_flops", "pair_seconds", "plan_step_seconds",
+           "price_shard", "rank_floor", "sequence_flops", "shard_seconds", "step_seconds", "step_seconds_of",
+           "token_seconds"]
 
 
 BWD_FLOPS = 2.5
@@ -64,22 +68,24 @@ BWD_FLOPS = 2.5
 
 # layout of the model vector
 _H, _HKV, _D, _BYTES, _LAYERS, _TILE, _SKIP, _LINK, _HBM, _KERNEL, _SEQ, _COLL, _PEAK, _TOKEN_FLOPS, \
-    _TOKEN_TFLOPS, GPUS_PER_NODE_SLOT, _INTER, _K = range(18)
+    _TOKEN_TFLOPS, GPUS_PER_NODE_SLOT, _INTER, _K, _KINDS = range(19)
 # GPUS_PER_NODE_SLOT is public: the planner reads the topology (CP ranks per node, 0: one node) from the vector
+# after the header: the curve (3 k values), then the layer kinds, (kind, size, count) each
 
-_HEADER = 18
+_HEADER = 19
 
 
 def model_vector(profile, shape: AttentionShape, *, with_tokens: bool = False,
                  gpus_per_node: int | None = None) -> np.ndarray:
-    """The float64 vector the Numba objective reads: shape, profile scalars, then the attention curve.
+    """The float64 vector the Numba objective reads: shape, profile scalars, the attention curve, layer kinds.
 
     ``with_tokens`` prices the per-token layers too (only unequal token counts make them differ by rank).
     ``gpus_per_node``: CP ranks per node (rank r on node ``r // gpus_per_node``; 0: all ranks in one node);
     None takes the profile's own.
     """
     k = len(profile.lengths)
-    vec = np.zeros(_HEADER + 3 * k, np.float64)
+    runs = shape.kind_runs()
+    vec = np.zeros(_HEADER + 3 * k + 3 * len(runs), np.float64)
     vec[_H], vec[_HKV], vec[_D], vec[_BYTES] = shape.num_heads, shape.num_kv_heads, shape.head_dim, \
         shape.dtype_bytes
     vec[_LAYERS], vec[_TILE], vec[_SKIP] = shape.layers, profile.query_tile, float(profile.causal_skip)
@@ -92,10 +98,28 @@ def model_vector(profile, shape: AttentionShape, *, with_tokens: bool = False,
     vec[GPUS_PER_NODE_SLOT] = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
     vec[_INTER] = profile.inter_node_gbps
     vec[_K] = k
+    vec[_KINDS] = len(runs)
+    vec[_HEADER + 3 * k:] = np.asarray(runs, np.float64).ravel()
     vec[_HEADER:_HEADER + k] = np.log(np.asarray(profile.lengths, np.float64))
     vec[_HEADER + k:_HEADER + 2 * k] = np.log(np.asarray(profile.forward_tflops, np.float64))
-    vec[_HEADER + 2 * k:] = np.log(np.asarray(profile.backward_tflops, np.float64))
+    vec[_HEADER + 2 * k:_HEADER + 3 * k] = np.log(np.asarray(profile.backward_tflops, np.float64))
     return vec
+
+
+@njit(cache=True)
+def kind_count(model):
+    """How many layer kinds ``model`` (``model_vector``) prices.
+
+    The kernel seconds of a plan of n shards are ``kind_count * n`` values, kind-major (``shard_seconds``).
+    """
+    return np.int64(model[_KINDS])
+
+
+@njit(cache=True, inline="always")
+def _kind_of(model, j):
+    """``(kind code, size, layers)`` of the model's ``j``-th layer kind (``AttentionShape.kind_runs``)."""
+    at = _HEADER + 3 * np.int64(model[_K]) + 3 * j
+    return np.int64(model[at]), np.int64(model[at + 1]), model[at + 2]
 
 
 @njit(cache=True)
@@ -141,19 +165,20 @@ def pair_seconds(pairs, eq_len, heads, head_dim, backward, knots, values, peak):
 
 
 @njit(cache=True)
-def _shard_seconds_both(start, length, model, knots, fwd_curve, bwd_curve):
-    """Projected forward and backward kernel time of one shard (no call overhead), seconds.
+def _shard_seconds_both(start, length, model, knots, fwd_curve, bwd_curve, kind, size):
+    """Projected forward and backward kernel time of one shard under one layer kind (no call overhead), seconds.
 
     Its query count is rounded up to whole tiles; it runs at the curve's throughput for its equivalent
-    length (``sqrt(2 W)`` when the kernel skips the masked triangle, else ``sqrt(W)`` of the rectangle).
+    length (``sqrt(2 W)`` of its pairs ``W = kind_workload`` when the kernel skips the masked part, else
+    ``sqrt(W)`` of the rectangle of its queries by its keys ``[key_start, end)``).
     """
     tile = model[_TILE]
     padded = math.ceil(max(float(length), 1.0) / tile) * tile
     if model[_SKIP] > 0:
-        pairs = float(workload(start, np.int64(padded)))
+        pairs = float(kind_workload(kind, size, start, np.int64(padded)))
         eq_len = math.sqrt(2.0 * pairs)
     else:
-        pairs = padded * (start + padded)
+        pairs = padded * (start - key_start(kind, size, start) + padded)
         eq_len = math.sqrt(pairs)
     if pairs <= 0:
         return model[_SEQ] * 1e-6, model[_SEQ] * 1e-6
@@ -168,24 +193,40 @@ def _shard_seconds_both(start, length, model, knots, fwd_curve, bwd_curve):
 
 @njit(cache=True)
 def shard_seconds(start, length, model):
-    """Forward and backward kernel seconds of every shard (``_shard_seconds_both``), two float64 arrays."""
+    """Forward and backward kernel seconds of every shard under every layer kind (``_shard_seconds_both``).
+
+    Two float64 arrays of ``kind_count(model) * n`` values, kind-major: kind j's seconds of shard i at
+    ``j * n + i``.
+    """
     k = np.int64(model[_K])
     knots = model[_HEADER:_HEADER + k]
     fwd_curve = model[_HEADER + k:_HEADER + 2 * k]
     bwd_curve = model[_HEADER + 2 * k:_HEADER + 3 * k]
-    sec_f = np.empty(start.shape[0], np.float64)
-    sec_b = np.empty(start.shape[0], np.float64)
-    for i in range(start.shape[0]):
-        sec_f[i], sec_b[i] = _shard_seconds_both(start[i], length[i], model, knots, fwd_curve, bwd_curve)
+    n = start.shape[0]
+    sec_f = np.empty(kind_count(model) * n, np.float64)
+    sec_b = np.empty(kind_count(model) * n, np.float64)
+    for j in range(kind_count(model)):
+        kind, size, _ = _kind_of(model, j)
+        for i in range(n):
+            sec_f[j * n + i], sec_b[j * n + i] = _shard_seconds_both(start[i], length[i], model, knots, fwd_curve,
+                                                                     bwd_curve, kind, size)
     return sec_f, sec_b
 
 
 @njit(cache=True)
-def one_shard_seconds(start, length, model):
-    """Forward and backward kernel seconds of one shard (as :func:`shard_seconds`)."""
+def price_shard(start, length, model, sec_f, sec_b, i):
+    """Write shard ``i``'s kernel seconds under every layer kind into ``sec_f``, ``sec_b`` (as :func:`shard_seconds`).
+
+    ``start``, ``length``: the shard's; ``sec_f``, ``sec_b``: (``kind_count(model) * n``,) float64, kind-major.
+    """
     k = np.int64(model[_K])
-    return _shard_seconds_both(start, length, model, model[_HEADER:_HEADER + k], model[_HEADER + k:_HEADER + 2 * k],
-                               model[_HEADER + 2 * k:_HEADER + 3 * k])
+    kinds = kind_count(model)
+    n = sec_f.shape[0] // kinds
+    for j in range(kinds):
+        kind, size, _ = _kind_of(model, j)
+        sec_f[j * n + i], sec_b[j * n + i] = _shard_seconds_both(
+            start, length, model, model[_HEADER:_HEADER + k], model[_HEADER + k:_HEADER + 2 * k],
+            model[_HEADER + 2 * k:_HEADER + 3 * k], kind, size)
 
 
 @njit(cache=True)
@@ -230,27 +271,22 @@ def rank_floor(doc, start, length, rank, cp, model, of_rank):
     It is that rank's own forward plus backward time: the step takes the slowest rank's of each, so never
     less; in floating point too, as both sum the same terms in the same order.
     """
-    sec_f = np.zeros(start.shape[0], np.float64)
-    sec_b = np.zeros(start.shape[0], np.float64)
+    sec_f = np.zeros(kind_count(model) * start.shape[0], np.float64)
+    sec_b = np.zeros(kind_count(model) * start.shape[0], np.float64)
     for i in range(start.shape[0]):
         if rank[i] == of_rank:
-            sec_f[i], sec_b[i] = one_shard_seconds(start[i], length[i], model)
+            price_shard(start[i], length[i], model, sec_f, sec_b, i)
     return step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, of_rank)
 
 
 @njit(cache=True)
 def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
-    """:func:`step_seconds` given every shard's kernel seconds (``shard_seconds``).
+    """:func:`step_seconds` given every shard's kernel seconds (``shard_seconds``, kind-major).
 
     A search that moves a few shards then prices only those. ``only`` >= 0: that rank's forward plus
-    backward time alone (``rank_floor``; only its shards' seconds are read). The exchange volumes are
-    ``comm.exchange_volumes_into``'s (all-gather contributions, exact-need sent and received, their parts
-    across nodes).
+    backward time alone (``rank_floor``; only its shards' seconds are read). Each layer kind is priced on its
+    own (``_layer_seconds``) and counts once per layer of that kind.
     """
-    kv_row = 1.0 * kv_bytes_per_token(model[_HKV], model[_D], model[_BYTES])
-    q_row = model[_H] * model[_D] * model[_BYTES]
-    hbm = model[_HBM] * 1e9
-    per_node = np.int64(model[GPUS_PER_NODE_SLOT])
     num_shards = doc.shape[0]
     num_docs = 0
     for i in range(num_shards):
@@ -258,31 +294,59 @@ def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
     # one allocation for every integer table (this runs once per move of the search)
     scratch = exchange_table_size(num_docs, num_shards, cp)
     table = np.zeros(5 * cp + scratch + 3 * num_docs, np.int64)
+    total = 0.0
+    for j in range(kind_count(model)):
+        kind, size, count = _kind_of(model, j)
+        if j > 0:
+            table[:5 * cp + scratch] = 0
+        seconds = _layer_seconds(doc, start, length, rank, cp, model, sec_f[j * num_shards:(j + 1) * num_shards],
+                                 sec_b[j * num_shards:(j + 1) * num_shards], only, kind, size, table, num_docs)
+        total += count * seconds
+    return total
+
+
+@njit(cache=True, inline="always")
+def _layer_seconds(doc, start, length, rank, cp, model, sec_f, sec_b, only, kind, size, table, num_docs):
+    """One layer of ``kind`` (``size`` W or K): the slowest rank's forward plus the slowest rank's backward.
+
+    ``sec_f, sec_b``: (num_shards,) this kind's kernel seconds; ``table``: zeros but for its last
+    ``3 * num_docs`` slots. The exchange volumes are ``comm.exchange_volumes_into``'s for the kind
+    (all-gather contributions, exact-need sent and received, their parts across nodes).
+    """
+    kv_row = 1.0 * kv_bytes_per_token(model[_HKV], model[_D], model[_BYTES])
+    q_row = model[_H] * model[_D] * model[_BYTES]
+    hbm = model[_HBM] * 1e9
+    per_node = np.int64(model[GPUS_PER_NODE_SLOT])
+    num_shards = doc.shape[0]
+    scratch = exchange_table_size(num_docs, num_shards, cp)
     volumes = table[:5 * cp].reshape((5, cp))
     exchange_volumes_into(volumes, table[5 * cp:5 * cp + scratch], doc, start, length, rank, cp, per_node,
-                          num_docs, True)
+                          num_docs, True, kind, size)
     sent = volumes[SENT]
     received = volumes[RECEIVED]
-    # a document's prefix is local to its first shard's rank up to the first start of its shards elsewhere
-    # (``projection.local_only_mask``); found in one pass: when a shard on another rank takes the first place,
-    # the old first shard is the earliest elsewhere
+    full = kind == FULL
+    local = shard_is_local(table[5 * cp:5 * cp + scratch], num_docs, num_shards, cp)
+    # full attention: a document's prefix is local to its first shard's rank up to the first start of its
+    # shards elsewhere (``projection.local_only_mask``); found in one pass: when a shard on another rank takes
+    # the first place, the old first shard is the earliest elsewhere (other kinds: ``comm.shard_is_local``)
     big = np.iinfo(np.int64).max
     at = 5 * cp + scratch
     first_start = table[at:at + num_docs]
     first_rank = table[at + num_docs:at + 2 * num_docs]
     switch = table[at + 2 * num_docs:at + 3 * num_docs]
-    first_start[:] = big
-    first_rank[:] = -1
-    switch[:] = big
-    for i in range(num_shards):
-        d, r = doc[i], rank[i]
-        if start[i] < first_start[d]:
-            if first_rank[d] >= 0 and first_rank[d] != r:
-                switch[d] = first_start[d]
-            first_start[d] = start[i]
-            first_rank[d] = r
-        elif r != first_rank[d]:
-            switch[d] = min(switch[d], start[i])
+    if full:
+        first_start[:] = big
+        first_rank[:] = -1
+        switch[:] = big
+        for i in range(num_shards):
+            d, r = doc[i], rank[i]
+            if start[i] < first_start[d]:
+                if first_rank[d] >= 0 and first_rank[d] != r:
+                    switch[d] = first_start[d]
+                first_start[d] = start[i]
+                first_rank[d] = r
+            elif r != first_rank[d]:
+                switch[d] = min(switch[d], start[i])
     slot = volumes[CONTRIBUTED].max()
     busiest = busiest_rows(sent, received)
     use_a2a = auto_comm_a2a(busiest, slot, cp, np.int64(model[_BYTES]))
@@ -307,11 +371,14 @@ def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
         r = rank[i]
         if only >= 0 and r != only:
             continue
-        part = 0 if r == first_rank[doc[i]] and start[i] + length[i] <= switch[doc[i]] else 1
+        if full:
+            part = 0 if r == first_rank[doc[i]] and start[i] + length[i] <= switch[doc[i]] else 1
+        else:
+            part = 0 if local[i] else 1
         kern_f[part, r] += sec_f[i]
         kern_b[part, r] += sec_b[i]
         rows[part, r] += length[i]
-        keys[part, r] += start[i] + length[i]
+        keys[part, r] += start[i] + length[i] - key_start(kind, size, start[i])
         busy[part, r] = 1.0
     overhead = model[_KERNEL] * 1e-6
     worst_f = 0.0
@@ -338,7 +405,7 @@ def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
             + max(comm_b - (local_b + local_copy), 0.0)
         worst_f = max(worst_f, fwd + token_time / 3.0)
         worst_b = max(worst_b, bwd + 2.0 * token_time / 3.0)
-    return (worst_f + worst_b) * model[_LAYERS]
+    return worst_f + worst_b
 
 
 @functools.lru_cache(maxsize=16)

@@ -34,6 +34,11 @@ The model (every number from a ``HardwareProfile``; every formula for work and v
   block or the block's transfer, whichever is longer (``ring_step_work``); steps after the first merge
   partial outputs in float32; the backward moves K/V and dK/dV blocks (twice the bytes).
 
+- Layer kinds (``AttentionShape.layer_kinds``): each kind's layer is projected on its own, with its pairs
+  (``workload.kind_workload``), its keys ``[key_start, end)``, its exchange volumes and local shards
+  (``comm.exchange_volumes``, ``comm.kind_local_mask``) and its own ``auto`` choice; the result is the mean
+  layer.
+
 Per-rank times can instead be measured (``RankWork`` from ``flashcp.bench.measure``); communication is
 then still projected. All results are *projected* unless a ``RankWork`` came from a measurement.
 """
@@ -51,6 +56,7 @@ from flashcp.costmodel.comm import (
     busiest_rows,
     exchange_volumes,
     grad_bytes_per_token,
+    kind_local_mask,
     node_busiest,
     ring_comm_tokens,
     ring_step_work,
@@ -58,7 +64,7 @@ from flashcp.costmodel.comm import (
 from flashcp.costmodel.objective import exchange_seconds, pair_seconds, token_seconds
 from flashcp.costmodel.profile import HardwareProfile
 from flashcp.costmodel.shape import AttentionShape
-from flashcp.costmodel.workload import PlanArrays, rank_tokens, workload
+from flashcp.costmodel.workload import FULL, PlanArrays, key_starts, kind_workloads, rank_tokens
 
 __all__ = ["COMM_CHOICES", "RankWork", "StepLatency", "comm_volumes", "local_only_mask", "project_step", "rank_work",
            "resolve_comm", "shard_seconds"]
@@ -150,15 +156,19 @@ def local_only_mask(plan: PlanArrays) -> np.ndarray:
 
 
 def shard_seconds(shard_start, shard_len, shape: AttentionShape, profile: HardwareProfile,
-                  backward: bool = False) -> np.ndarray:
-    """Projected kernel time of each shard (no call overhead), seconds. Shape (num_shards,), float64."""
-    shard_start = np.asarray(shard_start, dtype=np.int64)
+                  backward: bool = False, kind: int = FULL, size: int = 0) -> np.ndarray:
+    """Projected kernel time of each shard (no call overhead), seconds. Shape (num_shards,), float64.
+
+    ``kind``, ``size``: the layer kind (``workload.FULL``, ``WINDOW``, ``CHUNK``) and its W or K: the pairs
+    are ``kind_workload``'s, the rectangle (no causal skip) spans the keys ``[key_start, end)``.
+    """
+    shard_start = np.ascontiguousarray(shard_start, dtype=np.int64)
     padded = profile.padded_rows(shard_len)
     if profile.causal_skip:
-        pairs = workload(shard_start, padded.astype(np.int64)).astype(np.float64)
+        pairs = kind_workloads(kind, size, shard_start, padded.astype(np.int64)).astype(np.float64)
         eq_len = np.sqrt(2.0 * pairs)
     else:
-        pairs = padded * (shard_start + padded)
+        pairs = padded * (shard_start - key_starts(kind, size, shard_start) + padded)
         eq_len = np.sqrt(pairs)
     return _pair_seconds(pairs, eq_len, shape, profile, backward) + profile.sequence_overhead_us * 1e-6
 
@@ -174,16 +184,18 @@ def _pair_seconds(pairs, eq_len, shape: AttentionShape, profile: HardwareProfile
     return seconds.reshape(pairs.shape)
 
 
-def comm_volumes(plan: PlanArrays, gpus_per_node: int = 0) -> dict[str, dict[str, np.ndarray]]:
+def comm_volumes(plan: PlanArrays, gpus_per_node: int = 0, kind: int = FULL,
+                 size: int = 0) -> dict[str, dict[str, np.ndarray]]:
     """Per comm mode, the rows each rank sends and receives in its forward collective (``send``, ``recv``).
 
     Each is (cp,) int64; all-gather rows include the padding to the largest slot, as the runtime sends them.
     ``near`` and ``far``: the busiest rank's rows inside its node and across nodes (``gpus_per_node`` ranks
-    per node, 0: one node), which set the collective's time.
+    per node, 0: one node), which set the collective's time. ``kind``, ``size``: one layer's kind and W or K
+    (``comm.exchange_volumes``); ``full`` gathers every rank's tokens whatever the kind.
     """
     cp = plan.cp
     tokens = rank_tokens(plan.shard_len, plan.shard_rank, cp)
-    volumes = exchange_volumes(*_arrays(plan), cp, gpus_per_node)
+    volumes = exchange_volumes(*_arrays(plan), cp, gpus_per_node, kind, size)
     quota = int(tokens.max())
 
     def gathered(rows):
@@ -233,14 +245,19 @@ def _wire_bytes(mode: str, volumes: dict, shape: AttentionShape) -> int:
 
 
 def rank_work(plan: PlanArrays, shape: AttentionShape, profile: HardwareProfile, mode: str,
-              volumes: dict | None = None) -> RankWork:
-    """Projected per-rank work of ``plan`` when K/V moves with ``mode`` (``full``, ``allgather``, ``a2a``)."""
+              volumes: dict | None = None, kind: int = FULL, size: int = 0) -> RankWork:
+    """Projected per-rank work of ``plan`` when K/V moves with ``mode`` (``full``, ``allgather``, ``a2a``).
+
+    One layer of ``kind`` (``workload.FULL``, ``WINDOW``, ``CHUNK``; ``size`` its W or K): its shards' pairs,
+    their keys ``[key_start, end)``, local when all of those are on the shard's rank (``comm.kind_local_mask``).
+    """
     cp = plan.cp
-    volumes = comm_volumes(plan) if volumes is None else volumes
-    local = local_only_mask(plan)
+    volumes = comm_volumes(plan, 0, kind, size) if volumes is None else volumes
+    local = local_only_mask(plan) if kind == FULL else kind_local_mask(*_arrays(plan), cp, kind, size)
     overhead = profile.kernel_overhead_us * 1e-6
     hbm = profile.hbm_gbps * 1e9
-    keys = (plan.shard_start + plan.shard_len).astype(np.float64)
+    shard_start = np.ascontiguousarray(plan.shard_start, dtype=np.int64)
+    keys = (plan.shard_start + plan.shard_len - key_starts(kind, size, shard_start)).astype(np.float64)
     tokens = rank_tokens(plan.shard_len, plan.shard_rank, cp).astype(np.float64)
     parts, copies, calls = {}, {}, np.zeros(cp, np.int64)
     for name, mask in (("local", local), ("remote", ~local)):
@@ -248,7 +265,8 @@ def rank_work(plan: PlanArrays, shape: AttentionShape, profile: HardwareProfile,
         busy = np.bincount(ranks, minlength=cp) > 0
         calls += 2 * busy
         for backward in (False, True):
-            seconds = shard_seconds(plan.shard_start[mask], plan.shard_len[mask], shape, profile, backward)
+            seconds = shard_seconds(plan.shard_start[mask], plan.shard_len[mask], shape, profile, backward, kind,
+                                    size)
             parts[(name, backward)] = np.bincount(ranks, weights=seconds, minlength=cp) + overhead * busy
         # each copy reads and writes its bytes once
         copied = (np.bincount(ranks, weights=plan.shard_len[mask], minlength=cp) * shape.q_row_bytes
@@ -281,6 +299,12 @@ def project_step(plan: PlanArrays, shape: AttentionShape, profile: HardwareProfi
                  token_layers: bool = False) -> StepLatency:
     """Latency of one layer's attention forward + backward under ``plan``, exchanging K/V with ``comm``.
 
+    A shape with several layer kinds (``AttentionShape.layer_kinds``) prices each kind's layer on its own
+    (its pairs, its exchange, its ``auto`` choice, its local part) and returns the mean layer: every field
+    weighted by the kind's share of the layers (``comm_mode`` joins the kinds' modes with ``+``); times
+    ``shape.layers`` it is ``objective.step_seconds``. ``ring`` prices every layer as full attention (its
+    blocks visit every rank whatever a layer needs). Measured ``work`` is for full attention alone.
+
     ``comm`` is ``full``, ``allgather``, ``a2a``, ``auto`` or ``ring``; ``overlap`` computes local shards
     while the exchange is in flight (ignored for ``ring``, which always overlaps step by step). ``work``
     replaces the projected per-rank compute (e.g. with measured kernel times). ``gpus_per_node``: ranks per
@@ -295,9 +319,33 @@ def project_step(plan: PlanArrays, shape: AttentionShape, profile: HardwareProfi
     if comm == "ring":
         ring = _project_ring(plan, shape, profile, per_node)
         return replace(ring, total=ring.total + float(layers.max())) if token_layers else ring
-    volumes = comm_volumes(plan, per_node)
+    runs = shape.kind_runs()
+    if work is not None and runs[0][0] != FULL:
+        raise ValueError(f"measured per-rank work prices full attention only, but the shape has the layer kinds "
+                         f"{shape.layer_kinds}: project it without measured work")
+    steps = [_project_kind(plan, shape, profile, comm, overlap, work, per_node, layers, kind, size)
+             for kind, size, _ in runs]
+    if len(steps) == 1:
+        return steps[0]
+    # the mean layer: each kind weighted by its share of the layers
+    weights = [count / shape.layers for _, _, count in runs]
+
+    def mean(name: str) -> float:
+        return sum(w * getattr(step, name) for w, step in zip(weights, steps))
+
+    modes = dict.fromkeys(step.comm_mode for step in steps)
+    return StepLatency(total=mean("total"), attn_fwd=mean("attn_fwd"), attn_bwd=mean("attn_bwd"), comm=mean("comm"),
+                       other=mean("other"), comm_mode="+".join(modes), comm_seconds=mean("comm_seconds"),
+                       comm_bytes=round(mean("comm_bytes")), kernels=max(step.kernels for step in steps),
+                       measured=False)
+
+
+def _project_kind(plan: PlanArrays, shape: AttentionShape, profile: HardwareProfile, comm: str, overlap: bool,
+                  work: RankWork | None, per_node: int, layers: np.ndarray, kind: int, size: int) -> StepLatency:
+    """``project_step`` of one layer of ``kind`` (``size`` its W or K), ``layers`` the per-token layers' seconds."""
+    volumes = comm_volumes(plan, per_node, kind, size)
     mode = resolve_comm(comm, volumes, shape.dtype_bytes)
-    work = rank_work(plan, shape, profile, mode, volumes) if work is None else work
+    work = rank_work(plan, shape, profile, mode, volumes, kind, size) if work is None else work
     seconds = _collective_seconds(mode, volumes, shape, profile)
     seconds_bwd = _collective_seconds(mode, volumes, shape, profile, backward=True)
     fwd, fwd_attn, fwd_copy, fwd_comm = _pass(seconds, work.local_fwd, work.local_copy, work.remote_fwd,

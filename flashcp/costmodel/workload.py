@@ -8,7 +8,13 @@ import numpy as np
 
 from flashcp._numba import njit
 
-__all__ = ["PlanArrays", "as_int64", "imbalance_of", "imbalance_ratio", "max_over_mean", "offsets_of", "rank_tokens",
+FULL, WINDOW, CHUNK = range(3)
+"""Codes of the layer kinds inside kernels: full causal attention, a sliding window of W tokens, chunks of K."""
+KIND_CODES = {"full": FULL, "window": WINDOW, "chunk": CHUNK}
+"""The code of each kind's name (``flashcp.costmodel.models.KINDS``)."""
+
+__all__ = ["CHUNK", "FULL", "KIND_CODES", "PlanArrays", "WINDOW", "as_int64", "imbalance_of", "imbalance_ratio",
+           "key_start", "key_starts", "kind_workload", "kind_workloads", "max_over_mean", "offsets_of", "rank_tokens",
            "rank_workloads", "rank_workloads_kernel", "slack_tokens", "token_quotas", "token_quotas_kernel", "workload"]
 
 
@@ -51,6 +57,60 @@ def workload(start, length):
     Works on integers and on integer arrays (elementwise); inside Numba kernels too.
     """
     return (2 * start + length + 1) * length // 2
+
+
+@njit(cache=True)
+def _chunk_prefix_pairs(n, size):
+    """Pairs of the first ``n`` queries of a document under chunks of ``size``: each chunk a causal triangle."""
+    return (n // size) * (size * (size + 1) // 2) + (n % size) * (n % size + 1) // 2
+
+
+@njit(cache=True)
+def kind_workload(kind, size, start, length):
+    """Query-key pairs of the queries at positions ``[start, start + length)`` of a document, one layer of ``kind``.
+
+    ``FULL``: query p sees keys ``0..p`` (``workload``); ``WINDOW`` of ``size`` W: ``min(p + 1, W)`` keys;
+    ``CHUNK`` of ``size`` K: ``p mod K + 1`` keys (its chunk up to itself). Closed forms; integers only.
+    """
+    if kind == FULL:
+        return workload(start, length)
+    if kind == WINDOW:
+        ramp = max(0, min(start + length, size) - start)  # queries p < W still see every key before them
+        return workload(start, ramp) + (length - ramp) * size
+    return _chunk_prefix_pairs(start + length, size) - _chunk_prefix_pairs(start, size)
+
+
+@njit(cache=True)
+def key_start(kind, size, start):
+    """The first key of its document that a shard starting at ``start`` needs under ``kind``.
+
+    ``FULL``: 0; ``WINDOW`` W: ``max(0, start - W + 1)``; ``CHUNK`` K: ``K * floor(start / K)``. Its later
+    queries need no key before that either (the bound only grows with the position), so the shard's keys
+    are ``[key_start, end)``.
+    """
+    if kind == FULL:
+        return 0
+    if kind == WINDOW:
+        return max(0, start - size + 1)
+    return size * (start // size)
+
+
+@njit(cache=True)
+def kind_workloads(kind, size, start, length):
+    """``kind_workload`` of every shard: ``start``, ``length`` (n,) int64; returns (n,) int64."""
+    out = np.empty(start.shape[0], np.int64)
+    for i in range(start.shape[0]):
+        out[i] = kind_workload(kind, size, start[i], length[i])
+    return out
+
+
+@njit(cache=True)
+def key_starts(kind, size, start):
+    """``key_start`` of every shard: ``start`` (n,) int64; returns (n,) int64."""
+    out = np.empty(start.shape[0], np.int64)
+    for i in range(start.shape[0]):
+        out[i] = key_start(kind, size, start[i])
+    return out
 
 
 def token_quotas(context_len: int, cp: int) -> np.ndarray:

@@ -102,8 +102,9 @@ def compare_summary(compared: list[dict[str, tuple]], context_len: int, cp: int,
     ``compared``: every file's ``compare_rows`` metrics joined (strategy name -> metric tuple, the plan's
     strategy first). ``baselines`` (name -> metrics, ``step_seconds_mean`` included) and
     ``baselines_every_nth_sequence`` (0: no comparison); ``compare``: how many sequences were compared, the
-    price's profile and model shape (``shape``, else the shape parameters of ``priced_by``), and the plan's
-    own metrics on those sequences (``strategy``).
+    price's profile and model shape (``shape``, else the shape parameters of ``priced_by``; ``layer_kinds``
+    the ``(kind, size, count)`` runs priced when some layer is not full attention), and the plan's own
+    metrics on those sequences (``strategy``).
     """
     names = list(compared[0]) if compared else []
     summaries = {name: metrics_summary([c[name] for c in compared], context_len, cp) for name in names}
@@ -120,4 +121,6 @@ def compare_summary(compared: list[dict[str, tuple]], context_len: int, cp: int,
             {key: int(priced_by.get(key, default)) for key, default in
              (("num_heads", 32), ("num_kv_heads", 32), ("head_dim", 128), ("layers", 1))},
             strategy=summaries[names[0]])
+        if shape is not None and shape.layer_kinds:  # the layers priced by kind (absent: every one full)
+            out["compare"]["model"]["layer_kinds"] = [list(run) for run in shape.layer_kinds]
     return out

@@ -111,7 +111,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
                        "num_heads": 32, "num_kv_heads": 32, "head_dim": 128, "layers": 1, "token_slack": 0.0,
                        "topology": None},
              kernel=flashcp2_kernel, kernel_params=("target", "effort", "model", "slack"),
-             description="portfolio + local search under the projected step time, never slower than flashcp+"),
+             description="portfolio + local search under the projected step time, never slower than its peers"),
 )}
 
 

@@ -47,3 +47,29 @@ def test_quality_names_and_prices_its_model(tmp_path):
     assert params["flashcp2"]["num_kv_heads"] == 8 and params["flashcp2"]["layers"] == 36
     assert params["flashcp2:num_kv_heads=32"]["num_kv_heads"] == 32  # a spec's shape parameter overrides
     assert "num_kv_heads" not in params["flashcp+"]
+
+
+def test_quality_prices_a_windowed_models_mean_layer(tmp_path):
+    """gemma-3-12b's step ms is its mean layer (5 window-1024 layers per full one, each priced by its kind):
+    below the same plans priced as if every layer were full."""
+    from flashcp.costmodel.models import BUILTIN_MODELS
+
+    rows = {}
+    for name, config in (("gemma-3-12b", "gemma-3-12b"), ("all-full", tmp_path / "config.json")):
+        if name == "all-full":  # gemma-3-12b's shape with every layer full
+            spec = BUILTIN_MODELS["gemma-3-12b"]
+            config.write_text(json.dumps({
+                "model_type": "llama", "num_attention_heads": spec.num_heads, "num_key_value_heads":
+                spec.num_kv_heads, "head_dim": spec.head_dim, "hidden_size": spec.hidden_size, "intermediate_size":
+                spec.mlp_width, "vocab_size": spec.vocab_size, "num_hidden_layers": spec.num_layers}))
+        out = tmp_path / f"{name}.json"
+        result = _bench("--scenario", "quality", "--dist", "wlb", "--cp", "4", "--seqs", "2", "--context-len",
+                        "8192", "--model", str(config), "--strategies", "flashcp+", "--json", str(out))
+        assert result.exit_code == 0, result.output
+        if name == "gemma-3-12b":
+            assert "the mean layer (each layer kind priced on its own) of gemma-3-12b" in \
+                " ".join(result.output.split())
+        rows[name] = json.loads(out.read_text())["quality"]["rows"][0]
+    assert rows["gemma-3-12b"]["imbalance_mean"] == rows["all-full"]["imbalance_mean"]  # the same plans
+    assert rows["gemma-3-12b"]["step_ms"] < rows["all-full"]["step_ms"], (rows["gemma-3-12b"]["step_ms"],
+                                                                        rows["all-full"]["step_ms"])

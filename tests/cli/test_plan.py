@@ -123,7 +123,9 @@ def test_plan_model_default_and_windowed(dataset, tmp_path):
     assert meta["summary"]["compare"]["model"] == {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "layers": 32}
     result = run("plan", root, "--cp", 2, "--strategy", "flashcp", "--model", "gemma-3-12b", "--name", "gemma")
     assert result.exit_code == 0, result.output
-    assert "layer kinds: the model's 40 window/chunk layers are priced as full causal attention" in result.output
+    assert "layer kinds: priced by kind (40 window 1024, 8 full)" in result.output
+    meta = json.loads((root / "plans" / "gemma" / "plan.json").read_text())
+    assert meta["summary"]["compare"]["model"]["layer_kinds"] == [["window", 1024, 40], ["full", 0, 8]]
 
 
 def test_plan_model_from_transformers_config(dataset, tmp_path):

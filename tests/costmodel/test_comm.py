@@ -7,11 +7,13 @@ from flashcp.costmodel.comm import (
     allgather_shard_mask,
     comm_saving,
     exchange_volumes,
+    kind_local_mask,
     kv_bytes_per_token,
     plan_metrics,
 )
+from flashcp.costmodel.workload import KIND_CODES
 from flashcp.planner import plan_sequence
-from tests.naive import naive_exchange_volumes, naive_metrics
+from tests.naive import naive_exchange_volumes, naive_local_shards, naive_metrics
 from tests.plans import packed
 
 
@@ -66,6 +68,33 @@ def test_exchange_volumes_match_naive(case, gpus_per_node):
     assert got.ag_slot == max(want["contributed"])
     mask = allgather_shard_mask(doc, start, length, rank, cp)
     assert np.bincount(rank[mask], weights=length[mask], minlength=cp).tolist() == want["contributed"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(random_shards(), st.integers(0, 4), st.sampled_from(["window", "chunk"]), st.integers(1, 14))
+def test_exchange_volumes_of_a_layer_kind_match_naive(case, gpus_per_node, kind, size):
+    shards, cp = case
+    doc, start, length, rank = (np.array(c) for c in zip(*shards))
+    got = exchange_volumes(doc, start, length, rank, cp, gpus_per_node, KIND_CODES[kind], size)
+    want = naive_exchange_volumes(shards, cp, gpus_per_node, kind, size)
+    for name, values in want.items():
+        assert getattr(got, name).tolist() == values, (name, kind, size)
+    assert kind_local_mask(doc, start, length, rank, cp, KIND_CODES[kind], size).tolist() == \
+        naive_local_shards(shards, kind, size)
+
+
+def test_a_window_longer_than_every_document_moves_what_full_attention_moves():
+    for lens in packed("wlb", 3, 32768, seed=2):
+        plan = plan_sequence("magi", lens, 8)
+        arrays = (plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank)
+        for per_node in (0, 4):
+            full = exchange_volumes(*arrays, 8, per_node)
+            wide = exchange_volumes(*arrays, 8, per_node, KIND_CODES["window"], 1 << 20)
+            for name in ("sent", "received", "sent_far", "received_far", "contributed"):
+                assert np.array_equal(getattr(full, name), getattr(wide, name)), name
+            narrow = exchange_volumes(*arrays, 8, per_node, KIND_CODES["window"], 1024)
+            assert narrow.received.sum() < full.received.sum()
+            assert (narrow.received <= 1023 * (plan.shard_rank[:, None] == np.arange(8)).sum(0)).all()
 
 
 def test_node_volumes_split_the_exact_need_volumes():

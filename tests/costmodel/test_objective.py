@@ -85,3 +85,59 @@ def test_a_plans_shape_comes_from_its_parameters():
     shape = AttentionShape.from_params({"num_heads": 8, "num_kv_heads": 2, "head_dim": 64, "layers": 4,
                                         "target_imbalance": 1.05})
     assert (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.layers) == (8, 2, 64, 4)
+
+
+KIND_SHAPES = [
+    AttentionShape(num_heads=32, num_kv_heads=8, head_dim=128, layers=4, layer_kinds=(("window", 4096, 4),)),
+    AttentionShape(num_heads=16, num_kv_heads=8, head_dim=256, layers=6,
+                   layer_kinds=(("window", 1024, 5), ("full", 0, 1))),
+    AttentionShape(num_heads=64, num_kv_heads=8, head_dim=64, layers=4,
+                   layer_kinds=(("window", 128, 1), ("full", 0, 1), ("window", 128, 1), ("full", 0, 1))),
+    AttentionShape(num_heads=40, num_kv_heads=8, head_dim=128, layers=4,
+                   layer_kinds=(("chunk", 8192, 3), ("full", 0, 1))),
+    AttentionShape(num_heads=8, num_kv_heads=2, head_dim=64, layers=3, layer_kinds=(("chunk", 700, 2),
+                                                                                      ("window", 333, 1))),
+]
+
+
+@pytest.mark.parametrize("shape", KIND_SHAPES, ids=lambda s: "+".join(f"{k}{z}x{c}" for k, z, c in s.layer_kinds))
+def test_objective_equals_projection_for_every_layer_kind(shape):
+    """Per kind: its pairs, its exchange, its ``auto`` choice and local part, counted once per layer of it."""
+    from flashcp.costmodel.objective import model_vector, rank_floor, shard_seconds, step_seconds, step_seconds_of
+
+    profile = load_profile()
+    rng = np.random.default_rng(17)
+    for per_node in (0, 4):
+        model = model_vector(profile, shape, gpus_per_node=per_node)
+        for _ in range(6):
+            lens = rng.integers(1, 30000, rng.integers(1, 25))
+            cp = int(rng.choice([4, 8, 12]))
+            for name in ("flashcp", "flashcp+", "llama3", "magi"):
+                plan = plan_sequence(name, lens, cp)
+                expected = project_step(plan, shape, profile, "auto", True, gpus_per_node=per_node).total
+                assert plan_step_seconds(plan, model) == pytest.approx(expected * shape.layers, rel=1e-12)
+                arrays = (plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
+                total = step_seconds(*arrays, model)
+                assert step_seconds_of(*arrays, model, *shard_seconds(plan.shard_start, plan.shard_len, model),
+                                       -1) == total
+                assert max(rank_floor(*arrays, model, r) for r in range(cp)) <= total
+
+
+def test_a_window_past_every_document_prices_as_full_attention():
+    """The window path (its own local part, keys and exchange) meets the full-attention path where they
+    must agree: a window longer than every document; a narrower one is cheaper."""
+    profile = load_profile()
+    rng = np.random.default_rng(23)
+    full = AttentionShape(num_heads=32, num_kv_heads=8, head_dim=128, layers=2)
+    wide = AttentionShape(num_heads=32, num_kv_heads=8, head_dim=128, layers=2, layer_kinds=(("window", 1 << 20, 2),))
+    narrow = AttentionShape(num_heads=32, num_kv_heads=8, head_dim=128, layers=2, layer_kinds=(("window", 512, 2),))
+    for _ in range(8):
+        lens = rng.integers(1, 30000, rng.integers(1, 20))
+        cp = int(rng.choice([4, 8]))
+        for name in ("flashcp", "magi", "llama3"):
+            plan = plan_sequence(name, lens, cp)
+            for per_node in (0, 2):
+                got = project_step(plan, wide, profile, "auto", True, gpus_per_node=per_node)
+                want = project_step(plan, full, profile, "auto", True, gpus_per_node=per_node)
+                assert got == want
+                assert project_step(plan, narrow, profile, "auto", True, gpus_per_node=per_node).total < want.total

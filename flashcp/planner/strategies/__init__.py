@@ -106,9 +106,10 @@ none). A ``*_within`` kernel returns no shards (four empty arrays) when its plan
 ``flashcp2`` (parameters ``target_imbalance`` 1.05, ``effort`` 1, ``objective`` "time", ``profile``, shape,
 ``topology``)
     Per sequence, a portfolio under the step-time objective (``flashcp.costmodel.objective``: the projected
-    step time of ``flashcp bench`` for one layer of H = H_kv = 32, D = 128 by default, auto comm with local
-    shards overlapping the exchange). ``target_imbalance`` is a ceiling, not a goal: inside it the step
-    time, which charges the slowest rank, decides; a candidate above it is never taken. The first plan is
+    step time of ``flashcp bench`` for one layer of H = H_kv = 32, D = 128 by default, or every layer of a
+    model by its kind, auto comm with local shards overlapping the exchange). ``target_imbalance`` is a
+    ceiling, not a goal: inside it the step time, which charges the slowest rank, decides; a candidate above
+    it is never taken (only a faster peer's plan, below). The first plan is
     ``flashcp+`` at its own target 1.01 (or the ceiling when lower), its search stopped at 8 zigzagged
     documents (``flashcp_plus.flashcp_plus_bounded``: the same plan whenever ``flashcp+`` needs no more). Then,
     in order: Algorithm 1 (R = 1.05) when it needs at most 8 Per-Doc documents, which replaces the first
@@ -131,7 +132,11 @@ none). A ``*_within`` kernel returns no shards (four empty arrays) when its plan
     ``effort`` > 0, local search: paired moves of two document boundaries between the same two ranks by the
     same shift (1024, 256, 64, 16 tokens) so every rank keeps its quota, kept when the step time drops, the
     imbalance stays within the ceiling (or the chosen plan's own, when above) and the largest receive does
-    not grow; passes repeat while one improves, for at most ``16 * effort`` evaluations. The bounds keep the
+    not grow; passes repeat while one improves, for at most ``16 * effort`` evaluations. Last, the default
+    plans of ``flashcp+`` (1.01), ``magi`` (512), ``flashcp`` (1.05), ``llama3`` and ``ptrr`` (128) are
+    priced (``flashcp2.PEERS``; each skipped when its busiest rank alone is not faster): the first one faster
+    than the plan replaces it, even above the ceiling, so ``flashcp2`` is never slower than any of them under
+    its objective (which prices the model's layer kinds, ``objective``). The bounds keep the
     planning time of a sequence to a few candidates and a fixed search budget, whatever the sequence. The
     candidates in their order, with the effort each needs, are the table ``flashcp2.PORTFOLIO``.
 

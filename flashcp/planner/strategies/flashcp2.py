@@ -5,7 +5,8 @@ Rules in flashcp.planner.strategies; ``tests/naive.py`` holds the plain-Python r
 
 Arrays as flashcp.planner.strategies describes them (a plan: ``doc, start, length, rank``, (num_shards,) int64
 each, sorted by (rank, position) and merged as ``pieces.finish_pieces`` leaves them); besides, ``sec_f, sec_b``
-(num_shards,) float64, every shard's forward and backward kernel seconds (``objective.shard_seconds``), and
+(kinds * num_shards,) float64, every shard's forward and backward kernel seconds under each of the model's
+layer kinds (``objective.shard_seconds``, kind-major), and
 ``model`` (num_params,) float64, the step-time model (``objective.model_vector``).
 """
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from flashcp._numba import njit
 from flashcp.costmodel.comm import exact_need_received_kernel
-from flashcp.costmodel.objective import GPUS_PER_NODE_SLOT, one_shard_seconds, shard_seconds, step_seconds_of
+from flashcp.costmodel.objective import GPUS_PER_NODE_SLOT, kind_count, price_shard, shard_seconds, step_seconds_of
 from flashcp.costmodel.sort import order_of
 from flashcp.costmodel.workload import (
     imbalance_of,
@@ -27,10 +28,10 @@ from flashcp.costmodel.workload import (
     token_quotas_kernel,
     workload,
 )
-from flashcp.planner.strategies.baselines import llama3_within
-from flashcp.planner.strategies.flashcp import flashcp_bounded
-from flashcp.planner.strategies.flashcp_plus import flashcp_plus_bounded
-from flashcp.planner.strategies.peers import magi_within, place_span
+from flashcp.planner.strategies.baselines import llama3_kernel, llama3_within
+from flashcp.planner.strategies.flashcp import flashcp_bounded, flashcp_kernel
+from flashcp.planner.strategies.flashcp_plus import flashcp_plus_bounded, flashcp_plus_kernel
+from flashcp.planner.strategies.peers import magi_kernel, magi_within, place_span, ptrr_kernel
 from flashcp.planner.strategies.pieces import (
     add_piece,
     finish_pieces,
@@ -124,6 +125,18 @@ PORTFOLIO = (
 """The candidates after the first plan (``flashcp+`` at ``PLUS_TARGET``), in the order they are tried (the order
 decides ties): each is taken or not by ``flashcp2_kernel``'s rules (strategies' docstring)."""
 
+# --- the peers the final plan is checked against, at their registry defaults (tests check they agree)
+
+PEER_FLASHCP_TARGET = 1.05
+"""``flashcp``'s default ``target_imbalance``."""
+PEER_MAGI_CHUNK = 512
+"""``magi``'s default ``chunk_size``."""
+PEER_PTRR_CHUNK = 128
+"""``ptrr``'s default ``chunk_size``."""
+PEERS = ("flashcp+", "magi", "flashcp", "llama3", "ptrr")
+"""The strategies whose default plans ``flashcp2`` is never slower than under its objective, in the order they
+are tried (``_fastest_of_peers``)."""
+
 # --- the local search's constants
 
 EVALS_PER_EFFORT = 16
@@ -171,7 +184,7 @@ def local_search(doc, start, length, rank, cp, model, target, budget, window):
 
 @njit(cache=True)
 def _local_search_priced(doc, start, length, rank, cp, model, target, budget, window, sec_f, sec_b):
-    """``local_search`` given every shard's kernel seconds ``sec_f, sec_b`` ((num_shards,) float64, updated
+    """``local_search`` given every shard's kernel seconds ``sec_f, sec_b`` ((kinds * num_shards,) float64, updated
     in place, re-priced only for the shards a move touches): the portfolio has them from pricing its best
     candidate.
     """
@@ -292,7 +305,7 @@ def _try_move(a_l, a_r, d_a, b_l, b_r, d_b, doc, start, length, rank, cp, model,
         model: (num_params,) float64, the step-time model.
         target: the largest imbalance a kept move may leave, float.
         work: (cp,) int64, every rank's workload, kept up to date.
-        sec_f, sec_b: (num_shards,) float64, every shard's kernel seconds, kept up to date.
+        sec_f, sec_b: (kinds * num_shards,) float64, every shard's kernel seconds, kept up to date.
         best: the plan's step seconds, float.
         received: the plan's largest exact-need receive (rows), int.
     """
@@ -369,15 +382,18 @@ def _add_work(a, b, c, d, start, length, rank, work, sign):
 @njit(cache=True)
 def _reprice(a, b, c, d, start, length, model, sec_f, sec_b):
     """Re-price shards ``a, b, c, d`` (-1: none) after a move; returns their old seconds to ``_restore``
-    ((2, 4) float64: forward, backward)."""
-    saved = np.empty((2, 4), np.float64)
+    ((2, 4, kinds) float64: forward, backward)."""
+    n = start.shape[0]
+    kinds = sec_f.shape[0] // n
+    saved = np.empty((2, 4, kinds), np.float64)
     touched = (a, b, c, d)
     for k in range(4):
         i = touched[k]
         if i >= 0:
-            saved[0, k] = sec_f[i]
-            saved[1, k] = sec_b[i]
-            sec_f[i], sec_b[i] = one_shard_seconds(start[i], length[i], model)
+            for j in range(kinds):
+                saved[0, k, j] = sec_f[j * n + i]
+                saved[1, k, j] = sec_b[j * n + i]
+            price_shard(start[i], length[i], model, sec_f, sec_b, i)
     return saved
 
 
@@ -385,11 +401,14 @@ def _reprice(a, b, c, d, start, length, model, sec_f, sec_b):
 def _restore(a, b, c, d, saved, sec_f, sec_b):
     """Undo ``_reprice`` (in reverse order, so a shard touched twice gets its first saved value back)."""
     touched = (a, b, c, d)
+    kinds = saved.shape[2]
+    n = sec_f.shape[0] // kinds
     for k in range(3, -1, -1):
         i = touched[k]
         if i >= 0:
-            sec_f[i] = saved[0, k]
-            sec_b[i] = saved[1, k]
+            for j in range(kinds):
+                sec_f[j * n + i] = saved[0, k, j]
+                sec_b[j * n + i] = saved[1, k, j]
 
 
 @njit(cache=True)
@@ -589,12 +608,12 @@ def flashcp2_kernel(lens, cp, target, effort, model, slack):
     Returns the plan: ``doc, start, length, rank``, (num_shards,) int64 each, sorted and merged.
     """
     per_node = np.int64(model[GPUS_PER_NODE_SLOT])
-    memo = _new_memo()
+    memo = _new_memo(kind_count(model))
     best_doc, best_start, best_len, best_rank = flashcp_plus_bounded(lens, cp, min(target, PLUS_TARGET), MAX_ZIGZAG)
     best_doc, best_start, best_len, best_rank = on_nodes(lens, best_doc, best_start, best_len, best_rank, cp,
                                                          per_node)
-    best_f = np.empty(best_doc.shape[0], np.float64)
-    best_b = np.empty(best_doc.shape[0], np.float64)
+    best_f = np.empty(kind_count(model) * best_doc.shape[0], np.float64)
+    best_b = np.empty(kind_count(model) * best_doc.shape[0], np.float64)
     _price_shards(best_start, best_len, best_rank, model, best_f, best_b, -1, False, memo)
     best_time = step_seconds_of(best_doc, best_start, best_len, best_rank, cp, model, best_f, best_b, -1)
     # every candidate must meet the ceiling, and flashcp+ sets the time to beat; when flashcp+ misses the
@@ -639,22 +658,57 @@ def flashcp2_kernel(lens, cp, target, effort, model, slack):
         best_f, best_b = sec_f, sec_b
         best_received = received
         best_imbalance = imbalance
-    if effort <= 0:
-        return best_doc, best_start, best_len, best_rank
-    start = best_start.copy()
-    length = best_len.copy()
-    _local_search_priced(best_doc, start, length, best_rank, cp, model, max(target, best_imbalance),
-                         effort * EVALS_PER_EFFORT, slack_tokens(slack, lens.sum(), cp), best_f, best_b)
-    return finish_pieces(best_doc, start, length, best_rank, best_doc.shape[0], lens)
+    if effort > 0:
+        start = best_start.copy()
+        length = best_len.copy()
+        _local_search_priced(best_doc, start, length, best_rank, cp, model, max(target, best_imbalance),
+                             effort * EVALS_PER_EFFORT, slack_tokens(slack, lens.sum(), cp), best_f, best_b)
+        best_doc, best_start, best_len, best_rank = finish_pieces(best_doc, start, length, best_rank,
+                                                                  best_doc.shape[0], lens)
+        # merged pieces price as one shard: the finished plan's own time is the one to beat
+        best_f = np.empty(kind_count(model) * best_doc.shape[0], np.float64)
+        best_b = np.empty(kind_count(model) * best_doc.shape[0], np.float64)
+        _price_shards(best_start, best_len, best_rank, model, best_f, best_b, -1, False, memo)
+        best_time = step_seconds_of(best_doc, best_start, best_len, best_rank, cp, model, best_f, best_b, -1)
+    return _fastest_of_peers(lens, cp, model, memo, best_doc, best_start, best_len, best_rank, best_time)
+
+
+@njit(cache=True)
+def _fastest_of_peers(lens, cp, model, memo, doc, start, length, rank, seconds):
+    """The plan, or the first of the ``PEERS``' default plans that is faster under the step time (``seconds``:
+    the plan's): whatever the ceiling and the ties chose, ``flashcp2`` is never slower than any of them.
+
+    A peer whose busiest rank alone is not faster (``rank_floor``) is not priced further.
+    """
+    for peer in range(len(PEERS)):
+        if peer == 0:
+            p_doc, p_start, p_len, p_rank = flashcp_plus_kernel(lens, cp, PLUS_TARGET)
+        elif peer == 1:
+            p_doc, p_start, p_len, p_rank = magi_kernel(lens, cp, PEER_MAGI_CHUNK)
+        elif peer == 2:
+            p_doc, p_start, p_len, p_rank = flashcp_kernel(lens, cp, PEER_FLASHCP_TARGET)
+        elif peer == 3:
+            p_doc, p_start, p_len, p_rank = llama3_kernel(lens, cp)
+        else:
+            p_doc, p_start, p_len, p_rank = ptrr_kernel(lens, cp, PEER_PTRR_CHUNK)
+        sec_f, sec_b, busiest = _price_busiest(p_start, p_len, p_rank, cp, model, memo)
+        if step_seconds_of(p_doc, p_start, p_len, p_rank, cp, model, sec_f, sec_b, busiest) >= seconds:
+            continue
+        _price_shards(p_start, p_len, p_rank, model, sec_f, sec_b, busiest, False, memo)
+        t = step_seconds_of(p_doc, p_start, p_len, p_rank, cp, model, sec_f, sec_b, -1)
+        if t < seconds:
+            doc, start, length, rank, seconds = p_doc, p_start, p_len, p_rank, t
+    return doc, start, length, rank
 
 
 @njit(cache=True)
 def _price_busiest(start, length, rank, cp, model, memo):
     """The kernel seconds of the busiest rank's shards (``_price_shards``): ``(sec_f, sec_b, busiest)``, the
-    seconds (num_shards,) float64 (0.0 on the other ranks' shards) and the rank (the lowest of the busiest)."""
+    seconds (kinds * num_shards,) float64 (0.0 on the other ranks' shards) and the rank (the lowest of the
+    busiest)."""
     busiest = np.argmax(rank_workloads_kernel(start, length, rank, cp))
-    sec_f = np.zeros(start.shape[0], np.float64)
-    sec_b = np.zeros(start.shape[0], np.float64)
+    sec_f = np.zeros(kind_count(model) * start.shape[0], np.float64)
+    sec_b = np.zeros(kind_count(model) * start.shape[0], np.float64)
     _price_shards(start, length, rank, model, sec_f, sec_b, busiest, True, memo)
     return sec_f, sec_b, busiest
 
@@ -686,7 +740,7 @@ def _wins_tie(seconds, imbalance, received, best_time, best_imbalance, best_rece
 
 @njit(cache=True)
 def _price_shards(start, length, rank, model, sec_f, sec_b, of_rank, on_rank, memo):
-    """Kernel seconds (``one_shard_seconds``) of the shards on rank ``of_rank`` (``on_rank``) or of all the
+    """Kernel seconds (``price_shard``) of the shards on rank ``of_rank`` (``on_rank``) or of all the
     others, written into ``sec_f``/``sec_b``: ``shard_seconds``'s values, in two passes.
 
     ``memo`` (``_new_memo``) keeps the seconds of recently priced (start, length) pairs: candidates of one
@@ -695,31 +749,35 @@ def _price_shards(start, length, rank, model, sec_f, sec_b, of_rank, on_rank, me
     Args:
         start, length, rank: the plan's, (num_shards,) int64 each.
         model: (num_params,) float64, the step-time model.
-        sec_f, sec_b: (num_shards,) float64, written for the shards priced.
+        sec_f, sec_b: (kinds * num_shards,) float64, kind-major, written for the shards priced.
         of_rank: a rank (int; -1: none).
         on_rank: True: price the shards on ``of_rank``; False: all the others.
-        memo: ``(keys, seconds)``, (MEMO_SLOTS, 2) int64 (start, length) and (MEMO_SLOTS, 2) float64.
+        memo: ``(keys, seconds)``, (MEMO_SLOTS, 2) int64 (start, length) and (MEMO_SLOTS, 2, kinds) float64.
     """
     keys, seconds = memo
     mask = keys.shape[0] - 1
-    for i in range(start.shape[0]):
+    num_shards = start.shape[0]
+    kinds = seconds.shape[2]
+    for i in range(num_shards):
         if (rank[i] == of_rank) == on_rank:
             s = start[i]
             n = length[i]
             slot = (s * MEMO_MULTIPLIER + n) & mask
             if keys[slot, 0] == s and keys[slot, 1] == n:
-                sec_f[i] = seconds[slot, 0]
-                sec_b[i] = seconds[slot, 1]
+                for j in range(kinds):
+                    sec_f[j * num_shards + i] = seconds[slot, 0, j]
+                    sec_b[j * num_shards + i] = seconds[slot, 1, j]
                 continue
-            sec_f[i], sec_b[i] = one_shard_seconds(s, n, model)
+            price_shard(s, n, model, sec_f, sec_b, i)
             keys[slot, 0] = s
             keys[slot, 1] = n
-            seconds[slot, 0] = sec_f[i]
-            seconds[slot, 1] = sec_b[i]
+            for j in range(kinds):
+                seconds[slot, 0, j] = sec_f[j * num_shards + i]
+                seconds[slot, 1, j] = sec_b[j * num_shards + i]
 
 
 @njit(cache=True)
-def _new_memo():
+def _new_memo(kinds):
     """An empty ``_price_shards`` memo: ``MEMO_SLOTS`` slots of (start, length), -1 when empty, and their
-    two seconds."""
-    return np.full((MEMO_SLOTS, 2), -1, np.int64), np.empty((MEMO_SLOTS, 2), np.float64)
+    two seconds under each of ``kinds`` layer kinds."""
+    return np.full((MEMO_SLOTS, 2), -1, np.int64), np.empty((MEMO_SLOTS, 2, kinds), np.float64)
