@@ -69,7 +69,8 @@ def naive_exchange_volumes(shards: list[tuple[int, int, int, int]], cp: int, gpu
 
     Under a layer ``kind`` each query sees the keys ``naive_first_key(p)..p`` of its document: a rank receives
     once every key some query it holds sees and another rank holds. A shard contributes to the all-gather,
-    when its document spans ranks, its keys that some later shard of the document sees.
+    when its document spans ranks, its keys that some later shard of the document sees (under a window or
+    chunk: a later shard on another rank).
     """
     def node(rank: int) -> int:
         return rank // gpus_per_node if gpus_per_node else 0
@@ -92,8 +93,9 @@ def naive_exchange_volumes(shards: list[tuple[int, int, int, int]], cp: int, gpu
         same_doc = [s for s in shards if s[0] == doc]
         if len({s[3] for s in same_doc}) < 2:
             continue
-        later = {t for d, s, n, _ in same_doc if s > start for p in range(s, s + n)
-                 for t in range(naive_first_key(kind, size, p), p + 1)}
+        # full attention: every later shard (paper Eq. 5); a window or chunk: later shards of other ranks
+        later = {t for d, s, n, r in same_doc if s > start and (kind == "full" or r != rank)
+                 for p in range(s, s + n) for t in range(naive_first_key(kind, size, p), p + 1)}
         volumes["contributed"][rank] += sum(1 for t in range(start, start + length) if t in later)
     return volumes
 

@@ -153,8 +153,9 @@ def exchange_volumes_into(out, table, shard_doc, shard_start, shard_len, shard_r
 
     A shard ``[start, end)`` of a document needs its keys ``[key_start, end)`` (``workload.key_start``); a rank
     receives once each key of its documents that one of its shards needs and another rank holds, and the
-    holder sends it. The all-gather takes, of each shard of a document spread over several ranks, the rows
-    that the document's later shards need (under full attention every shard but the last, paper Eq. 5).
+    holder sends it. The all-gather takes, of each shard of a document spread over several ranks, under full
+    attention every shard but the last (paper Eq. 5), under a window or chunk the rows that the document's
+    later shards on other ranks need.
     Under a window or chunk kind, ``shard_is_local(table, ...)`` then says which shards need no other rank.
     """
     full = kind == FULL
@@ -191,7 +192,8 @@ def _bounded_volumes_into(out, table, doc, start, length, rank, cp, gpus_per_nod
 
     The shards of each document in order of position: the first key a shard needs never decreases along the
     document, so what shard j sends rank r is its tail from the first key that r's next shard after j needs,
-    and what the later shards need of j (its all-gather rows) is its tail from the next shard's first key.
+    and its all-gather rows are the widest of those tails over the other ranks (what the runtime's per-kind
+    all-gather moves: ``flashcp.runtime.kind_exchange``; a later shard on j's own rank reads j locally).
     A shard is local when its first key lies in the run of same-rank shards that ends with it.
     """
     num_shards = doc.shape[0]
@@ -230,26 +232,26 @@ def _bounded_volumes_into(out, table, doc, start, length, rank, cp, gpus_per_nod
             continue
         for h in range(holder_at[d], holder_at[d + 1]):
             next_key[holders[h]] = -1
-        later_key = -1
         for k in range(hi - 1, lo - 1, -1):
             i = order[k] & mask
             b, s, e = rank[i], start[i], start[i] + length[i]
-            if with_sends and later_key >= 0:
-                out[CONTRIBUTED, b] += e - max(s, min(e, later_key))
             node = b // gpus_per_node if split else 0
+            widest = 0
             for h in range(holder_at[d], holder_at[d + 1]):
                 r = holders[h]
                 if r == b or next_key[r] < 0:
                     continue
                 amount = e - max(s, min(e, next_key[r]))
+                widest = max(widest, amount)
                 out[RECEIVED, r] += amount
                 if with_sends:
                     out[SENT, b] += amount
                     if split and r // gpus_per_node != node:
                         out[SENT_FAR, b] += amount
                         out[RECEIVED_FAR, r] += amount
-            later_key = key_start(kind, size, s)
-            next_key[b] = later_key
+            if with_sends:
+                out[CONTRIBUTED, b] += widest
+            next_key[b] = key_start(kind, size, s)
 
 
 @njit(cache=True)

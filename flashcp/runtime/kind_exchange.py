@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from flashcp.costmodel.comm import allgather_wire, auto_comm_a2a, busiest_rows
+from flashcp.costmodel.workload import CHUNK, WINDOW, key_starts
 from flashcp.runtime.exchange_parts import Exchange, QueryPart
 from flashcp.runtime.index_arrays import as_int32, as_long, cumsum0, ranges, within_rank_offsets
 from flashcp.runtime.kernels.library import chunk_segments
@@ -26,12 +27,17 @@ __all__ = ["key_start", "kind_meta", "kind_need", "range_pieces"]
 
 
 def key_start(start: np.ndarray, window: int | None, chunk: int | None) -> np.ndarray:
-    """First document position the queries of a shard starting at ``start`` see under the kind (int64)."""
+    """First document position the queries of a shard starting at ``start`` see under the kind (int64).
+
+    The cost model's ``key_starts`` per kind (one formula for the planner and the runtime); with both a window
+    and a chunk, the later of the two.
+    """
+    start = np.ascontiguousarray(start, dtype=np.int64)
     first = np.zeros_like(start)
     if chunk is not None:
-        first = start // chunk * chunk
+        first = key_starts(CHUNK, int(chunk), start)
     if window is not None:
-        first = np.maximum(first, start - (window - 1))
+        first = np.maximum(first, key_starts(WINDOW, int(window), start))
     return first
 
 

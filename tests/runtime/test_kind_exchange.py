@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from flashcp.costmodel.comm import exchange_volumes
+from flashcp.costmodel.workload import CHUNK, WINDOW
 from flashcp.runtime.attention import attention_after_exchange
 from flashcp.runtime.layer_kinds import LayerKind
 from flashcp.runtime.meta import CPAttnMeta, build_rank_metas, rank_token_positions
@@ -161,3 +163,18 @@ def test_for_kind_is_cached_and_refuses_nonsense():
     assert meta.to("cpu", comm="a2a").for_kind(window=3) is windowed
     with pytest.raises(ValueError, match="window and chunk must be positive"):
         meta.for_kind(window=0)
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if len(k) == 1], ids=str)
+def test_the_planner_prices_what_the_kind_exchange_moves(kind):
+    """The cost model's exact-need and all-gather volumes of a kind (what flashcp2 plans with) are the
+    runtime's: each rank's a2a sent and received, and the all-gather slot."""
+    (name, size), = kind.items()
+    code = {"window": WINDOW, "chunk": CHUNK}[name]
+    for cp, plan, doc_lens in _plans():
+        volumes = exchange_volumes(plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp,
+                                   kind=code, size=size)
+        metas = [m.for_kind(**kind) for m in build_rank_metas(plan, doc_lens)]
+        for r, meta in enumerate(metas):
+            assert meta.wire_tokens("a2a") == (volumes.sent[r], volumes.received[r]), (cp, r, kind)
+            assert meta.wire_tokens("allgather")[0] == (cp - 1) * volumes.contributed.max(), (cp, r, kind)
