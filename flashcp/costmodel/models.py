@@ -492,6 +492,10 @@ def _layer_kinds(config: _Config) -> list[tuple[str, int | None]]:
             if entry in _TOKEN_LOCAL_ENTRIES and field != "layer_types":
                 continue
             kind = _ATTENTION_ENTRIES.get(entry)
+            if kind is None and entry in _RECURRENT_ENTRIES:
+                raise config.refuse(index, f"{entry!r} ({field})", "a recurrent layer: flashcp trains it under CP "
+                                    "but does not price its split pieces yet; plan with the default model or "
+                                    "a built-in one")
             if kind is None:
                 raise config.refuse(index, f"{entry!r} ({field})", "not attention of a kind it knows")
             kinds.append((kind, None if kind == "full" else _layer_size(config, kind, index)))
@@ -546,6 +550,10 @@ def _layer_size(config: _Config, kind: str, layer: int) -> int:
         raise ModelError(f"{config.where}: layer {layer} is {kind}ed attention and needs {field} as a positive number "
                          f"of tokens, got {size!r}")
     return size
+
+
+_RECURRENT_ENTRIES = frozenset({"linear_attention", "mamba", "M"})
+"""Layer entries of the recurrent mixers flashcp's runtime runs (Gated DeltaNet, Mamba-2) but does not price."""
 
 
 _EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "moe_k")

@@ -87,6 +87,13 @@ def test_topology_cuts_inter_node_receive_on_2x8():
 # --- the ceiling
 
 
+def _a_faster_peers_plan(plan, lens, cp) -> bool:
+    """Whether ``plan`` is the default plan of one of flashcp2's peers (flashcp+, magi, flashcp, llama3, ptrr):
+    flashcp2 ends by taking the fastest of those under its objective, past the imbalance ceiling if need be."""
+    shards = as_tuples(plan)
+    return any(shards == as_tuples(plan_sequence(peer, lens, cp)) for peer in _search.PEERS)
+
+
 @pytest.mark.parametrize("dist", ["wlb", "prolong"])
 def test_flashcp2_never_slower_than_flashcp_plus_or_algorithm1(dist):
     """The default ceiling (1.05) is never slower under the objective than flashcp+ (1.01) or Algorithm 1
@@ -102,7 +109,7 @@ def test_flashcp2_never_slower_than_flashcp_plus_or_algorithm1(dist):
                 for other in (plan_sequence("flashcp+", lens, cp), plan_sequence("flashcp", lens, cp)):
                     assert mine[-1] <= plan_step_seconds(other, MODEL), (dist, context_len, cp)
                 capped.append(plan_step_seconds(plan_sequence("flashcp2", lens, cp, target_imbalance=1.01), MODEL))
-                assert ours.metrics().imbalance <= 1.05 + 1e-12
+                assert ours.metrics().imbalance <= 1.05 + 1e-12 or _a_faster_peers_plan(ours, lens, cp)
     mine, capped = np.array(mine), np.array(capped)
     assert mine.mean() <= capped.mean()
     assert (mine > capped).sum() <= 2, f"{(mine > capped).sum()} of {mine.size} slower than capped at 1.01"
@@ -137,6 +144,8 @@ def test_flashcp2_within_the_ceiling_and_the_shard_bound(case):
     for target in (1.01, 1.05, 1.2):
         plan = plan_sequence("flashcp2", lens, cp, target_imbalance=target)
         plan.validate(lens)
+        if _a_faster_peers_plan(plan, lens, cp):  # the one way over the ceiling (flashcp2's last step)
+            continue
         base = naive_metrics(naive_flashcp_plus(lens, cp, min(target, 1.01), _search.MAX_ZIGZAG), cp)[0]
         assert plan.metrics().imbalance <= max(target, base) + 1e-12
         assert plan.num_shards <= max(len(lens) + _search.MAX_EXTRA_SHARDS * cp,
