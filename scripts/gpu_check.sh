@@ -3,7 +3,8 @@
 # tests (tests/runtime/test_gpu_runtime.py: each installed attention backend's ring and LSE kernels at head dim
 # 64 and 128 with all-length-1 shards under GQA, auto's choice on bf16 CUDA tensors, bf16 accuracy of every
 # backend and comm mode against float64, one bf16 training step under torch.cuda.set_sync_debug_mode("warn");
-# tests/runtime/test_kernels_gpu.py: cp_attention of every backend against float64;
+# tests/runtime/test_kernels_gpu.py: cp_attention of every backend against float64, full attention and the layer
+# kinds (window, chunk, window + sinks, window + soft-cap) over their per-kind exchange;
 # tests/runtime/test_recurrent_gpu.py: the recurrent libraries flashcp calls, fla's gated delta rule and
 # mamba_ssm's SSD with segments, start states and the transition-map call, and their convolutions, in bf16
 # against float64, each skipped where it is not installed: pip install 'flashcp[linear]'). Then the measurement
