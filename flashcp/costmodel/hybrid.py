@@ -26,6 +26,7 @@ import numpy as np
 
 from flashcp.costmodel.comm import exchange_volumes
 from flashcp.costmodel.recurrent import RecurrentShape, recurrent_exchange, recurrent_needed_maps
+from flashcp.costmodel.shape import AttentionShape
 
 __all__ = ["NEMOTRON_H_8B", "QWEN3_NEXT_80B_A3B", "HybridModel", "StepBytes", "step_bytes"]
 
@@ -40,6 +41,8 @@ class HybridModel:
     """Its recurrent layers (their count in ``recurrent.num_layers``)."""
     num_attention_layers: int
     """Full-attention layers."""
+    num_heads: int
+    """H: query heads of an attention layer."""
     num_kv_heads: int
     """H_kv: key/value heads of an attention layer."""
     head_dim: int
@@ -48,7 +51,7 @@ class HybridModel:
     """Bytes per K/V element on the wire (bf16)."""
 
     def __post_init__(self):
-        for name in ("num_kv_heads", "head_dim", "kv_bytes"):
+        for name in ("num_heads", "num_kv_heads", "head_dim", "kv_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_attention_layers < 0:
@@ -58,6 +61,11 @@ class HybridModel:
     def num_mixing_layers(self) -> int:
         """Attention plus recurrent layers: the layers of the all-attention twin."""
         return self.num_attention_layers + self.recurrent.num_layers
+
+    def attention_shape(self) -> AttentionShape:
+        """The shape its plans are priced for: its attention layers and, beside them, its recurrent layers."""
+        return AttentionShape(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                              layers=self.num_attention_layers, dtype_bytes=self.kv_bytes, recurrent=self.recurrent)
 
     @property
     def kv_row_bytes(self) -> int:
@@ -72,7 +80,8 @@ QWEN3_NEXT_80B_A3B = HybridModel(
     # linear_conv_kernel_dim 4
     recurrent=RecurrentShape(kind="gdn", num_heads=32, key_dim=128, value_dim=128, num_groups=16, conv_width=4,
                              num_layers=36),
-    num_attention_layers=12, num_kv_heads=2, head_dim=256,  # num_key_value_heads 2, head_dim 256
+    # num_attention_heads 16, num_key_value_heads 2, head_dim 256
+    num_attention_layers=12, num_heads=16, num_kv_heads=2, head_dim=256,
 )
 """Qwen/Qwen3-Next-80B-A3B (transformers 5.24 ``Qwen3NextConfig()`` defaults)."""
 
@@ -82,7 +91,8 @@ NEMOTRON_H_8B = HybridModel(
     # 24 MLP; mamba_num_heads 128, mamba_head_dim 64, ssm_state_size 128, n_groups 8, conv_kernel 4
     recurrent=RecurrentShape(kind="ssd", num_heads=128, key_dim=128, value_dim=64, num_groups=8, conv_width=4,
                              num_layers=24),
-    num_attention_layers=4, num_kv_heads=8, head_dim=128,  # num_key_value_heads 8, head_dim 128
+    # num_attention_heads 32, num_key_value_heads 8, head_dim 128
+    num_attention_layers=4, num_heads=32, num_kv_heads=8, head_dim=128,
 )
 """nvidia/Nemotron-H-8B-Base-8K (Megatron-Bridge ``NemotronHModelProvider8B``)."""
 

@@ -11,9 +11,11 @@ tokens, or chunks of K tokens; learned sinks and logit soft-capping beside them)
   pattern, else ``attention_chunk_size`` with ``no_rope_layers``);
 - ``resolve_model``: either, from the text a user typed (``flashcp plan --model NAME|CONFIG``).
 
-A config with a layer flashcp cannot price (linear attention, a state-space layer, latent attention) is
-refused with a ``ModelError`` naming the layer and its kind: a price made as if such a layer were full
-attention would be wrong in both its work and its exchange.
+A hybrid's recurrent layers (Gated DeltaNet: Qwen3-Next, Qwen3.5; Mamba-2: Nemotron-H) are read into
+``ModelSpec.recurrent`` (a ``RecurrentShape``) beside its attention ``layers``. A config with a layer flashcp
+cannot price (latent attention, an unknown layer entry) is refused with a ``ModelError`` naming the layer and
+its kind: a price made as if such a layer were full attention would be wrong in both its work and its
+exchange.
 
 ``ModelSpec.attention_shape()`` is the bridge to the pricing (``AttentionShape``: heads, head dim, layers by
 kind, and the per-token layers' FLOPs through ``hidden_mult``). This module reads JSON only: no transformers
@@ -28,6 +30,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from flashcp.costmodel.recurrent import RecurrentShape
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.errors import FlashcpError
 
@@ -104,6 +107,8 @@ class ModelSpec:
     """One ``LayerKind`` per decoder layer, first layer first."""
     gated_mlp: bool = True
     """Whether the MLP has three matrices (gate, up, down: SwiGLU, GeGLU) rather than two."""
+    recurrent: RecurrentShape | None = None
+    """A hybrid's recurrent layers (their count in ``num_layers``), beside the attention ``layers``; None: none."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -117,6 +122,9 @@ class ModelSpec:
                              f"heads for {self.num_heads} heads")
         if not isinstance(self.gated_mlp, bool):
             raise ModelError(f"model {self.name}: gated_mlp must be true or false, got {self.gated_mlp!r}")
+        if self.recurrent is not None and not isinstance(self.recurrent, RecurrentShape):
+            raise ModelError(f"model {self.name}: recurrent must be a RecurrentShape or None, got "
+                             f"{type(self.recurrent).__name__}")
         layers = tuple(self.layers) if isinstance(self.layers, list | tuple) else None
         if not layers or not all(isinstance(layer, LayerKind) for layer in layers):
             raise ModelError(f"model {self.name}: layers must be a non-empty tuple of LayerKind, got "
@@ -170,7 +178,8 @@ class ModelSpec:
             kinds[key] = kinds.get(key, 0) + count
         return AttentionShape(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                               layers=self.num_layers, dtype_bytes=dtype_bytes, hidden_mult=mlp_flops / (4.0 * d * d),
-                              layer_kinds=tuple((kind, size, count) for (kind, size), count in kinds.items()))
+                              layer_kinds=tuple((kind, size, count) for (kind, size), count in kinds.items()),
+                              recurrent=self.recurrent)
 
     def kind_counts(self) -> dict[LayerKind, int]:
         """Each distinct layer kind and how many layers have it, in order of first appearance."""
@@ -180,7 +189,10 @@ class ModelSpec:
         return counts
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain dict for plan.json; layers as runs ``{"kind", "size", "sinks", "softcap", "count"}``."""
+        """Plain dict for plan.json; layers as runs ``{"kind", "size", "sinks", "softcap", "count"}``.
+
+        ``recurrent``: the fields of its ``RecurrentShape`` (or None).
+        """
         runs: list[dict[str, Any]] = []
         for layer in self.layers:
             if runs and runs[-1]["layer"] == layer:
@@ -190,6 +202,8 @@ class ModelSpec:
         out: dict[str, Any] = {name: getattr(self, name) for name in _SCALAR_FIELDS}
         out["layers"] = [{"kind": run["layer"].kind, "size": run["layer"].size, "sinks": run["layer"].sinks,
                           "softcap": run["layer"].softcap, "count": run["count"]} for run in runs]
+        rec = self.recurrent
+        out["recurrent"] = None if rec is None else {name: getattr(rec, name) for name in rec.__slots__}
         return out
 
     @classmethod
@@ -197,8 +211,8 @@ class ModelSpec:
         """The model ``as_dict`` wrote (plan.json's ``model``); ModelError naming a missing or unknown field."""
         if not isinstance(data, dict):
             raise ModelError(f"a model description must be a JSON object, got {type(data).__name__}")
-        expected = set(_SCALAR_FIELDS) | {"layers"}
-        if set(data) != expected:
+        expected = set(_SCALAR_FIELDS) | {"layers", "recurrent"}
+        if set(data) | {"recurrent"} != expected:  # plan.json written before hybrids were priced has no recurrent
             missing, unknown = sorted(expected - set(data)), sorted(set(data) - expected)
             raise ModelError(f"a model description needs the fields {', '.join(sorted(expected))}; missing: "
                              f"{', '.join(missing) or 'none'}, unknown: {', '.join(unknown) or 'none'}")
@@ -216,16 +230,25 @@ class ModelSpec:
                 raise ModelError(f"model {data['name']}: layer run {index} needs a positive count, got {count!r}")
             layers += [LayerKind(kind=run["kind"], size=run["size"], sinks=run["sinks"], softcap=run["softcap"])
                        ] * count
-        return cls(**{name: data[name] for name in _SCALAR_FIELDS}, layers=tuple(layers))
+        recurrent = data.get("recurrent")
+        try:
+            rec = None if recurrent is None else RecurrentShape(**recurrent)
+        except (TypeError, ValueError) as error:
+            raise ModelError(f"model {data['name']}: bad recurrent layers {recurrent!r:.80}: {error}") from None
+        return cls(**{name: data[name] for name in _SCALAR_FIELDS}, layers=tuple(layers), recurrent=rec)
 
     def describe(self) -> str:
         """One line for ``show`` and ``ls``: name, layers by kind, heads, widths."""
         kinds = ", ".join(f"{count} {kind}" for kind, count in self.kind_counts().items())
-        return (f"{self.name}: {self.num_layers} layers ({kinds}), {self.num_heads} heads / {self.num_kv_heads} "
+        mixing = self.num_layers
+        if self.recurrent is not None:
+            kinds += f", {self.recurrent.num_layers} recurrent {self.recurrent.kind}"
+            mixing += self.recurrent.num_layers
+        return (f"{self.name}: {mixing} layers ({kinds}), {self.num_heads} heads / {self.num_kv_heads} "
                 f"K/V x {self.head_dim}, hidden {self.hidden_size}, MLP {self.mlp_width}, vocab {self.vocab_size}")
 
 
-_SCALAR_FIELDS = tuple(f.name for f in fields(ModelSpec) if f.name != "layers")
+_SCALAR_FIELDS = tuple(f.name for f in fields(ModelSpec) if f.name not in ("layers", "recurrent"))
 
 
 # ---- the built-in table --------------------------------------------------------------------------------------
@@ -285,10 +308,14 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt_oss": {"sliding_window": 128},
     "llama4_text": {"attention_chunk_size": 8192},
     "mistral": {"sliding_window": 4096},
+    "nemotron_h": {"mamba_num_heads": 128, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8,
+                   "conv_kernel": 4},
     "qwen2": {"use_sliding_window": False, "max_window_layers": 28},
     "qwen3": {"use_sliding_window": False, "max_window_layers": 28},
     "qwen2_moe": {"use_sliding_window": False},
     "qwen3_moe": {"use_sliding_window": False},
+    "qwen3_next": {"linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_num_value_heads": 32,
+                   "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4},
     "smollm3": {"use_sliding_window": False},
 }
 """What transformers' config class assumes for a field a ``config.json`` leaves out, where that differs from
@@ -341,8 +368,12 @@ def model_from_config(source: str | Path | dict[str, Any], *, name: str | None =
     gpt-oss, ``attn_logit_softcapping`` on every layer. ``name`` defaults to the folder holding the file,
     else the config's ``_name_or_path``, else its ``model_type``.
 
+    A hybrid's recurrent layers (``linear_attention``, Nemotron-H's Mamba-2 entries) go into ``recurrent``
+    (``_recurrent_shape``), its attention layers into ``layers``.
+
     Raises ModelError naming the file and the field or layer when a required field is missing or a layer is
-    a kind flashcp cannot price (linear attention, Mamba, latent attention, an unknown ``layer_types`` entry).
+    a kind flashcp cannot price (latent attention, recurrent layers set by a period or index list, an unknown
+    ``layer_types`` entry).
     """
     data, where, default_name = _load_config(source)
     nested = data.get("text_config")
@@ -355,14 +386,16 @@ def model_from_config(source: str | Path | dict[str, Any], *, name: str | None =
     vocab = config.required("vocab_size", "the vocabulary size")
     sinks = model_type in _SINK_MODEL_TYPES
     softcap = config.get("attn_logit_softcapping")
-    layers = tuple(LayerKind(kind=kind, size=size, sinks=sinks, softcap=softcap) for kind, size in _layer_kinds(config))
+    read, recurrent_layers = _layer_kinds(config)
+    layers = tuple(LayerKind(kind=kind, size=size, sinks=sinks, softcap=softcap) for kind, size in read)
     mlp_width = _mlp_width(config, len(layers))
     kv_heads = config.get("num_key_value_heads") or (1 if config.get("multi_query") else heads)  # GPT-BigCode: MQA
     try:
         return ModelSpec(name=name or default_name or str(data.get("_name_or_path") or "") or model_type or "model",
                          num_heads=heads, num_kv_heads=kv_heads,
                          head_dim=config.get("head_dim") or hidden // heads, hidden_size=hidden, mlp_width=mlp_width,
-                         vocab_size=vocab, layers=layers, gated_mlp=model_type not in _PLAIN_MLP_MODEL_TYPES)
+                         vocab_size=vocab, layers=layers, gated_mlp=model_type not in _PLAIN_MLP_MODEL_TYPES,
+                         recurrent=_recurrent_shape(config, recurrent_layers) if recurrent_layers else None)
     except ModelError as error:
         raise ModelError(f"{where}: {error}") from None
 
@@ -483,49 +516,54 @@ def _first_recurrent_layer(config: _Config) -> int | None:
     return None
 
 
-def _layer_kinds(config: _Config) -> list[tuple[str, int | None]]:
-    """``(kind, size)`` per layer, in the order of the rules transformers applies."""
+def _layer_kinds(config: _Config) -> tuple[list[tuple[str, int | None]], int]:
+    """``(kind, size)`` per attention layer, in the order of the rules transformers applies.
+
+    With the count of the recurrent layers the config declares beside them.
+    """
     entries, field = _declared_layers(config)
     if entries is not None:
         kinds: list[tuple[str, int | None]] = []
+        recurrent = 0
         for index, entry in enumerate(entries):
             if entry in _TOKEN_LOCAL_ENTRIES and field != "layer_types":
                 continue
             kind = _ATTENTION_ENTRIES.get(entry)
             if kind is None and entry in _RECURRENT_ENTRIES:
-                raise config.refuse(index, f"{entry!r} ({field})", "a recurrent layer: flashcp trains it under CP "
-                                    "but does not price its split pieces yet; plan with the default model or "
-                                    "a built-in one")
+                recurrent += 1
+                continue
             if kind is None:
                 raise config.refuse(index, f"{entry!r} ({field})", "not attention of a kind it knows")
             kinds.append((kind, None if kind == "full" else _layer_size(config, kind, index)))
         if not kinds:
             raise ModelError(f"{config.where}: its {field} holds no attention layer")
-        return kinds
+        return kinds, recurrent
     count = config.required("num_hidden_layers", "the number of layers")
     window, chunk = config.get("sliding_window"), config.get("attention_chunk_size")
     if chunk is not None:  # Llama 4: chunked where RoPE is used, global on the NoPE layers
         interval = config.get("no_rope_layer_interval", 4)
         uses_rope = list(config.get("no_rope_layers") or ()) or [int((i + 1) % interval != 0) for i in range(count)]
-        return [("chunk", _layer_size(config, "chunk", i)) if uses_rope[i] else ("full", None) for i in range(count)]
+        return [("chunk", _layer_size(config, "chunk", i)) if uses_rope[i] else ("full", None)
+                for i in range(count)], 0
     if window is None:
-        return [("full", None)] * count
+        return [("full", None)] * count, 0
     if config.get("use_sliding_window") is not None:  # Qwen: a window only when use_sliding_window is set
         if not config.get("use_sliding_window"):
-            return [("full", None)] * count
+            return [("full", None)] * count, 0
         if config.model_type not in _QWEN_WINDOW_RULES:
             raise ModelError(f"{config.where} sets use_sliding_window without layer_types, and which layers of a "
                              f"{config.model_type or 'model'} that windows is known to flashcp for "
                              f"{', '.join(_QWEN_WINDOW_RULES)} only; give the config its layer_types (transformers "
                              "writes them when it saves a config)")
         first = config.get("max_window_layers") if _QWEN_WINDOW_RULES[config.model_type] else 0
-        return [("window", _layer_size(config, "window", i)) if i >= first else ("full", None) for i in range(count)]
+        return [("window", _layer_size(config, "window", i)) if i >= first else ("full", None)
+                for i in range(count)], 0
     pattern = config.get("sliding_window_pattern") or _WINDOW_PATTERNS.get(config.model_type)
     if isinstance(pattern, str):  # Exaone 4: "LLLG", L local, G global
         local = [pattern[i % len(pattern)] == "L" for i in range(count)]
     else:
         local = [not pattern or bool((i + 1) % pattern) for i in range(count)]
-    return [("window", _layer_size(config, "window", i)) if local[i] else ("full", None) for i in range(count)]
+    return [("window", _layer_size(config, "window", i)) if local[i] else ("full", None) for i in range(count)], 0
 
 
 def _declared_layers(config: _Config) -> tuple[list[str] | None, str]:
@@ -553,7 +591,28 @@ def _layer_size(config: _Config, kind: str, layer: int) -> int:
 
 
 _RECURRENT_ENTRIES = frozenset({"linear_attention", "mamba", "M"})
-"""Layer entries of the recurrent mixers flashcp's runtime runs (Gated DeltaNet, Mamba-2) but does not price."""
+"""Layer entries of the recurrent mixers flashcp's runtime runs and prices (Gated DeltaNet, Mamba-2)."""
+
+
+def _recurrent_shape(config: _Config, count: int) -> RecurrentShape:
+    """The ``RecurrentShape`` of a hybrid's ``count`` recurrent layers, from the fields transformers reads.
+
+    Mamba-2 for Nemotron-H (or a config with ``mamba_num_heads``), else Gated DeltaNet (Qwen3-Next, Qwen3.5).
+    """
+    if config.get("mamba_num_heads") is not None or config.model_type == "nemotron_h":
+        return RecurrentShape(kind="ssd", num_heads=config.required("mamba_num_heads", "the Mamba-2 heads"),
+                              key_dim=config.required("ssm_state_size", "the Mamba-2 state size"),
+                              value_dim=config.required("mamba_head_dim", "the Mamba-2 head dim"),
+                              num_groups=config.required("n_groups", "the Mamba-2 B/C groups"),
+                              conv_width=config.required("conv_kernel", "the Mamba-2 convolution taps"),
+                              num_layers=count)
+    return RecurrentShape(kind="gdn",
+                          num_heads=config.required("linear_num_value_heads", "the Gated DeltaNet value heads"),
+                          key_dim=config.required("linear_key_head_dim", "the Gated DeltaNet key head dim"),
+                          value_dim=config.required("linear_value_head_dim", "the Gated DeltaNet value head dim"),
+                          num_groups=config.required("linear_num_key_heads", "the Gated DeltaNet key heads"),
+                          conv_width=config.required("linear_conv_kernel_dim", "the Gated DeltaNet convolution taps"),
+                          num_layers=count)
 
 
 _EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "moe_k")

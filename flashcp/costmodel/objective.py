@@ -26,7 +26,8 @@ forward plus the slowest rank's backward of one layer of that kind (its own pair
 (ranks holding unequal tokens), every rank also pays its tokens' per-token layers: ``token_flops`` FLOPs per
 token and layer (projections and MLP, forward + backward: one third forward, two thirds backward) at the
 profile's dense peak, ASSUMPTION (optimistic: real matmuls reach less, which makes tokens dearer and slack
-worth less).
+worth less). A hybrid's recurrent layers (``AttentionShape.recurrent``) add their own slowest rank's forward and
+backward per layer (:func:`recurrent_seconds`).
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ from flashcp.costmodel.workload import FULL, key_start, kind_workload, workload
 
 __all__ = ["BWD_FLOPS", "GPUS_PER_NODE_SLOT", "batch_step_seconds", "cached_model", "cached_shape_model",
            "exchange_seconds", "kind_count", "model_vector", "pair_flops", "pair_seconds", "plan_step_seconds",
-           "price_shard", "rank_floor", "sequence_flops", "shard_seconds", "step_seconds", "step_seconds_of",
-           "token_seconds"]
+           "price_shard", "rank_floor", "recurrent_seconds", "sequence_flops", "shard_seconds", "step_seconds",
+           "step_seconds_of", "token_seconds"]
 
 
 BWD_FLOPS = 2.5
@@ -68,11 +69,13 @@ BWD_FLOPS = 2.5
 
 # layout of the model vector
 _H, _HKV, _D, _BYTES, _LAYERS, _TILE, _SKIP, _LINK, _HBM, _KERNEL, _SEQ, _COLL, _PEAK, _TOKEN_FLOPS, \
-    _TOKEN_TFLOPS, GPUS_PER_NODE_SLOT, _INTER, _K, _KINDS = range(19)
+    _TOKEN_TFLOPS, GPUS_PER_NODE_SLOT, _INTER, _K, _KINDS, _RECURRENT = range(20)
 # GPUS_PER_NODE_SLOT is public: the planner reads the topology (CP ranks per node, 0: one node) from the vector
-# after the header: the curve (3 k values), then the layer kinds, (kind, size, count) each
+# after the header: the curve (3 k values), then the layer kinds, (kind, size, count) each, then when
+# model[_RECURRENT] is 1 the recurrent layers: (count, forward FLOPs per token, bytes per all-gather row,
+# extra tokens per contributed token)
 
-_HEADER = 19
+_HEADER = 20
 
 
 def model_vector(profile, shape: AttentionShape, *, with_tokens: bool = False,
@@ -85,7 +88,8 @@ def model_vector(profile, shape: AttentionShape, *, with_tokens: bool = False,
     """
     k = len(profile.lengths)
     runs = shape.kind_runs()
-    vec = np.zeros(_HEADER + 3 * k + 3 * len(runs), np.float64)
+    rec = shape.recurrent
+    vec = np.zeros(_HEADER + 3 * k + 3 * len(runs) + (4 if rec is not None else 0), np.float64)
     vec[_H], vec[_HKV], vec[_D], vec[_BYTES] = shape.num_heads, shape.num_kv_heads, shape.head_dim, \
         shape.dtype_bytes
     vec[_LAYERS], vec[_TILE], vec[_SKIP] = shape.layers, profile.query_tile, float(profile.causal_skip)
@@ -99,7 +103,10 @@ def model_vector(profile, shape: AttentionShape, *, with_tokens: bool = False,
     vec[_INTER] = profile.inter_node_gbps
     vec[_K] = k
     vec[_KINDS] = len(runs)
-    vec[_HEADER + 3 * k:] = np.asarray(runs, np.float64).ravel()
+    vec[_HEADER + 3 * k:_HEADER + 3 * k + 3 * len(runs)] = np.asarray(runs, np.float64).ravel()
+    if rec is not None:
+        vec[_RECURRENT] = 1.0
+        vec[-4:] = rec.num_layers, rec.flops_per_token, rec.map_bytes + rec.tail_bytes, rec.mapped_extra
     vec[_HEADER:_HEADER + k] = np.log(np.asarray(profile.lengths, np.float64))
     vec[_HEADER + k:_HEADER + 2 * k] = np.log(np.asarray(profile.forward_tflops, np.float64))
     vec[_HEADER + 2 * k:_HEADER + 3 * k] = np.log(np.asarray(profile.backward_tflops, np.float64))
@@ -302,7 +309,48 @@ def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
         seconds = _layer_seconds(doc, start, length, rank, cp, model, sec_f[j * num_shards:(j + 1) * num_shards],
                                  sec_b[j * num_shards:(j + 1) * num_shards], only, kind, size, table, num_docs)
         total += count * seconds
+    if model[_RECURRENT] > 0:
+        total += recurrent_seconds(doc, start, length, rank, cp, model, only, num_docs)
     return total
+
+
+@njit(cache=True)
+def recurrent_seconds(doc, start, length, rank, cp, model, only, num_docs):
+    """The model's recurrent layers under a plan, forward and backward, seconds (0 without recurrent layers).
+
+    Per layer and pass: the slowest rank's recurrence over its tokens plus its rerun and mapped tokens
+    (``recurrent.split_work``'s ``extra_tokens``) at ``flops_per_token`` (backward twice the forward) at the
+    profile's dense peak, plus the all-gather of ``slot`` rows of state map and conv tail
+    (``recurrent.recurrent_contributes``; ``comm.allgather_node_rows`` across nodes; the backward's
+    reduce-scatter moves as many bytes), not hidden: the pieces wait for their start states. ``only`` >= 0:
+    that rank's recurrence alone (the exchange is every rank's). ``num_docs``: the largest ``doc`` + 1.
+    """
+    if model[_RECURRENT] <= 0:
+        return 0.0
+    at = model.shape[0] - 4
+    count, flops, row_bytes, mapped_extra = model[at], model[at + 1], model[at + 2], model[at + 3]
+    pieces = np.zeros(num_docs, np.int64)
+    last_start = np.full(num_docs, -1, np.int64)
+    for i in range(doc.shape[0]):
+        pieces[doc[i]] += 1
+        last_start[doc[i]] = max(last_start[doc[i]], start[i])
+    work = np.zeros(cp, np.float64)
+    contributed = np.zeros(cp, np.int64)
+    for i in range(doc.shape[0]):
+        r = rank[i]
+        extra = 0.0
+        if pieces[doc[i]] > 1 and start[i] < last_start[doc[i]]:
+            contributed[r] += 1
+            extra = mapped_extra * length[i] + (length[i] if start[i] > 0 else 0.0)
+        work[r] += length[i] + extra
+    worst = 0.0
+    for r in range(cp):
+        if only < 0 or r == only:
+            worst = max(worst, work[r])
+    near, far = allgather_node_rows(contributed.max(), cp, np.int64(model[GPUS_PER_NODE_SLOT]))
+    comm = exchange_seconds(near, far, row_bytes, model[_LINK], model[_INTER], model[_COLL])
+    forward = worst * flops / (model[_PEAK] * 1e12)
+    return count * ((forward + comm) + (2.0 * forward + comm))
 
 
 @njit(cache=True, inline="always")

@@ -63,11 +63,12 @@ from flashcp.costmodel.comm import (
 )
 from flashcp.costmodel.objective import exchange_seconds, pair_seconds, token_seconds
 from flashcp.costmodel.profile import HardwareProfile
+from flashcp.costmodel.recurrent import recurrent_contributes, split_work
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.costmodel.workload import FULL, PlanArrays, key_starts, kind_workloads, rank_tokens
 
 __all__ = ["COMM_CHOICES", "RankWork", "StepLatency", "comm_volumes", "local_only_mask", "project_step", "rank_work",
-           "resolve_comm", "shard_seconds"]
+           "recurrent_step_seconds", "resolve_comm", "shard_seconds"]
 
 
 COMM_CHOICES = ("full", "allgather", "a2a", "auto", "ring")
@@ -126,6 +127,9 @@ class StepLatency:
     """Most attention kernel calls on one rank per layer, forward + backward."""
     measured: bool
     """True when per-rank attention was measured (communication is always projected)."""
+    recurrent: float = 0.0
+    """A hybrid's recurrent layers (``recurrent_step_seconds``) spread over its attention layers: their step
+    seconds over ``shape.layers``; included in ``total``."""
 
     def as_dict(self) -> dict:
         """Plain dict for JSON output."""
@@ -310,11 +314,45 @@ def project_step(plan: PlanArrays, shape: AttentionShape, profile: HardwareProfi
     replaces the projected per-rank compute (e.g. with measured kernel times). ``gpus_per_node``: ranks per
     node (0: one node; None: the profile's). ``token_layers`` adds every rank's per-token layers to its
     passes (``objective.token_seconds``: a third forward, two thirds backward), which plans with token slack
-    make unequal; ``total`` then holds them too, beside attention, exposed comm and copies.
+    make unequal; ``total`` then holds them too, beside attention, exposed comm and copies. A hybrid's
+    recurrent layers (``shape.recurrent``) add ``recurrent_step_seconds / shape.layers`` to ``total`` (and
+    to the field ``recurrent``).
     """
     if comm not in COMM_CHOICES:
         raise ValueError(f"unknown comm mode '{comm}' (choose from {', '.join(COMM_CHOICES)})")
     per_node = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
+    step = _project_attention(plan, shape, profile, comm, overlap, work, per_node, token_layers)
+    if shape.recurrent is None:
+        return step
+    spread = recurrent_step_seconds(plan, shape, profile, per_node) / shape.layers
+    return replace(step, total=step.total + spread, recurrent=spread)
+
+
+def recurrent_step_seconds(plan: PlanArrays, shape: AttentionShape, profile: HardwareProfile,
+                           gpus_per_node: int) -> float:
+    """Seconds of the step's recurrent layers (``shape.recurrent``; 0 without) under ``plan``, all layers.
+
+    Per layer: the slowest rank's tokens plus its extra split work (``recurrent.split_work``) at
+    ``flops_per_token`` on the profile's dense peak, forward, and twice that backward; each pass also waits
+    for the all-gather (forward) or reduce-scatter (backward) of ``slot`` rows of state map and conv tail
+    (``recurrent.recurrent_contributes``), priced as an all-gather's busiest rank across the topology.
+    """
+    rec = shape.recurrent
+    if rec is None:
+        return 0.0
+    arrays = (*_arrays(plan), plan.cp)
+    split = split_work(*arrays)
+    work = split.tokens + split.extra_tokens(rec)
+    forward = float(work.max()) * rec.flops_per_token / (profile.peak_tflops * 1e12)
+    near, far = allgather_node_rows(recurrent_contributes(*arrays)[1], plan.cp, gpus_per_node)
+    comm = exchange_seconds(near, far, float(rec.map_bytes + rec.tail_bytes), profile.link_gbps,
+                            profile.inter_node_gbps, profile.collective_latency_us)
+    return rec.num_layers * ((forward + comm) + (2.0 * forward + comm))
+
+
+def _project_attention(plan: PlanArrays, shape: AttentionShape, profile: HardwareProfile, comm: str, overlap: bool,
+                       work: RankWork | None, per_node: int, token_layers: bool) -> StepLatency:
+    """``project_step`` of the attention layers (and per-token layers) alone."""
     layers = _token_layer_seconds(plan, shape, profile) if token_layers else np.zeros(plan.cp)
     if comm == "ring":
         ring = _project_ring(plan, shape, profile, per_node)

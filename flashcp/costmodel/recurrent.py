@@ -29,6 +29,15 @@ linear in the value columns).
 
 Shape legend: ``H`` heads (GDN: value heads), ``K`` GDN key dim, ``V`` GDN value dim, ``P`` SSD head dim,
 ``S`` SSD state size, ``G`` groups (GDN: key heads), ``W`` conv taps, ``F`` conv channels.
+
+Compute (``RecurrentShape.flops_per_token``), ASSUMPTION: the FLOPs of the chunked algorithms with chunk
+``C = CHUNK`` tokens, dense matmuls only (gates, norms and exponentials left out), per token and head,
+forward: GDN (WY form, Yang et al. 2024) ``K K^T`` and ``Q K^T`` in the chunk ``2 C K`` each, the
+triangular inverse ``C^2``, ``W = T (beta K)`` ``2 C K``, ``U = T (beta V)`` ``2 C V``, ``W S``, ``Q S``
+and the state update ``K^T U`` ``2 K V`` each, the intra-chunk output ``2 C V``: ``6 C K + 4 C V + C^2 + 6
+K V``; SSD (Mamba-2's chunked scan, Dao and Gu 2024) ``C B^T`` ``2 C S``, its masked product with ``X``
+``2 C P``, the chunk state ``B^T X`` and the inter-chunk output ``C h`` ``2 P S`` each: ``2 C S + 2 C P + 4
+P S``; plus the short convolution ``2 W F``. The backward costs twice the forward.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
+    "CHUNK",
     "RECURRENT_KINDS",
     "RecurrentExchange",
     "RecurrentShape",
@@ -47,6 +57,9 @@ __all__ = [
     "recurrent_needed_maps",
     "split_work",
 ]
+
+CHUNK = 64
+"""Chunk length of the chunked recurrences the FLOP count assumes (fla's and mamba_ssm's default 64)."""
 
 RECURRENT_KINDS = ("gdn", "ssd")
 """Gated DeltaNet (Qwen3-Next's linear attention) and Mamba-2's SSD (Nemotron-H)."""
@@ -100,6 +113,23 @@ class RecurrentShape:
     def tail_bytes(self) -> int:
         """Bytes of one piece's convolution tail in one layer: ``b (W - 1) F``."""
         return self.element_bytes * (self.conv_width - 1) * self.conv_channels
+
+    @property
+    def flops_per_token(self) -> float:
+        """Forward FLOPs of one layer's recurrence and convolution per token (module docstring, ASSUMPTION)."""
+        c, h = CHUNK, self.num_heads
+        if self.kind == "gdn":
+            k, v = self.key_dim, self.value_dim
+            per_head = 6.0 * c * k + 4.0 * c * v + c * c + 6.0 * k * v
+        else:
+            s, p = self.key_dim, self.value_dim
+            per_head = 2.0 * c * s + 2.0 * c * p + 4.0 * p * s
+        return h * per_head + 2.0 * self.conv_width * self.conv_channels
+
+    @property
+    def mapped_extra(self) -> float:
+        """Extra work per contributed token, in tokens of a plain run: GDN ``K / V`` (``SplitWork``), SSD 0."""
+        return self.key_dim / self.value_dim if self.kind == "gdn" else 0.0
 
 
 def _int64(*arrays):

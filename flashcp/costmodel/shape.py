@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from flashcp.costmodel.comm import kv_bytes_per_token
+from flashcp.costmodel.recurrent import RecurrentShape
 from flashcp.costmodel.workload import FULL, KIND_CODES
 
 __all__ = ["AttentionShape"]
@@ -33,6 +34,9 @@ class AttentionShape:
     """The layers by attention kind, ``(kind, size, count)`` runs: ``("window", W, n)``, ``("chunk", K, n)``,
     ``("full", 0, n)``, counts summing to ``layers``; () (also what runs of full layers alone become): every
     layer full causal attention."""
+    recurrent: RecurrentShape | None = None
+    """The model's recurrent layers (a hybrid), priced beside the ``layers`` attention layers
+    (``objective.step_seconds_of``); None: none."""
 
     def __post_init__(self):
         if min(self.num_heads, self.num_kv_heads, self.head_dim, self.layers, self.dtype_bytes) < 1 or \
@@ -48,6 +52,10 @@ class AttentionShape:
             raise ValueError(f"the layer kind runs {runs} count {sum(c for _, _, c in runs)} layers, not the shape's "
                              f"{self.layers}")
         object.__setattr__(self, "layer_kinds", () if all(kind == "full" for kind, _, _ in runs) else runs)
+        if isinstance(self.recurrent, dict):
+            object.__setattr__(self, "recurrent", RecurrentShape(**self.recurrent))
+        if self.recurrent is not None and self.recurrent.num_layers == 0:
+            object.__setattr__(self, "recurrent", None)
 
     def kind_runs(self) -> tuple[tuple[int, int, int], ...]:
         """The layers the step is priced for, ``(kind code, size, count)`` (``workload.FULL`` ...), in order.
@@ -65,11 +73,11 @@ class AttentionShape:
     def one_layer(self) -> tuple[AttentionShape, int]:
         """A shape whose step time, divided by the returned count, is that of the mean layer of this one.
 
-        Every layer of one kind: that layer alone (count 1); several kinds: this shape and its ``layers``
-        (the kinds keep their shares).
+        Every layer of one kind: that layer alone (count 1); several kinds or recurrent layers: this shape and
+        its ``layers`` (the kinds keep their shares).
         """
         runs = self.kind_runs()
-        if len(runs) > 1:
+        if len(runs) > 1 or self.recurrent is not None:
             return self, self.layers
         kinds = () if not self.layer_kinds else ((self.layer_kinds[0][0], runs[0][1], 1),)
         return replace(self, layers=1, layer_kinds=kinds), 1
@@ -82,8 +90,10 @@ class AttentionShape:
         """
         names = ("num_heads", "num_kv_heads", "head_dim", "layers")
         kinds = tuple(tuple(run) for run in params.get("layer_kinds") or ())
+        recurrent = params.get("recurrent")
         return cls(**{name: int(params[name]) for name in names if params.get(name) is not None},
-                   layer_kinds=kinds)  # type: ignore[arg-type]
+                   layer_kinds=kinds,  # type: ignore[arg-type]
+                   recurrent=RecurrentShape(**recurrent) if recurrent else None)
 
     def token_flops(self) -> float:
         """FLOPs of one token's per-token layers, one layer, forward + backward (3x forward).
@@ -96,9 +106,11 @@ class AttentionShape:
         return 3.0 * (4.0 * d * d + 4.0 * d * d_kv + 4.0 * self.hidden_mult * d * d)
 
     def as_dict(self) -> dict:
-        """Plain dict for plan.json (``layer_kinds`` as lists)."""
+        """Plain dict for plan.json (``layer_kinds`` as lists, ``recurrent`` a dict of its fields or None)."""
         out = {name: getattr(self, name) for name in self.__slots__}
         out["layer_kinds"] = [list(run) for run in self.layer_kinds]
+        rec = self.recurrent
+        out["recurrent"] = None if rec is None else {name: getattr(rec, name) for name in rec.__slots__}
         return out
 
     @property

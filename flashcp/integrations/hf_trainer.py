@@ -109,7 +109,7 @@ def _priced_model(model: nn.Module) -> ModelSpec | None:
     """The ``ModelSpec`` of ``model``'s config, which the loader checks the plan against.
 
     The loader warns once when the plan was priced for another model. None for a config flashcp cannot price
-    (a recurrent or latent-attention layer): such a model trains, there is just no plan price to compare.
+    (a latent-attention layer, say): such a model trains, there is just no plan price to compare.
     """
     config = getattr(model, "config", None)
     if config is None or not callable(getattr(config, "to_dict", None)):

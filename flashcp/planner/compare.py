@@ -103,7 +103,8 @@ def compare_summary(compared: list[dict[str, tuple]], context_len: int, cp: int,
     strategy first). ``baselines`` (name -> metrics, ``step_seconds_mean`` included) and
     ``baselines_every_nth_sequence`` (0: no comparison); ``compare``: how many sequences were compared, the
     price's profile and model shape (``shape``, else the shape parameters of ``priced_by``; ``layer_kinds``
-    the ``(kind, size, count)`` runs priced when some layer is not full attention), and the plan's own
+    the ``(kind, size, count)`` runs priced when some layer is not full attention, ``recurrent`` a hybrid's
+    recurrent layers priced beside them), and the plan's own
     metrics on those sequences (``strategy``).
     """
     names = list(compared[0]) if compared else []
@@ -123,4 +124,6 @@ def compare_summary(compared: list[dict[str, tuple]], context_len: int, cp: int,
             strategy=summaries[names[0]])
         if shape is not None and shape.layer_kinds:  # the layers priced by kind (absent: every one full)
             out["compare"]["model"]["layer_kinds"] = [list(run) for run in shape.layer_kinds]
+        if shape is not None and shape.recurrent is not None:  # a hybrid's recurrent layers, priced beside them
+            out["compare"]["model"]["recurrent"] = shape.as_dict()["recurrent"]
     return out

@@ -157,6 +157,29 @@ def test_plan_model_from_transformers_config(dataset, tmp_path):
     assert store.seq_costs(0).tolist() == pytest.approx(expected.tolist(), rel=1e-12)
 
 
+def test_plan_model_hybrid_is_priced_with_its_recurrent_layers(dataset, tmp_path):
+    from transformers import Qwen3NextConfig
+
+    from flashcp.costmodel.models import model_from_config
+    from flashcp.data.dataset import Dataset
+    from flashcp.planner.plan_reader import PlanStore
+
+    folder = tmp_path / "small-qwen3-next"
+    folder.mkdir()
+    Qwen3NextConfig(num_hidden_layers=4).to_json_file(folder / "config.json")
+    root = fresh_copy(dataset, tmp_path)
+    result = run("plan", root, "--cp", 2, "--model", folder, "--compare", 2)
+    assert result.exit_code == 0, result.output
+    assert "priced for small-qwen3-next: 4 layers (1 full, 3 recurrent gdn)" in result.output
+    spec = model_from_config(folder)
+    meta = json.loads((root / "plans" / "cp2-flashcp2" / "plan.json").read_text())
+    assert meta["model"] == json.loads(json.dumps(spec.as_dict())) and meta["model"]["recurrent"]["num_layers"] == 3
+    assert meta["summary"]["compare"]["model"]["recurrent"] == meta["model"]["recurrent"]
+    store = PlanStore(Dataset(root), "cp2-flashcp2")
+    assert store.model == spec and store.cost_shape.recurrent == spec.recurrent
+    assert run("verify", root).exit_code == 0
+
+
 def test_rerun_with_another_model(dataset, tmp_path):
     from tests.faults.workspace import tree
 

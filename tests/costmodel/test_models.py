@@ -288,11 +288,28 @@ def test_every_architecture_flashcp_trains_is_priced(model_type):
 
 
 @pytest.mark.parametrize("model_type", hybrid_model_types())
-def test_hybrids_flashcp_trains_are_refused_for_pricing_in_one_sentence(model_type):
-    # their recurrent layers run under CP (flashcp.integrations.hf_recurrent); the planner does not price them
-    with pytest.raises(ModelError, match=r"layer 0 is 'linear_attention' .*a recurrent layer: flashcp trains it "
-                                         r"under CP but does not price its split pieces yet"):
-        model_from_config(transformers.CONFIG_MAPPING[model_type]().to_dict())
+def test_hybrids_flashcp_trains_are_read_with_their_recurrent_layers(model_type):
+    # their recurrent layers run under CP (flashcp.integrations.hf_recurrent) and are priced beside attention
+    config = transformers.CONFIG_MAPPING[model_type]()
+    data = config.to_dict()
+    entries = data.get("layer_types") or data.get("layers_block_type")
+    attention = [entry for entry in entries if entry in ("full_attention", "attention")]
+    recurrent = [entry for entry in entries if entry in ("linear_attention", "mamba")]
+    spec = model_from_config(data)
+    assert spec.num_layers == len(attention) and spec.recurrent is not None
+    assert spec.recurrent.num_layers == len(recurrent) > 0
+    assert all(layer == LayerKind() for layer in spec.layers)
+    if spec.recurrent.kind == "ssd":  # Nemotron-H: Mamba-2
+        assert (spec.recurrent.num_heads, spec.recurrent.value_dim, spec.recurrent.key_dim, spec.recurrent.num_groups,
+                spec.recurrent.conv_width) == (config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size,
+                                               config.n_groups, config.conv_kernel)
+    else:  # Qwen3-Next, Qwen3.5: Gated DeltaNet
+        assert (spec.recurrent.num_heads, spec.recurrent.key_dim, spec.recurrent.value_dim, spec.recurrent.num_groups,
+                spec.recurrent.conv_width) == (config.linear_num_value_heads, config.linear_key_head_dim,
+                                               config.linear_value_head_dim, config.linear_num_key_heads,
+                                               config.linear_conv_kernel_dim)
+    assert ModelSpec.from_dict(json.loads(json.dumps(spec.as_dict()))) == spec  # plan.json round trip
+    assert spec.attention_shape().recurrent == spec.recurrent
 
 
 def test_head_dim_defaults_to_width_over_heads():
@@ -353,16 +370,26 @@ def test_plain_mlp_is_priced_with_two_matrices():
     assert spec.attention_shape().hidden_mult == 256 / 64
 
 
+@pytest.mark.parametrize("config, kinds", [
+    (lambda: transformers.Qwen3NextConfig(num_hidden_layers=4), (1, "gdn", 3)),
+    (lambda: transformers.NemotronHConfig(layers_block_type=["full_attention", "mlp", "mamba", "mlp"]),
+     (1, "ssd", 1)),  # transformers names the Mamba-2 block 'linear_attention'
+    (lambda: {"model_type": "nemotron_h", "hybrid_override_pattern": "*-M-", "num_attention_heads": 4,
+              "hidden_size": 64, "vocab_size": 10, "intermediate_size": 8}, (1, "ssd", 1)),
+])
+def test_small_hybrids_are_read(config, kinds):
+    """Attention layers, the recurrent kind and its layers; a config.json leaving out the recurrent fields
+    takes transformers' class defaults (``CLASS_DEFAULTS``)."""
+    made = config()
+    spec = model_from_config(made if isinstance(made, dict) else made.to_dict())
+    assert spec.recurrent is not None
+    assert (spec.num_layers, spec.recurrent.kind, spec.recurrent.num_layers) == kinds
+
+
 # ---- refusals ----------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("config, message", [
-    (lambda: transformers.Qwen3NextConfig(num_hidden_layers=4), r"layer 0 is 'linear_attention' \(layer_types\)"),
-    (lambda: transformers.NemotronHConfig(layers_block_type=["full_attention", "mlp", "mamba", "mlp"]),
-     r"layer 2 is 'linear_attention' \(layers_block_type\)"),  # transformers' name for a Mamba-2 block
-    (lambda: {"model_type": "nemotron_h", "hybrid_override_pattern": "*-M-", "num_attention_heads": 4,
-              "hidden_size": 64, "vocab_size": 10, "intermediate_size": 8},
-     r"layer 2 is 'mamba' \(hybrid_override_pattern\)"),
     (lambda: transformers.DeepseekV3Config(num_hidden_layers=2),
      r"layer 0 is multi-head latent attention \(kv_lora_rank=512\)"),
     (lambda: transformers.JambaConfig(num_hidden_layers=4),
