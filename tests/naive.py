@@ -932,21 +932,27 @@ def naive_flashcp2(doc_lens: list[int], cp: int, step_time=None, target: float =
 
 
 def naive_sequence_flops(doc_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, layers: int,
-                         hidden_mult: float = 4.0) -> float:
+                         hidden_mult: float = 4.0, kinds: list[tuple[str, int]] | None = None,
+                         recurrent_layers: int = 0, recurrent_flops: float = 0.0) -> float:
     """FLOPs of one packed sequence, forward + backward, counted token by token and pair by pair.
 
     Per token and layer: the projections Q, K, V, O and the two MLP matrices, 2 FLOPs per multiply-add, three
     times (forward, and backward's two products). Per query-key pair and layer: ``QK^T`` and ``PV`` (4 H D
-    forward), backward 2.5 times that (the flash-attention convention the cost model uses).
+    forward), backward 2.5 times that (the flash-attention convention the cost model uses). ``kinds``: each
+    attention layer's ``(kind, size)`` (None: all full); a query at position p sees p + 1 keys (full),
+    ``min(p + 1, W)`` (window W), ``p mod K + 1`` (chunk K). Per token and recurrent layer ``recurrent_flops``
+    forward, twice that backward.
     """
     d, d_kv = num_heads * head_dim, num_kv_heads * head_dim
     per_token = 3 * (2 * d * d + 2 * d * d_kv + 2 * d * d_kv + 2 * d * d + 2 * 2 * d * hidden_mult * d)
     per_pair = 4 * num_heads * head_dim * (1 + 2.5)
+    seen = {"full": lambda p, _: p + 1, "window": lambda p, w: min(p + 1, w), "chunk": lambda p, k: p % k + 1}
     total = 0.0
-    for n in doc_lens:
-        for query in range(n):
-            total += per_token + per_pair * (query + 1)
-    return layers * total
+    for kind, size in kinds or [("full", 0)] * layers:
+        for n in doc_lens:
+            for query in range(n):
+                total += per_token + per_pair * seen[kind](query, size)
+    return total + sum(doc_lens) * recurrent_layers * recurrent_flops * 3
 
 
 def _naive_l2norm(x, eps: float = 1e-6):

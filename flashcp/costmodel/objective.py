@@ -56,7 +56,7 @@ from flashcp.costmodel.comm import (
 )
 from flashcp.costmodel.curve import curve_at_length, curve_on_segment, curve_segment
 from flashcp.costmodel.shape import AttentionShape
-from flashcp.costmodel.workload import FULL, key_start, kind_workload, workload
+from flashcp.costmodel.workload import FULL, key_start, kind_workload, kind_workloads
 
 __all__ = ["BWD_FLOPS", "GPUS_PER_NODE_SLOT", "batch_step_seconds", "cached_model", "cached_shape_model",
            "exchange_seconds", "kind_count", "model_vector", "pair_flops", "pair_seconds", "plan_step_seconds",
@@ -66,6 +66,9 @@ __all__ = ["BWD_FLOPS", "GPUS_PER_NODE_SLOT", "batch_step_seconds", "cached_mode
 
 BWD_FLOPS = 2.5
 """Backward FLOPs per forward FLOP (the flash-attention benchmark convention the profile's curve uses)."""
+
+RECURRENT_BWD = 2.0
+"""Backward FLOPs per forward FLOP of a recurrent layer (ASSUMPTION: ``recurrent.py``'s module docstring)."""
 
 # layout of the model vector
 _H, _HKV, _D, _BYTES, _LAYERS, _TILE, _SKIP, _LINK, _HBM, _KERNEL, _SEQ, _COLL, _PEAK, _TOKEN_FLOPS, \
@@ -138,20 +141,30 @@ def pair_flops(heads, head_dim):
 def sequence_flops(row_offsets, doc_lens, shape: AttentionShape) -> np.ndarray:
     """Forward + backward FLOPs of each packed sequence under ``shape``: the price of a sequence.
 
-    Per token the per-token layers (``shape.token_flops()``), per document its causal attention
-    (``workload(0, n)`` pairs at ``pair_flops`` forward and ``BWD_FLOPS`` times that backward), times
-    ``shape.layers``. How the sequence is sharded does not change it; it is what a DP step balances.
+    Per token and attention layer the per-token layers (``shape.token_flops()``); per document and attention
+    layer its pairs under that layer's kind (``kind_workloads(kind, size, 0, n)``: full causal, window, chunk)
+    at ``pair_flops`` forward and ``BWD_FLOPS`` times that backward; per token and recurrent layer
+    (``shape.recurrent``) the recurrence at ``flops_per_token``, backward twice the forward (as
+    ``recurrent_seconds`` prices it). How the sequence is sharded does not change it (a cut document's extra
+    recurrent work is the plan's, not the sequence's); it is what a DP step balances.
 
     ``row_offsets`` (rows + 1,) int indexes the flat ``doc_lens`` (int) by row. Returns (rows,) float64.
     """
     row_offsets = np.asarray(row_offsets, dtype=np.int64)
-    doc_lens = np.asarray(doc_lens, dtype=np.int64)
-    pairs = np.concatenate([[0], np.cumsum(workload(0, doc_lens), dtype=np.int64)])
+    doc_lens = np.ascontiguousarray(doc_lens, dtype=np.int64)
+    starts = np.zeros_like(doc_lens)
+    doc_pairs = np.zeros(doc_lens.shape[0], np.int64)
+    for kind, size, count in shape.kind_runs():
+        doc_pairs += count * kind_workloads(kind, size, starts, doc_lens)
+    pairs = np.concatenate([[0], np.cumsum(doc_pairs, dtype=np.int64)])
     tokens = np.concatenate([[0], np.cumsum(doc_lens, dtype=np.int64)])
     row_pairs = (pairs[row_offsets[1:]] - pairs[row_offsets[:-1]]).astype(np.float64)
     row_tokens = (tokens[row_offsets[1:]] - tokens[row_offsets[:-1]]).astype(np.float64)
     attention = pair_flops(shape.num_heads, shape.head_dim) * (1.0 + BWD_FLOPS)
-    return shape.layers * (row_tokens * shape.token_flops() + row_pairs * attention)
+    per_token = shape.layers * shape.token_flops()
+    if shape.recurrent is not None:
+        per_token += shape.recurrent.num_layers * shape.recurrent.flops_per_token * (1.0 + RECURRENT_BWD)
+    return row_tokens * per_token + row_pairs * attention
 
 
 @njit(cache=True)

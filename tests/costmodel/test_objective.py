@@ -7,6 +7,7 @@ import pytest
 from flashcp.costmodel.objective import cached_model, plan_step_seconds, sequence_flops
 from flashcp.costmodel.profile import load_profile
 from flashcp.costmodel.projection import project_step
+from flashcp.costmodel.recurrent import RecurrentShape
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.planner.planning import plan_sequence
 from tests.naive import naive_sequence_flops
@@ -78,6 +79,29 @@ def test_sequence_flops_counts_every_token_and_pair():
         expected = [naive_sequence_flops(r.tolist(), shape.num_heads, shape.num_kv_heads, shape.head_dim,
                                          shape.layers, shape.hidden_mult) for r in rows]
         assert got.dtype == np.float64 and np.allclose(got, expected, rtol=1e-12, atol=0), (got, expected)
+
+
+def test_sequence_flops_prices_each_layer_kind_and_the_recurrent_layers():
+    """What a DP step balances: a windowed, chunked or hybrid model's sequences priced for their own layers."""
+    rng = np.random.default_rng(9)
+    recurrent = RecurrentShape(kind="gdn", num_heads=4, key_dim=16, value_dim=32, num_groups=2, conv_width=4,
+                               num_layers=3)
+    for shape in [*KIND_SHAPES, AttentionShape(num_heads=8, num_kv_heads=2, head_dim=64, layers=1,
+                                               recurrent=recurrent)]:
+        rows = [rng.integers(1, 3000, size=int(rng.integers(1, 5))) for _ in range(5)]
+        offsets = np.r_[0, np.cumsum([r.size for r in rows])]
+        got = sequence_flops(offsets, np.concatenate(rows), shape)
+        kinds = [(kind, size) for kind, size, count in shape.layer_kinds for _ in range(count)] or None
+        rec = shape.recurrent
+        expected = [naive_sequence_flops(r.tolist(), shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                                         shape.layers, shape.hidden_mult, kinds, rec.num_layers if rec else 0,
+                                         rec.flops_per_token if rec else 0.0) for r in rows]
+        assert np.allclose(got, expected, rtol=1e-12, atol=0), (shape, got, expected)
+    # a window of 1,024 prices a 100K document's attention far below full causal: the DP order changes with it
+    windowed = KIND_SHAPES[0]
+    full = AttentionShape(num_heads=windowed.num_heads, num_kv_heads=windowed.num_kv_heads,
+                          head_dim=windowed.head_dim, layers=windowed.layers)
+    assert sequence_flops([0, 1], [100_000], windowed)[0] < sequence_flops([0, 1], [100_000], full)[0] / 2
 
 
 def test_a_plans_shape_comes_from_its_parameters():
