@@ -7,10 +7,12 @@ attention layers and its recurrent layers priced, ``HybridModel.attention_shape`
 prices every plan for Qwen3-Next-80B-A3B and Nemotron-H-8B (``flashcp.costmodel.hybrid``): the projected step
 time under the hybrid's price (``objective.plan_step_seconds``, the default profile), the bytes one step (every layer,
 forward and backward) exchanges for the hybrid (attention layers' exact-need K/V in bf16, recurrent layers'
-float32 state maps and conv tails) and for the same model with every mixing layer full attention, the busiest
-rank's and all ranks' bytes, mean and max over the sequences; and the recurrent layers' extra work of split
-pieces as a share of their work (``flashcp.costmodel.recurrent.split_work``): all ranks together, and the
-largest share of one rank.
+float32 state maps and conv inputs, point to point) and for the same model with every mixing layer full
+attention, the busiest rank's and all ranks' bytes, mean and max over the sequences; what the recurrent layers
+of the same plans moved with the runtime's earlier all-gather (every contributed map and conv tail to every
+rank, padded to the busiest rank's count: ``_allgather_bytes``, for comparison only); and the recurrent layers'
+extra work of split pieces as a share of their work (``flashcp.costmodel.recurrent.split_work``): all ranks
+together, and the largest share of one rank.
 
     python scripts/hybrid_exchange.py --dists wlb,prolong --cp 8,16 --num-seqs 50
 """
@@ -33,7 +35,7 @@ from flashcp import __version__  # noqa: E402
 from flashcp.costmodel.hybrid import NEMOTRON_H_8B, QWEN3_NEXT_80B_A3B, step_bytes  # noqa: E402
 from flashcp.costmodel.models import DEFAULT_MODEL, as_model_spec  # noqa: E402
 from flashcp.costmodel.objective import cached_shape_model, plan_step_seconds  # noqa: E402
-from flashcp.costmodel.recurrent import split_work  # noqa: E402
+from flashcp.costmodel.recurrent import recurrent_contributes, split_work  # noqa: E402
 from flashcp.data.synth import load_distribution, pack_lengths  # noqa: E402
 from flashcp.errors import FlashcpError  # noqa: E402
 from flashcp.planner.params import resolve_params  # noqa: E402
@@ -67,6 +69,21 @@ def measure(dist: str, cp: int, num_seqs: int, context_len: int, seed: int) -> d
     return rows
 
 
+def _allgather_bytes(model, plan: SequencePlan) -> int:
+    """All ranks' recurrent bytes per step under the exchange the runtime used before point-to-point routes.
+
+    Per layer and pass one all-gather of the maps and one of the conv tails (``W - 1`` tokens each), every
+    rank putting in ``slot`` rows (the most pieces any rank contributes; zero rows pad the others) and sending
+    them to the ``cp - 1`` others; the backward's reduce-scatters moved as many bytes.
+    """
+    arrays = (plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, plan.cp)
+    contributes = recurrent_contributes(*arrays)
+    slot = int(np.bincount(plan.shard_rank[contributes], minlength=plan.cp).max()) if contributes.any() else 0
+    rec = model.recurrent
+    row = rec.map_bytes + (rec.conv_width - 1) * rec.conv_token_bytes
+    return 2 * rec.num_layers * plan.cp * (plan.cp - 1) * slot * row
+
+
 def _row(rows: list, model, plan: SequencePlan, cp: int) -> None:
     """Append one plan's step time under ``model``'s price, its bytes and its extra-work shares to ``rows``."""
     arrays = (plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
@@ -77,7 +94,7 @@ def _row(rows: list, model, plan: SequencePlan, cp: int) -> None:
         "step_ms": 1e3 * plan_step_seconds(plan, cached_shape_model(None, model.attention_shape())),
         "hybrid_busiest": step.hybrid_busiest, "hybrid_total": step.hybrid_total,
         "attention_busiest": step.attention_busiest, "attention_total": step.attention_total,
-        "recurrent_total": step.recurrent_total, "recurrent_needed": step.recurrent_needed_total,
+        "recurrent_total": step.recurrent_total, "recurrent_allgather": _allgather_bytes(model, plan),
         "extra_share": float(extra.sum() / work.tokens.sum()),
         "extra_rank_share": float(np.max(extra / np.maximum(work.tokens, 1))),
         "cut": int(np.count_nonzero(np.bincount(plan.shard_doc) > 1)),
@@ -113,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
           "layers): busiest rank max(sent, received), all ranks' sent; mean / max over sequences; ratios of sums")
     print("| dist | cp | model | plan made for | projected step ms | cut docs | hybrid busiest | all-attn busiest | "
           "hybrid total | all-attn total | "
-          "hybrid / all-attn (total) | recurrent share of hybrid total | recurrent maps if sent only where used | "
-          "extra recurrent work: all ranks | busiest rank |")
-    print("| --- " * 15 + "|")
+          "hybrid / all-attn (total) | recurrent share of hybrid total | recurrent total | recurrent total with "
+          "the all-gather | all-gather / now | extra recurrent work: all ranks | busiest rank |")
+    print("| --- " * 17 + "|")
     # ratios of sums over the sequences: a sequence whose attention moves almost nothing would swamp a mean
     for dist in dists:
         for cp in cps:
@@ -130,11 +147,13 @@ def main(argv: list[str] | None = None) -> int:
 
                 ratio = col["hybrid_total"].sum() / max(col["attention_total"].sum(), 1.0)
                 rec_share = col["recurrent_total"].sum() / max(col["hybrid_total"].sum(), 1.0)
+                shrink = col["recurrent_allgather"].sum() / max(col["recurrent_total"].sum(), 1.0)
                 print(f"| {dist} | {cp} | {name} | {made} | {col['step_ms'].mean():.1f} / {col['step_ms'].max():.1f} | "
                       f"{col['cut'].mean():.1f} / {col['cut'].max():.0f} | "
                       f"{gb('hybrid_busiest')} | "
                       f"{gb('attention_busiest')} | {gb('hybrid_total')} | {gb('attention_total')} | "
-                      f"{ratio:.2f} | {100 * rec_share:.1f}% | {gb('recurrent_needed')} | {pct('extra_share')} | "
+                      f"{ratio:.2f} | {100 * rec_share:.1f}% | {gb('recurrent_total')} | {gb('recurrent_allgather')} | "
+                      f"{shrink:.1f}x | {pct('extra_share')} | "
                       f"{pct('extra_rank_share')} |")
     print(f"wall time {time.perf_counter() - started:.1f} s")
     return 0

@@ -955,6 +955,43 @@ def naive_sequence_flops(doc_lens: list[int], num_heads: int, num_kv_heads: int,
     return total + sum(doc_lens) * recurrent_layers * recurrent_flops * 3
 
 
+def naive_recurrent_volumes(shards: list[tuple[int, int, int, int]], cp: int, width: int,
+                            gpus_per_node: int = 0) -> dict[str, dict[str, list[int]]]:
+    """Every rank's rows in a recurrent layer's two all-to-alls, from the definitions (docs/DESIGN.md section 6).
+
+    ``maps``: a shard that is not the last of its document sends its state map once to each other rank that
+    holds a later shard of the document; ``contributed`` counts the shards that are not their document's last.
+    ``conv``: a rank receives once each input token ``t`` of a document such that one of its shards starts in
+    ``(t, t + width - 1]`` and another rank holds ``t``; that rank sends it. Parts between nodes as
+    ``naive_exchange_volumes``.
+    """
+    def node(rank: int) -> int:
+        return rank // gpus_per_node if gpus_per_node else 0
+
+    def add(table, sender, receiver):
+        table["sent"][sender] += 1
+        table["received"][receiver] += 1
+        if node(sender) != node(receiver):
+            table["sent_far"][sender] += 1
+            table["received_far"][receiver] += 1
+
+    names = ("sent", "received", "sent_far", "received_far", "contributed")
+    maps = {name: [0] * cp for name in names}
+    conv = {name: [0] * cp for name in names}
+    for doc, start, _, owner in shards:
+        later = {r for d, s, _, r in shards if d == doc and s > start}
+        maps["contributed"][owner] += 1 if later else 0
+        for rank in later - {owner}:
+            add(maps, owner, rank)
+    holder = {(d, t): r for d, s, n, r in shards for t in range(s, s + n)}
+    for rank in range(cp):
+        needed = {(d, t) for d, s, _, r in shards if r == rank for t in range(max(0, s - width + 1), s)}
+        for doc, t in needed:
+            if holder[(doc, t)] != rank:
+                add(conv, holder[(doc, t)], rank)
+    return {"maps": maps, "conv": conv}
+
+
 def _naive_l2norm(x, eps: float = 1e-6):
     """``x / sqrt(sum(x^2) + eps)`` over the last dim: the normalisation of fla and transformers' l2norm."""
     import torch

@@ -5,8 +5,10 @@ A step is every layer's forward and backward. Per layer and pass:
 - attention layers: the exact-need K/V exchange (``comm.exchange_volumes``: rows each rank sends and
   receives) at ``2 H_kv D`` elements per row in the K/V dtype; the backward sends dK/dV back along the same
   rows in the same dtype (``a2a``), so it moves as many bytes;
-- recurrent layers: the all-gathers of state maps and conv tails (``recurrent.recurrent_exchange``); the
-  backward's reduce-scatters move the same bytes the other way.
+- recurrent layers: the all-to-alls of state maps and convolution inputs (``recurrent.recurrent_exchange``:
+  each map to the other ranks holding a later piece of its document, each input token to the other ranks
+  holding a piece within ``W - 1`` after it); the backward's reversed all-to-alls move the same bytes the other
+  way.
 
 So a step moves twice the forward's bytes. The busiest rank is the one with the most bytes on one side of its
 links (``max(sent, received)``, links being full duplex); the total is what all ranks send.
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flashcp.costmodel.comm import exchange_volumes
-from flashcp.costmodel.recurrent import RecurrentShape, recurrent_exchange, recurrent_needed_maps
+from flashcp.costmodel.recurrent import RecurrentShape, recurrent_exchange
 from flashcp.costmodel.shape import AttentionShape
 
 __all__ = ["NEMOTRON_H_8B", "QWEN3_NEXT_80B_A3B", "HybridModel", "StepBytes", "step_bytes"]
@@ -110,10 +112,7 @@ class StepBytes:
     attention_total: int
     """The all-attention twin: all ranks' sent bytes."""
     recurrent_total: int
-    """The part of ``hybrid_total`` the recurrent layers move (maps and tails)."""
-    recurrent_needed_total: int
-    """What the recurrent layers' maps would move sent only to the ranks that use them
-    (``recurrent_needed_maps``; no tails, no padding): the bound a point-to-point exchange would approach."""
+    """The part of ``hybrid_total`` the recurrent layers move (maps and convolution inputs)."""
 
 
 def step_bytes(model: HybridModel, shard_doc, shard_start, shard_len, shard_rank, cp: int) -> StepBytes:
@@ -122,18 +121,17 @@ def step_bytes(model: HybridModel, shard_doc, shard_start, shard_len, shard_rank
     kv_sent = np.asarray(volumes.sent, dtype=np.int64) * model.kv_row_bytes
     kv_received = np.asarray(volumes.received, dtype=np.int64) * model.kv_row_bytes
     recurrent = recurrent_exchange(model.recurrent, shard_doc, shard_start, shard_len, shard_rank, cp)
-    rec_rank = model.recurrent.num_layers * recurrent.busiest_bytes  # every rank sends and receives as much
+    rec_layers = model.recurrent.num_layers
     passes = 2
 
-    def busiest(layers: int, extra: int) -> int:
-        return passes * int(max((layers * kv_sent).max(), (layers * kv_received).max()) + extra)
+    def busiest(layers: int, rec: int) -> int:
+        return passes * int(max((layers * kv_sent + rec * recurrent.sent_bytes).max(),
+                                (layers * kv_received + rec * recurrent.received_bytes).max()))
 
     return StepBytes(
-        hybrid_busiest=busiest(model.num_attention_layers, rec_rank),
-        hybrid_total=passes * (model.num_attention_layers * int(kv_sent.sum()) + cp * rec_rank),
+        hybrid_busiest=busiest(model.num_attention_layers, rec_layers),
+        hybrid_total=passes * (model.num_attention_layers * int(kv_sent.sum()) + rec_layers * recurrent.total_bytes),
         attention_busiest=busiest(model.num_mixing_layers, 0),
         attention_total=passes * model.num_mixing_layers * int(kv_sent.sum()),
-        recurrent_total=passes * cp * rec_rank,
-        recurrent_needed_total=passes * model.recurrent.num_layers * model.recurrent.map_bytes * int(
-            recurrent_needed_maps(shard_doc, shard_start, shard_len, shard_rank, cp)[0].sum()),
+        recurrent_total=passes * rec_layers * recurrent.total_bytes,
     )

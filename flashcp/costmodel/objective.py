@@ -55,13 +55,14 @@ from flashcp.costmodel.comm import (
     shard_is_local,
 )
 from flashcp.costmodel.curve import curve_at_length, curve_on_segment, curve_segment
+from flashcp.costmodel.recurrent import conv_volumes_kernel, map_volumes_kernel
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.costmodel.workload import FULL, key_start, kind_workload, kind_workloads
 
 __all__ = ["BWD_FLOPS", "GPUS_PER_NODE_SLOT", "batch_step_seconds", "cached_model", "cached_shape_model",
            "exchange_seconds", "kind_count", "model_vector", "pair_flops", "pair_seconds", "plan_step_seconds",
-           "price_shard", "rank_floor", "recurrent_seconds", "sequence_flops", "shard_seconds", "step_seconds",
-           "step_seconds_of", "token_seconds"]
+           "price_shard", "rank_floor", "recurrent_exchange_seconds", "recurrent_seconds", "sequence_flops",
+           "shard_seconds", "step_seconds", "step_seconds_of", "token_seconds"]
 
 
 BWD_FLOPS = 2.5
@@ -75,10 +76,11 @@ _H, _HKV, _D, _BYTES, _LAYERS, _TILE, _SKIP, _LINK, _HBM, _KERNEL, _SEQ, _COLL, 
     _TOKEN_TFLOPS, GPUS_PER_NODE_SLOT, _INTER, _K, _KINDS, _RECURRENT = range(20)
 # GPUS_PER_NODE_SLOT is public: the planner reads the topology (CP ranks per node, 0: one node) from the vector
 # after the header: the curve (3 k values), then the layer kinds, (kind, size, count) each, then when
-# model[_RECURRENT] is 1 the recurrent layers: (count, forward FLOPs per token, bytes per all-gather row,
-# extra tokens per contributed token)
+# model[_RECURRENT] is 1 the recurrent layers: (count, forward FLOPs per token, bytes per state map, bytes per
+# convolution input token, convolution taps, extra tokens per contributed token)
 
 _HEADER = 20
+_RECURRENT_SLOTS = 6
 
 
 def model_vector(profile, shape: AttentionShape, *, with_tokens: bool = False,
@@ -92,7 +94,7 @@ def model_vector(profile, shape: AttentionShape, *, with_tokens: bool = False,
     k = len(profile.lengths)
     runs = shape.kind_runs()
     rec = shape.recurrent
-    vec = np.zeros(_HEADER + 3 * k + 3 * len(runs) + (4 if rec is not None else 0), np.float64)
+    vec = np.zeros(_HEADER + 3 * k + 3 * len(runs) + (_RECURRENT_SLOTS if rec is not None else 0), np.float64)
     vec[_H], vec[_HKV], vec[_D], vec[_BYTES] = shape.num_heads, shape.num_kv_heads, shape.head_dim, \
         shape.dtype_bytes
     vec[_LAYERS], vec[_TILE], vec[_SKIP] = shape.layers, profile.query_tile, float(profile.causal_skip)
@@ -109,7 +111,8 @@ def model_vector(profile, shape: AttentionShape, *, with_tokens: bool = False,
     vec[_HEADER + 3 * k:_HEADER + 3 * k + 3 * len(runs)] = np.asarray(runs, np.float64).ravel()
     if rec is not None:
         vec[_RECURRENT] = 1.0
-        vec[-4:] = rec.num_layers, rec.flops_per_token, rec.map_bytes + rec.tail_bytes, rec.mapped_extra
+        vec[-_RECURRENT_SLOTS:] = rec.num_layers, rec.flops_per_token, rec.map_bytes, rec.conv_token_bytes, \
+            rec.conv_width, rec.mapped_extra
     vec[_HEADER:_HEADER + k] = np.log(np.asarray(profile.lengths, np.float64))
     vec[_HEADER + k:_HEADER + 2 * k] = np.log(np.asarray(profile.forward_tflops, np.float64))
     vec[_HEADER + 2 * k:_HEADER + 3 * k] = np.log(np.asarray(profile.backward_tflops, np.float64))
@@ -333,37 +336,52 @@ def recurrent_seconds(doc, start, length, rank, cp, model, only, num_docs):
 
     Per layer and pass: the slowest rank's recurrence over its tokens plus its rerun and mapped tokens
     (``recurrent.split_work``'s ``extra_tokens``) at ``flops_per_token`` (backward twice the forward) at the
-    profile's dense peak, plus the all-gather of ``slot`` rows of state map and conv tail
-    (``recurrent.recurrent_contributes``; ``comm.allgather_node_rows`` across nodes; the backward's
-    reduce-scatter moves as many bytes), not hidden: the pieces wait for their start states. ``only`` >= 0:
-    that rank's recurrence alone (the exchange is every rank's). ``num_docs``: the largest ``doc`` + 1.
+    profile's dense peak, plus the two all-to-alls (``recurrent_exchange_seconds``), not hidden: the pieces
+    wait for their start states. ``only`` >= 0: that rank's recurrence alone (the exchange is every rank's).
+    ``num_docs``: the largest ``doc`` + 1.
     """
     if model[_RECURRENT] <= 0:
         return 0.0
-    at = model.shape[0] - 4
-    count, flops, row_bytes, mapped_extra = model[at], model[at + 1], model[at + 2], model[at + 3]
+    at = model.shape[0] - _RECURRENT_SLOTS
+    count, flops, mapped_extra = model[at], model[at + 1], model[at + 5]
     pieces = np.zeros(num_docs, np.int64)
     last_start = np.full(num_docs, -1, np.int64)
     for i in range(doc.shape[0]):
         pieces[doc[i]] += 1
         last_start[doc[i]] = max(last_start[doc[i]], start[i])
     work = np.zeros(cp, np.float64)
-    contributed = np.zeros(cp, np.int64)
     for i in range(doc.shape[0]):
         r = rank[i]
         extra = 0.0
         if pieces[doc[i]] > 1 and start[i] < last_start[doc[i]]:
-            contributed[r] += 1
             extra = mapped_extra * length[i] + (length[i] if start[i] > 0 else 0.0)
         work[r] += length[i] + extra
     worst = 0.0
     for r in range(cp):
         if only < 0 or r == only:
             worst = max(worst, work[r])
-    near, far = allgather_node_rows(contributed.max(), cp, np.int64(model[GPUS_PER_NODE_SLOT]))
-    comm = exchange_seconds(near, far, row_bytes, model[_LINK], model[_INTER], model[_COLL])
+    comm = recurrent_exchange_seconds(doc, start, length, rank, cp, model)
     forward = worst * flops / (model[_PEAK] * 1e12)
     return count * ((forward + comm) + (2.0 * forward + comm))
+
+
+@njit(cache=True)
+def recurrent_exchange_seconds(doc, start, length, rank, cp, model):
+    """Seconds of one recurrent layer's exchange in one pass: the state maps' all-to-all and the inputs'.
+
+    Each (``recurrent.map_volumes_kernel``, ``conv_volumes_kernel``) at its busiest rank's rows inside and
+    between nodes (``comm.node_busiest``) plus the collective latency; the backward's reversed all-to-alls
+    move as many bytes. 0 for an exchange in which no row crosses ranks (the runtime skips it).
+    """
+    at = model.shape[0] - _RECURRENT_SLOTS
+    map_bytes, token_bytes, width = model[at + 2], model[at + 3], np.int64(model[at + 4])
+    per_node = np.int64(model[GPUS_PER_NODE_SLOT])
+    maps = map_volumes_kernel(doc, start, rank, cp, per_node)
+    conv = conv_volumes_kernel(doc, start, length, rank, cp, per_node, width)
+    near, far = node_busiest(maps[SENT], maps[RECEIVED], maps[SENT_FAR], maps[RECEIVED_FAR])
+    seconds = exchange_seconds(near, far, map_bytes, model[_LINK], model[_INTER], model[_COLL])
+    near, far = node_busiest(conv[SENT], conv[RECEIVED], conv[SENT_FAR], conv[RECEIVED_FAR])
+    return seconds + exchange_seconds(near, far, token_bytes, model[_LINK], model[_INTER], model[_COLL])
 
 
 @njit(cache=True, inline="always")

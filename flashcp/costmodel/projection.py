@@ -50,6 +50,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from flashcp.costmodel.comm import (
+    RECEIVED,
+    RECEIVED_FAR,
+    SENT,
+    SENT_FAR,
     allgather_node_rows,
     allgather_wire,
     auto_comm_a2a,
@@ -63,7 +67,7 @@ from flashcp.costmodel.comm import (
 )
 from flashcp.costmodel.objective import exchange_seconds, pair_seconds, token_seconds
 from flashcp.costmodel.profile import HardwareProfile
-from flashcp.costmodel.recurrent import recurrent_contributes, split_work
+from flashcp.costmodel.recurrent import recurrent_exchange, split_work
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.costmodel.workload import FULL, PlanArrays, key_starts, kind_workloads, rank_tokens
 
@@ -334,8 +338,9 @@ def recurrent_step_seconds(plan: PlanArrays, shape: AttentionShape, profile: Har
 
     Per layer: the slowest rank's tokens plus its extra split work (``recurrent.split_work``) at
     ``flops_per_token`` on the profile's dense peak, forward, and twice that backward; each pass also waits
-    for the all-gather (forward) or reduce-scatter (backward) of ``slot`` rows of state map and conv tail
-    (``recurrent.recurrent_contributes``), priced as an all-gather's busiest rank across the topology.
+    for the all-to-all of the state maps and the one of the convolution inputs (``recurrent.recurrent_exchange``;
+    the backward's reversed ones move as many bytes), each priced as an all-to-all's busiest rank inside and
+    between nodes (``comm.node_busiest``), as the attention's ``a2a``.
     """
     rec = shape.recurrent
     if rec is None:
@@ -344,9 +349,12 @@ def recurrent_step_seconds(plan: PlanArrays, shape: AttentionShape, profile: Har
     split = split_work(*arrays)
     work = split.tokens + split.extra_tokens(rec)
     forward = float(work.max()) * rec.flops_per_token / (profile.peak_tflops * 1e12)
-    near, far = allgather_node_rows(recurrent_contributes(*arrays)[1], plan.cp, gpus_per_node)
-    comm = exchange_seconds(near, far, float(rec.map_bytes + rec.tail_bytes), profile.link_gbps,
-                            profile.inter_node_gbps, profile.collective_latency_us)
+    exchange = recurrent_exchange(rec, *arrays, gpus_per_node)
+    comm = 0.0
+    for rows, row_bytes in ((exchange.maps, exchange.map_bytes), (exchange.conv, exchange.conv_token_bytes)):
+        near, far = node_busiest(rows[SENT], rows[RECEIVED], rows[SENT_FAR], rows[RECEIVED_FAR])
+        comm += exchange_seconds(near, far, float(row_bytes), profile.link_gbps, profile.inter_node_gbps,
+                                 profile.collective_latency_us)
     return rec.num_layers * ((forward + comm) + (2.0 * forward + comm))
 
 

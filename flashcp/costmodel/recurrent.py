@@ -5,20 +5,25 @@ its per-rank layout ``flashcp.runtime.recurrent.meta.RecurrentMeta``. This modul
 the plan's four shard arrays alone (the cost model imports no runtime):
 
 - a piece (a shard) *contributes* when its document has more than one piece and it is not the document's last
-  piece (the pieces of a cut document on one rank included: the runtime sends them too);
-- ``slot``: the most pieces any rank contributes; every all-gather input is ``slot`` rows (zero rows pad the
-  ranks that contribute fewer); ``slot == 0``: no document is cut, no collective is issued at all.
+  piece (the pieces of a cut document on one rank included: the runtime maps them too);
+- its state map goes to its *destinations*: the other ranks holding a later piece of its document (a later
+  piece on its own rank reads it locally); ``map_volumes_kernel``;
+- the short convolution's inputs before a piece (``W - 1`` tokens, over as many earlier pieces as they span)
+  go, token by token, to each other rank that holds a piece they precede: exactly the exact-need exchange of a
+  sliding window of ``W`` keys (``comm.exchange_volumes`` with ``workload.WINDOW`` and ``W``), each token once
+  per rank however many of its pieces need it.
 
-Bytes per layer and pass, every rank alike (an all-gather of ``slot`` rows: a rank's rows go to each of the
-``cp - 1`` others and theirs come in; the backward's reduce-scatter moves the same bytes the other way):
+Bytes per layer and pass (one ``all_to_all`` of the maps and one of the conv inputs; no padding; the
+backward's reversed all-to-alls move the same bytes the other way), per rank:
 
-- state maps: ``(cp - 1) * slot * map_bytes`` sent and as many received, with ``map_bytes`` per piece GDN ``b *
-  H * K * (K + V)`` (a K x K transition and a K x V state per head), SSD ``b * H * (1 + P * S)`` (a scalar
-  decay and a P x S state per head);
-- convolution tails: ``(cp - 1) * slot * b * (W - 1) * F`` (none when ``W == 1``);
+- state maps: ``map_bytes`` per (contributed piece, destination), sent by the piece's rank and received by the
+  destination; ``map_bytes`` per piece GDN ``b H K (K + V)`` (a K x K transition and a K x V state per head),
+  SSD ``b H (1 + P S)`` (a scalar decay and a P x S state per head);
+- convolution inputs: ``b F`` per token sent (``conv_token_bytes``; nothing when ``W == 1``);
 
-``b``: bytes per element of the compute dtype (4: float32, as for float32 and bf16 inputs). All ranks
-together: ``cp`` times one rank's.
+``b``: bytes per element of the compute dtype (4: float32, as for float32 and bf16 inputs). A plan that cuts
+no document moves nothing and the runtime issues no collective; an exchange in which no row crosses ranks is
+skipped too (the same decision on every rank).
 
 Extra recurrent work (per rank, per layer and pass, in tokens of the plain recurrence): the runtime runs each
 contributed piece once for its map and runs every piece except the contributed first pieces of their documents
@@ -46,15 +51,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flashcp._numba import njit
+from flashcp.costmodel.comm import CONTRIBUTED, RECEIVED, RECEIVED_FAR, SENT, SENT_FAR, exchange_volumes_kernel
+from flashcp.costmodel.workload import WINDOW
+
 __all__ = [
     "CHUNK",
     "RECURRENT_KINDS",
     "RecurrentExchange",
     "RecurrentShape",
     "SplitWork",
+    "conv_volumes_kernel",
+    "map_volumes_kernel",
     "recurrent_contributes",
     "recurrent_exchange",
-    "recurrent_needed_maps",
     "split_work",
 ]
 
@@ -110,9 +120,9 @@ class RecurrentShape:
         return self.element_bytes * self.num_heads * (1 + self.value_dim * self.key_dim)
 
     @property
-    def tail_bytes(self) -> int:
-        """Bytes of one piece's convolution tail in one layer: ``b (W - 1) F``."""
-        return self.element_bytes * (self.conv_width - 1) * self.conv_channels
+    def conv_token_bytes(self) -> int:
+        """Bytes of one token of the short convolution's input in one layer: ``b F`` (a piece needs ``W - 1``)."""
+        return self.element_bytes * self.conv_channels
 
     @property
     def flops_per_token(self) -> float:
@@ -136,76 +146,122 @@ def _int64(*arrays):
     return tuple(np.ascontiguousarray(a, dtype=np.int64) for a in arrays)
 
 
-def recurrent_contributes(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> tuple[np.ndarray, int]:
-    """Which shards go into the recurrent exchange, and the all-gather's ``slot`` (rows per rank).
+def recurrent_contributes(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> np.ndarray:
+    """Which shards the recurrent layers map: (num_shards,) bool.
 
-    Returns ``(contributes (num_shards,) bool, slot)``: a shard contributes when its document has more than one
-    shard and it is not the document's last; ``slot`` is the most contributed shards of any rank (0: none).
+    A shard contributes when its document has more than one shard and it is not the document's last.
     """
     doc, start, _, rank = _int64(shard_doc, shard_start, shard_len, shard_rank)
     if doc.size == 0:
-        return np.zeros(0, dtype=bool), 0
+        return np.zeros(0, dtype=bool)
     if rank.min() < 0 or rank.max() >= cp:
         raise ValueError(f"shard ranks must lie in [0, {cp}), got {rank.min()}..{rank.max()}")
     num_docs = int(doc.max()) + 1
     pieces = np.bincount(doc, minlength=num_docs)
     last_start = np.zeros(num_docs, dtype=np.int64)
     np.maximum.at(last_start, doc, start)
-    contributes = (pieces[doc] > 1) & (start < last_start[doc])
-    slot = int(np.bincount(rank[contributes], minlength=cp).max()) if contributes.any() else 0
-    return contributes, slot
+    return (pieces[doc] > 1) & (start < last_start[doc])
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@njit(cache=True)
+def map_volumes_kernel(doc, start, rank, cp, gpus_per_node):
+    """Every rank's state-map rows of one plan, one layer and pass: (5, cp) int64, rows as ``comm``'s.
+
+    ``SENT``, ``RECEIVED``: one row per (contributed shard, destination), the destinations being the other
+    ranks that hold a later shard of its document; ``SENT_FAR``, ``RECEIVED_FAR``: their part between nodes
+    (``gpus_per_node`` ranks per node; 0: one node); ``CONTRIBUTED``: the shards each rank maps (some rank, its
+    own included, holds a later shard of their document). Takes int64 arrays, no checks.
+    """
+    num_docs = 0
+    for i in range(doc.shape[0]):
+        num_docs = max(num_docs, doc[i] + 1)
+    last_on = np.full((num_docs, cp), -1, np.int64)  # start of the last shard of document d on rank r
+    for i in range(doc.shape[0]):
+        last_on[doc[i], rank[i]] = max(last_on[doc[i], rank[i]], start[i])
+    out = np.zeros((5, cp), np.int64)
+    split = gpus_per_node > 0 and cp > gpus_per_node
+    for i in range(doc.shape[0]):
+        b = rank[i]
+        mapped = False
+        for r in range(cp):
+            if last_on[doc[i], r] <= start[i]:
+                continue
+            mapped = True
+            if r == b:
+                continue
+            out[SENT, b] += 1
+            out[RECEIVED, r] += 1
+            if split and r // gpus_per_node != b // gpus_per_node:
+                out[SENT_FAR, b] += 1
+                out[RECEIVED_FAR, r] += 1
+        if mapped:
+            out[CONTRIBUTED, b] += 1
+    return out
+
+
+@njit(cache=True)
+def conv_volumes_kernel(doc, start, length, rank, cp, gpus_per_node, width):
+    """Every rank's convolution-input tokens of one plan, one layer and pass: (5, cp) int64, rows as ``comm``'s.
+
+    The exact-need exchange of a sliding window of ``width`` keys (``comm.exchange_volumes_kernel``): a piece
+    needs the ``width - 1`` tokens before it. Its ``CONTRIBUTED`` row is the window's all-gather, unused here.
+    """
+    return exchange_volumes_kernel(doc, start, length, rank, cp, gpus_per_node, WINDOW, width)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class RecurrentExchange:
-    """Bytes the recurrent layers' exchanges move for one plan: one layer, one pass (forward or backward)."""
+    """What one recurrent layer's two all-to-alls move for one plan, one pass (forward or backward)."""
 
-    cp: int
-    """CP world size."""
-    slot: int
-    """Rows of every rank's all-gather input (0: no exchange)."""
-    map_bytes_per_rank: int
-    """Bytes one rank sends (and receives) in the all-gather of the state maps: ``(cp - 1) slot map_bytes``."""
-    tail_bytes_per_rank: int
-    """Bytes one rank sends (and receives) in the all-gather of the conv tails: ``(cp - 1) slot tail_bytes``."""
+    maps: np.ndarray
+    """(5, cp) int64: state maps per rank (``map_volumes_kernel``), rows ``comm.SENT``, ``RECEIVED``,
+    ``SENT_FAR``, ``RECEIVED_FAR``, ``CONTRIBUTED``."""
+    conv: np.ndarray
+    """(5, cp) int64: convolution-input tokens per rank (``conv_volumes_kernel``), rows as ``maps``."""
+    map_bytes: int
+    """Bytes of one state map (``RecurrentShape.map_bytes``)."""
+    conv_token_bytes: int
+    """Bytes of one token of convolution input (``RecurrentShape.conv_token_bytes``)."""
+
+    @property
+    def cp(self) -> int:
+        """CP world size."""
+        return int(self.maps.shape[1])
+
+    @property
+    def sent_bytes(self) -> np.ndarray:
+        """(cp,) int64: bytes each rank sends, maps and convolution inputs."""
+        return self.maps[SENT] * self.map_bytes + self.conv[SENT] * self.conv_token_bytes
+
+    @property
+    def received_bytes(self) -> np.ndarray:
+        """(cp,) int64: bytes each rank receives, maps and convolution inputs."""
+        return self.maps[RECEIVED] * self.map_bytes + self.conv[RECEIVED] * self.conv_token_bytes
 
     @property
     def busiest_bytes(self) -> int:
-        """Bytes the busiest rank sends (as many come in), maps and tails: every rank moves as much."""
-        return self.map_bytes_per_rank + self.tail_bytes_per_rank
+        """Bytes of the busiest rank: the largest of any rank's sent or received bytes (full-duplex links)."""
+        return int(max(self.sent_bytes.max(initial=0), self.received_bytes.max(initial=0)))
 
     @property
     def total_bytes(self) -> int:
-        """Bytes all ranks send together, maps and tails."""
-        return self.cp * self.busiest_bytes
+        """Bytes all ranks send together, maps and convolution inputs."""
+        return int(self.sent_bytes.sum())
 
 
-def recurrent_exchange(shape: RecurrentShape, shard_doc, shard_start, shard_len, shard_rank,
-                       cp: int) -> RecurrentExchange:
-    """The bytes one recurrent layer of ``shape`` exchanges for a plan, per pass (module docstring)."""
-    _, slot = recurrent_contributes(shard_doc, shard_start, shard_len, shard_rank, cp)
-    copies = (cp - 1) * slot
-    tails = copies * shape.tail_bytes if shape.conv_width > 1 else 0
-    return RecurrentExchange(cp=cp, slot=slot, map_bytes_per_rank=copies * shape.map_bytes,
-                             tail_bytes_per_rank=tails)
+def recurrent_exchange(shape: RecurrentShape, shard_doc, shard_start, shard_len, shard_rank, cp: int,
+                       gpus_per_node: int = 0) -> RecurrentExchange:
+    """What one recurrent layer of ``shape`` exchanges for a plan, per pass (module docstring).
 
-
-def recurrent_needed_maps(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> tuple[np.ndarray, np.ndarray]:
-    """Maps each rank would send and receive if each went only where it is used: ``(sent, received)``, (cp,).
-
-    Not what the runtime does (its all-gather sends every contributed map, and ``slot``'s padding, to every
-    rank): a contributed piece's map is needed only by the other ranks holding a later piece of its document.
-    The measure of what a point-to-point exchange would move.
+    ``gpus_per_node``: ranks per node for the parts between nodes (0: one node).
     """
     doc, start, length, rank = _int64(shard_doc, shard_start, shard_len, shard_rank)
-    contributes, _ = recurrent_contributes(doc, start, length, rank, cp)
-    sent, received = np.zeros(cp, dtype=np.int64), np.zeros(cp, dtype=np.int64)
-    for shard in np.flatnonzero(contributes):
-        later = (doc == doc[shard]) & (start > start[shard])
-        users = np.setdiff1d(np.unique(rank[later]), rank[shard:shard + 1])
-        sent[rank[shard]] += users.size
-        received[users] += 1
-    return sent, received
+    if rank.size and (rank.min() < 0 or rank.max() >= cp):
+        raise ValueError(f"shard ranks must lie in [0, {cp}), got {rank.min()}..{rank.max()}")
+    return RecurrentExchange(maps=map_volumes_kernel(doc, start, rank, cp, int(gpus_per_node)),
+                             conv=conv_volumes_kernel(doc, start, length, rank, cp, int(gpus_per_node),
+                                                      shape.conv_width),
+                             map_bytes=shape.map_bytes, conv_token_bytes=shape.conv_token_bytes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -233,7 +289,7 @@ class SplitWork:
 def split_work(shard_doc, shard_start, shard_len, shard_rank, cp: int) -> SplitWork:
     """Per rank: tokens held, tokens rerun and tokens mapped by the recurrent layers (``SplitWork``)."""
     doc, start, length, rank = _int64(shard_doc, shard_start, shard_len, shard_rank)
-    contributes, _ = recurrent_contributes(doc, start, length, rank, cp)
+    contributes = recurrent_contributes(doc, start, length, rank, cp)
     rerun = contributes & (start > 0)
     return SplitWork(tokens=np.bincount(rank, weights=length, minlength=cp).astype(np.int64),
                      rerun_tokens=np.bincount(rank[rerun], weights=length[rerun], minlength=cp).astype(np.int64),

@@ -11,6 +11,8 @@ send buffer gradient is needed. The reverse collectives:
 - ``all_to_all_single`` with uneven splits (``a2a``) -> the same call with the splits swapped.
 
 Buffers are ``(rows, 2, K, D)``: K and V travel together in one collective. Rows are tokens.
+``all_to_all`` is the ``a2a`` path for rows of any shape, waited for at once (the recurrent layers' state maps
+and convolution inputs: ``flashcp.runtime.recurrent.cp``).
 
 Precision: partial dK/dV are summed in float32 (``lse_dtype``: float32 or wider) whatever the input dtype.
 The send buffer handed to ``start_exchange`` is in that accumulation dtype; K/V travel forward in the
@@ -37,7 +39,7 @@ import torch.distributed as dist
 
 from flashcp.runtime.meta import Exchange
 
-__all__ = ["CommRecord", "CommStats", "PendingExchange", "start_exchange"]
+__all__ = ["CommRecord", "CommStats", "PendingExchange", "all_to_all", "start_exchange"]
 
 # torch >= 2.13 names the tensor-in/tensor-out collectives *_single and deprecates the older names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -230,3 +232,25 @@ def start_exchange(send_RKD: torch.Tensor, exchange: Exchange, group=None, cp: i
     state = _ExchangeState(exchange, group, cp, stats, wire_dtype or send_RKD.dtype)
     recv = _StartExchange.apply(send_RKD, state)
     return PendingExchange(recv, state, send_RKD.dtype)
+
+
+def all_to_all(send: torch.Tensor, send_splits, recv_splits, group=None, cp: int | None = None) -> torch.Tensor:
+    """``all_to_all_single`` with uneven splits, differentiable, waited for: ``start_exchange``'s ``a2a``.
+
+    Args:
+        send: (sum(send_splits), ...) rows for each rank of the group, rank after rank.
+        send_splits: (cp,) rows to each rank.
+        recv_splits: (cp,) rows from each rank; what each sends this one.
+        group: the process group (None: the default group).
+        cp: the group's size (looked up when None).
+
+    Returns (sum(recv_splits), ...) the rows from each rank, rank after rank, in ``send``'s dtype. Backward: the
+    same call with the splits swapped, so each row's gradient returns to its sender.
+    """
+    send_splits, recv_splits = tuple(int(n) for n in send_splits), tuple(int(n) for n in recv_splits)
+    send_rows, recv_rows = sum(send_splits), sum(recv_splits)
+    exchange = Exchange(mode="a2a", active=True, send_index=torch.arange(send_rows), send_rows=send_rows,
+                        recv_rows=recv_rows, send_splits=send_splits, recv_splits=recv_splits,
+                        kv_index=torch.zeros(0, dtype=torch.long), wire_send_tokens=send_rows,
+                        wire_recv_tokens=recv_rows)
+    return start_exchange(send, exchange, group, cp).wait()

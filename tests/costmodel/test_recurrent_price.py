@@ -10,6 +10,7 @@ from flashcp.costmodel.objective import (
     model_vector,
     plan_step_seconds,
     rank_floor,
+    recurrent_exchange_seconds,
     recurrent_seconds,
     shard_seconds,
     step_seconds,
@@ -23,6 +24,8 @@ from flashcp.planner.params import resolve_params
 from flashcp.planner.plan import SequencePlan
 from flashcp.planner.planning import plan_flat, plan_sequence
 from flashcp.planner.registry import get_strategy
+from tests.emulate import random_plan
+from tests.naive import naive_recurrent_volumes
 
 QWEN = AttentionShape(num_heads=16, num_kv_heads=2, head_dim=256, layers=12, recurrent=QWEN3_NEXT_80B_A3B.recurrent)
 NEMOTRON = AttentionShape(num_heads=32, num_kv_heads=8, head_dim=128, layers=4, recurrent=NEMOTRON_H_8B.recurrent)
@@ -55,7 +58,8 @@ def test_objective_equals_projection_for_hybrids(shape):
 
 def test_recurrent_price_by_hand():
     """Two documents on 2 ranks, priced from the formula: the uncut plan pays its tokens only, the cut one
-    its extra split work (GDN: the mapped piece's K / V value columns) and one all-gather row each pass."""
+    its extra split work (GDN: the mapped piece's K / V value columns) and, each pass, one state map and the
+    3 convolution inputs before the second piece, each all-to-all with its latency."""
     profile = load_profile()
     rec = QWEN3_NEXT_80B_A3B.recurrent
     per_token = rec.flops_per_token / (profile.peak_tflops * 1e12)
@@ -63,15 +67,49 @@ def test_recurrent_price_by_hand():
                          shard_rank=np.array([0, 1]), cp=2)
     cut = SequencePlan(shard_doc=np.array([0, 0, 1]), shard_start=np.array([0, 50, 0]),
                        shard_len=np.array([50, 50, 60]), shard_rank=np.array([0, 1, 0]), cp=2)
-    row = rec.map_bytes + rec.tail_bytes
-    gather = row / (profile.link_gbps * 1e9) + profile.collective_latency_us * 1e-6
+    latency = profile.collective_latency_us * 1e-6
+    exchange = (rec.map_bytes / (profile.link_gbps * 1e9) + latency) \
+        + (3 * rec.conv_token_bytes / (profile.link_gbps * 1e9) + latency)
     want = {id(whole): 36 * 3 * 100 * per_token,
-            id(cut): 36 * (3 * (110 + 50 * rec.key_dim / rec.value_dim) * per_token + 2 * gather)}
+            id(cut): 36 * (3 * (110 + 50 * rec.key_dim / rec.value_dim) * per_token + 2 * exchange)}
     for plan in (whole, cut):
         model = model_vector(profile, QWEN, gpus_per_node=0)
         arrays = (plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, plan.cp)
         assert recurrent_step_seconds(plan, QWEN, profile, 0) == pytest.approx(want[id(plan)], rel=1e-12)
         assert recurrent_seconds(*arrays, model, -1, 2) == pytest.approx(want[id(plan)], rel=1e-12)
+
+
+def naive_exchange_seconds(shards, cp, rec, profile, gpus_per_node):
+    """One pass of a recurrent layer's two all-to-alls, from ``naive_recurrent_volumes``: per all-to-all the
+    busiest rank's rows inside its node at the node link and between nodes at the inter-node link, at once,
+    plus the latency; nothing when no row moves."""
+    volumes = naive_recurrent_volumes(shards, cp, rec.conv_width, gpus_per_node)
+    seconds = 0.0
+    for name, row_bytes in (("maps", rec.map_bytes), ("conv", rec.conv_token_bytes)):
+        v = volumes[name]
+        near = max(max(v["sent"][r] - v["sent_far"][r], v["received"][r] - v["received_far"][r]) for r in range(cp))
+        far = max(max(v["sent_far"][r], v["received_far"][r]) for r in range(cp))
+        if near or far:
+            seconds += max(near * row_bytes / (profile.link_gbps * 1e9),
+                           far * row_bytes / (profile.inter_node_gbps * 1e9)) + profile.collective_latency_us * 1e-6
+    return seconds
+
+
+@pytest.mark.parametrize("shape", [QWEN, NEMOTRON], ids=["qwen3-next", "nemotron-h"])
+@pytest.mark.parametrize("per_node", [0, 2])
+def test_exchange_seconds_kernel_equals_a_plain_recount(shape, per_node):
+    """The Numba kernel's exchange time against a plain-Python recount of the rows, on random plans."""
+    profile = load_profile()
+    model = model_vector(profile, shape, gpus_per_node=per_node)
+    rng = np.random.default_rng(53)
+    for _ in range(20):
+        lens = rng.integers(1, 40, rng.integers(1, 7))
+        cp = int(rng.choice([2, 3, 4]))
+        plan = random_plan(lens, cp, rng, max_pieces=4, cut_prob=0.2)
+        arrays = (plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
+        shards = list(zip(*(a.tolist() for a in arrays[:4])))
+        want = naive_exchange_seconds(shards, cp, shape.recurrent, profile, per_node)
+        assert recurrent_exchange_seconds(*arrays, model) == pytest.approx(want, rel=1e-12, abs=0.0)
 
 
 def test_a_plan_cutting_no_document_exchanges_nothing():

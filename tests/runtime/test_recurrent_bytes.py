@@ -1,11 +1,15 @@
 """The recurrent cost model (``flashcp.costmodel.recurrent``) against what a real CP run moves and computes.
 
 On 2 and 4 gloo ranks, float32, each rank runs ``cp_causal_conv1d`` then ``cp_gated_delta_rule`` and
-``cp_ssd`` forward and backward on random plans that cut documents (and one that cuts none), with the
-collectives wrapped to count the bytes of every tensor they move and the kernels wrapped to count the tokens
-(and GDN's value columns) they run. Each rank's counts must equal the formulas for its rank; the all-ranks
-totals are summed with one all-reduce after the layers.
+``cp_ssd`` forward and backward on random plans that cut documents (and one that cuts none), with
+``dist.all_to_all_single`` wrapped to count the bytes it really moves between different ranks (its split sizes
+times the bytes of a row) and the kernels wrapped to count the tokens (and GDN's value columns) they run. Each
+rank's sent and received bytes must equal the cost model's for its rank, the sent bytes must be its contributed
+maps' bytes times their destinations plus its needed inputs' (no padding row), and the all-ranks totals are
+summed with one all-reduce after the layers.
 """
+
+import math
 
 import numpy as np
 import pytest
@@ -15,7 +19,6 @@ import torch.distributed as dist
 from flashcp.costmodel.recurrent import RecurrentShape, recurrent_exchange, split_work
 from flashcp.runtime.meta import rank_token_positions
 from flashcp.runtime.recurrent import RecurrentMeta, backends, cp_causal_conv1d, cp_gated_delta_rule, cp_ssd
-from flashcp.runtime.recurrent import cp as cp_module
 from tests.dist import spawn
 from tests.emulate import random_plan
 from tests.plans import whole_docs_case
@@ -28,23 +31,19 @@ SHAPES = {"gdn": RecurrentShape(kind="gdn", num_heads=HEADS, key_dim=DK, value_d
           "ssd": RecurrentShape(kind="ssd", num_heads=HEADS, key_dim=S, value_dim=P, num_groups=GROUPS,
                                 conv_width=WIDTH, num_layers=1)}
 
-moved = {"sent": 0, "received": 0}
+moved: list[tuple[int, int]] = []
+"""(bytes sent, bytes received) of every all-to-all issued, in order."""
 run_tokens = {"tokens": 0, "value_tokens": 0}
 
 
-def _count_all_gather(collective):
-    def wrapped(out, inp, group=None, **kwargs):
-        moved["sent"] += (dist.get_world_size(group) - 1) * inp.numel() * inp.element_size()
-        moved["received"] += (out.numel() - inp.numel()) * out.element_size()
-        return collective(out, inp, group=group, **kwargs)
-    return wrapped
-
-
-def _count_reduce_scatter(collective):
-    def wrapped(out, inp, group=None, **kwargs):
-        moved["sent"] += (inp.numel() - out.numel()) * inp.element_size()
-        moved["received"] += (dist.get_world_size(group) - 1) * out.numel() * out.element_size()
-        return collective(out, inp, group=group, **kwargs)
+def _count_all_to_all(collective):
+    def wrapped(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
+        me = dist.get_rank(group)
+        row_bytes = math.prod(input.shape[1:]) * input.element_size()
+        moved.append((row_bytes * sum(n for r, n in enumerate(input_split_sizes) if r != me),
+                      row_bytes * sum(n for r, n in enumerate(output_split_sizes) if r != me)))
+        return collective(output, input, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes,
+                          group=group, **kwargs)
     return wrapped
 
 
@@ -94,9 +93,24 @@ def layer(kind, num_tokens, meta, gen):
     out.backward(torch.randn(out.shape, generator=gen))
 
 
+def _by_definition(plan, rank, shape):
+    """Bytes ``rank`` sends per pass, counted piece by piece: a map per contributed piece and other rank holding
+    a later piece of its document, and each of its input tokens that another rank's piece starts within
+    ``W - 1`` tokens after, once per such rank."""
+    shards = list(zip(plan.shard_doc.tolist(), plan.shard_start.tolist(), plan.shard_len.tolist(),
+                      plan.shard_rank.tolist()))
+    maps = tokens = 0
+    for doc, start, length, owner in shards:
+        if owner != rank:
+            continue
+        maps += len({r for d, s, _, r in shards if d == doc and s > start and r != rank})
+        for t in range(start, start + length):
+            tokens += len({r for d, s, _, r in shards if d == doc and r != rank and t < s <= t + WIDTH - 1})
+    return maps * shape.map_bytes + tokens * shape.conv_token_bytes
+
+
 def _worker(rank, cp):
-    cp_module._all_gather = _count_all_gather(cp_module._all_gather)
-    cp_module._reduce_scatter = _count_reduce_scatter(cp_module._reduce_scatter)
+    dist.all_to_all_single = _count_all_to_all(dist.all_to_all_single)
     backends.gated_delta = _count_kernel(backends.gated_delta, 2)
     backends.ssd = _count_kernel(backends.ssd, 0)
     failures = []
@@ -106,18 +120,27 @@ def _worker(rank, cp):
         arrays = (plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, cp)
         work = split_work(*arrays)
         for kind, shape in SHAPES.items():
-            moved.update(sent=0, received=0)
+            moved.clear()
             run_tokens.update(tokens=0, value_tokens=0)
             layer(kind, num_tokens, meta, torch.Generator().manual_seed(7))
             exchange = recurrent_exchange(shape, *arrays)
-            where = f"{name} {kind} rank {rank} (slot {meta.slot})"
-            want = 2 * exchange.busiest_bytes  # forward all-gathers + backward reduce-scatters
-            if (moved["sent"], moved["received"]) != (want, want):
-                failures.append(f"{where}: moved {moved}, the cost model says {want} each way")
-            totals = torch.tensor([moved["sent"], moved["received"]], dtype=torch.int64)
+            where = f"{name} {kind} rank {rank}"
+            # the forward's all-to-alls, then the backward's: the same calls the other way
+            forward, backward = moved[:len(moved) // 2], moved[len(moved) // 2:]
+            got = tuple(sum(c) for c in zip(*forward)) or (0, 0)
+            got_back = tuple(sum(c) for c in zip(*backward)) or (0, 0)
+            want = int(exchange.sent_bytes[rank]), int(exchange.received_bytes[rank])
+            if len(forward) != len(backward) or got != want or got_back != want[::-1]:
+                failures.append(f"{where}: forward moved {got} (sent, received), backward {got_back}, the cost "
+                                f"model says {want}")
+            if want[0] != _by_definition(plan, rank, shape):
+                failures.append(f"{where}: the cost model sends {want[0]} bytes, counted piece by piece "
+                                f"{_by_definition(plan, rank, shape)}")
+            totals = torch.tensor(got, dtype=torch.int64)
             dist.all_reduce(totals)
-            if totals.tolist() != [2 * exchange.total_bytes] * 2:
-                failures.append(f"{where}: all ranks moved {totals.tolist()}, cost model {2 * exchange.total_bytes}")
+            if totals.tolist() != [exchange.total_bytes] * 2:
+                failures.append(f"{where}: all ranks moved {totals.tolist()} forward, the cost model "
+                                f"{exchange.total_bytes}")
             # the forward's kernel runs: each token once, plus the rerun pieces (and GDN's K value columns)
             extra = run_tokens["tokens"] - num_tokens
             if extra != work.rerun_tokens[rank]:
@@ -126,13 +149,13 @@ def _worker(rank, cp):
             extra_work = (run_tokens["value_tokens"] - num_tokens * value_value) / value_value
             if not np.isclose(extra_work, work.extra_tokens(shape)[rank]):
                 failures.append(f"{where}: extra work {extra_work} tokens, cost model {work.extra_tokens(shape)[rank]}")
-            if name == "whole-docs" and moved["sent"] + moved["received"] != 0:
-                failures.append(f"{where}: no document is cut, yet {moved} bytes moved")
+            if name == "whole-docs" and moved:
+                failures.append(f"{where}: no document is cut, yet it issued {len(moved)} all-to-alls")
     return failures
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cost_model_equals_what_the_runtime_moves_and_runs(cp):
-    assert any(recurrent_exchange(SHAPES["gdn"], p.shard_doc, p.shard_start, p.shard_len, p.shard_rank, cp).slot
+    assert any(recurrent_exchange(SHAPES["gdn"], p.shard_doc, p.shard_start, p.shard_len, p.shard_rank, cp).total_bytes
                for _, p, _ in cases(cp))  # the cases do cut documents
     spawn(_worker, cp, start_method="fork")  # the ranks skip re-importing torch

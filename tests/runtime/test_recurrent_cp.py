@@ -4,11 +4,14 @@ Every rank builds the same cases from the same seed and runs a small layer: the 
 mixed projections, then the recurrence (Gated DeltaNet as Qwen3-Next, Mamba-2 SSD as Nemotron-H), forward and
 backward. Each rank compares its slice of the output and of the inputs' gradients, and the parameters'
 gradients summed over the ranks, with the reference run on the whole packed sequence, documents kept apart.
-It also counts the collectives and their bytes: per layer one all-gather of ``slot`` state maps and one of
-``slot`` convolution tails forward, the reduce-scatters backward, none at all when no document is cut. In
+It also records the collectives: per layer one ``all_to_all_single`` of the convolution inputs and one of the
+state maps forward, with the meta's splits (each skipped when no row crosses ranks), the same calls with the
+splits swapped backward in reverse order, none at all when no document is cut. In
 float32 and bf16, the CP layers' error against float64 is bounded by the error of one process running the same
 chunked kernels on the whole sequence.
 """
+
+import math
 
 import numpy as np
 import pytest
@@ -22,7 +25,6 @@ from flashcp.runtime.recurrent import (
     chunk_gated_delta_rule,
     chunk_ssd,
 )
-from flashcp.runtime.recurrent import cp as cp_module
 from tests.dist import spawn
 from tests.emulate import random_plan
 from tests.runtime.recurrent_cases import (
@@ -47,7 +49,7 @@ def run_case(name, plan, doc_lens, ref, rank, group, failures, seed=0):
     for kind, (data, params) in make_inputs(int(np.sum(doc_lens)), seed).items():
         layer, conv, recurrence = layers(doc_lens, meta, group)[kind]
         want_out, want_grads, grad_out = ref[kind]
-        where = f"{name} {kind} rank {rank} (pieces {meta.num_pieces}, slot {meta.slot})"
+        where = f"{name} {kind} rank {rank} (pieces {meta.num_pieces})"
         local = [t[pos].requires_grad_() for t in data]
         local_params = [t.requires_grad_() for t in params]
         calls.clear()
@@ -71,20 +73,21 @@ def run_case(name, plan, doc_lens, ref, rank, group, failures, seed=0):
                 failures.append(f"{where}: {what} max |err| {err.max().item():.3g}, mean {err.mean().item():.3g}")
 
 
-calls: list[tuple[str, int, int]] = []
-"""(collective, rows sent or received, bytes per row) of every collective the layers issued, in order."""
+calls: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+"""(input splits, output splits, bytes per row) of every all-to-all the layers issued, in order."""
 
 
-def _recording(name, collective):
-    def record(out, inp, group=None, **kwargs):
-        rows = inp.shape[0] if name == "all_gather" else out.shape[0]
-        calls.append((name, rows, inp[0].numel() * inp.element_size() if inp.shape[0] else 0))
-        return collective(out, inp, group=group, **kwargs)
+def _recording(collective):
+    def record(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
+        row_bytes = math.prod(input.shape[1:]) * input.element_size()
+        calls.append((tuple(input_split_sizes), tuple(output_split_sizes), row_bytes))
+        return collective(output, input, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes,
+                          group=group, **kwargs)
     return record
 
 
 def check_collectives(where, kind, meta, forward, backward, failures):
-    """Two all-gathers forward (conv tails, then state maps) of ``slot`` rows each, their reverse backward."""
+    """The conv inputs' all-to-all, then the maps', forward (each when it moves anything); their reverse."""
     if not meta.active:
         if forward or backward:
             failures.append(f"{where}: no document is cut, yet it issued {forward + backward}")
@@ -95,10 +98,12 @@ def check_collectives(where, kind, meta, forward, backward, failures):
         state_map = GDN["heads"] * GDN["dk"] * (GDN["dk"] + GDN["dv"])
     else:  # per head a scalar decay and a P x S state
         state_map = SSD["heads"] * (1 + SSD["p"] * SSD["s"])
-    want = [("all_gather", meta.slot, 8 * (WIDTH - 1) * features), ("all_gather", meta.slot, 8 * state_map)]
-    if meta.slot == 0 or forward != want:
+    want = [(route.send_splits, route.recv_splits, row_bytes)
+            for route, row_bytes in ((meta.conv_tails(WIDTH), 8 * features), (meta.maps, 8 * state_map))
+            if route.active]
+    if forward != want:
         failures.append(f"{where}: forward collectives {forward}, expected {want}")
-    reverse = [("reduce_scatter", rows, row_bytes) for _, rows, row_bytes in reversed(want)]
+    reverse = [(recv, send, row_bytes) for send, recv, row_bytes in reversed(want)]
     if backward != reverse:
         failures.append(f"{where}: backward collectives {backward}, expected {reverse}")
 
@@ -177,8 +182,7 @@ def subgroup_case(index):
 
 
 def _worker(rank, world_size, refs):
-    cp_module._all_gather = _recording("all_gather", cp_module._all_gather)
-    cp_module._reduce_scatter = _recording("reduce_scatter", cp_module._reduce_scatter)
+    dist.all_to_all_single = _recording(dist.all_to_all_single)
     failures = []
     for case, ref in zip(build_cases(world_size), refs):
         run_case(*case, ref, rank=rank, group=None, failures=failures)

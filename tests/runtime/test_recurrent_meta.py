@@ -1,5 +1,6 @@
-"""RecurrentMeta from plans, checked without ranks: predecessors and slots against a plain recount, and the
-convolution tails by emulating the all-gather on one process."""
+"""RecurrentMeta from plans, checked without ranks: the routes emulated on one process (every rank packs its
+send buffer, the buffers are split and delivered as ``all_to_all_single`` delivers them) must hand each piece
+its predecessors' maps in document order and the ``W - 1`` inputs before it."""
 
 import numpy as np
 import pytest
@@ -20,50 +21,70 @@ def plans(cp: int):
     yield random_plan(np.array([4 * cp + 1]), cp, rng, max_pieces=1000, cut_prob=0.5), np.array([4 * cp + 1])
 
 
-def naive_layout(plan):
-    """(slot, row of each contributing shard) recounted shard by shard."""
-    shards = list(zip(plan.shard_doc.tolist(), plan.shard_start.tolist(), plan.shard_rank.tolist()))
-    last = {d: max(s for dd, s, _ in shards if dd == d) for d, _, _ in shards}
-    count = {d: sum(dd == d for dd, _, _ in shards) for d, _, _ in shards}
-    contributes = [count[d] > 1 and s < last[d] for d, s, _ in shards]
-    per_rank = [sum(c for c, (_, _, r) in zip(contributes, shards) if r == rank) for rank in range(plan.cp)]
-    slot = max(per_rank)
-    row, seen = {}, [0] * plan.cp
-    for i, (c, (_, _, r)) in enumerate(zip(contributes, shards)):
-        if c:
-            row[i] = r * slot + seen[r]
-            seen[r] += 1
-    return slot, row
+def deliver(routes, local_rows):
+    """What each rank reads, ``cat(local rows, receive buffer[, zero row])[read_index]``, after an emulated
+    all-to-all of ``routes`` (one per rank) over ``local_rows`` (one tensor per rank)."""
+    cp = len(routes)
+    pieces = [list(rows[torch.from_numpy(route.send_index)].split(list(route.send_splits)))
+              for route, rows in zip(routes, local_rows)]
+    read = []
+    for rank, (route, rows) in enumerate(zip(routes, local_rows)):
+        received = [pieces[sender][rank] for sender in range(cp)]
+        assert [len(r) for r in received] == list(route.recv_splits)
+        pool = torch.cat([rows, *received, rows.new_zeros(1, *rows.shape[1:])])
+        read.append(pool[torch.from_numpy(route.read_index)])
+    return read
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
-def test_predecessors_and_slots_equal_a_recount(cp):
+def test_each_piece_reads_its_predecessors_maps_in_document_order(cp):
+    """A contributed shard's "map" is its plan row; every piece must read the rows of the shards before it."""
     for plan, doc_lens in plans(cp):
-        slot, row = naive_layout(plan)
-        for rank in range(cp):
-            meta = RecurrentMeta.from_plan(plan, doc_lens, rank)
-            assert meta.slot == slot and meta.active == (slot > 0)
+        metas = [RecurrentMeta.from_plan(plan, doc_lens, rank) for rank in range(cp)]
+        local = [torch.from_numpy(plan.rank_slice(rank)[meta.contributes])[:, None]
+                 for rank, meta in enumerate(metas)]
+        read = deliver([meta.maps for meta in metas], local)
+        for rank, meta in enumerate(metas):
             mine = plan.rank_slice(rank).tolist()
             assert meta.num_tokens == int(plan.shard_len[mine].sum())
             for piece, shard in enumerate(mine):
                 before = sorted((plan.shard_start[i], i) for i in range(plan.num_shards)
                                 if plan.shard_doc[i] == plan.shard_doc[shard]
                                 and plan.shard_start[i] < plan.shard_start[shard])
-                assert meta.predecessors(piece).tolist() == [row[i] for _, i in before], (rank, piece)
+                got = read[rank][meta.pred_ptr[piece]:meta.pred_ptr[piece + 1], 0].tolist()
+                assert got == [i for _, i in before], (rank, piece)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_no_map_is_sent_twice_to_a_rank_or_to_its_own_rank(cp):
+    """Each contributed shard's map goes once to each other rank holding a later shard of its document."""
+    for plan, doc_lens in plans(cp):
+        for rank in range(cp):
+            meta = RecurrentMeta.from_plan(plan, doc_lens, rank)
+            mapped = plan.rank_slice(rank)[meta.contributes]
+            assert meta.maps.send_splits[rank] == 0 and meta.maps.recv_splits[rank] == 0
+            bounds = np.cumsum([0, *meta.maps.send_splits])
+            for peer in range(cp):
+                sent = mapped[meta.maps.send_index[bounds[peer]:bounds[peer + 1]]].tolist()
+                want = [i for i in mapped if peer != rank and any(
+                    plan.shard_rank[j] == peer and plan.shard_start[j] > plan.shard_start[i]
+                    for j in np.flatnonzero(plan.shard_doc == plan.shard_doc[i]))]
+                assert sent == want, (rank, peer)
 
 
 def test_whole_documents_exchange_nothing():
     doc_lens, plan = whole_docs_case(20, 3, np.random.default_rng(0))
     for rank in range(3):
         meta = RecurrentMeta.from_plan(plan, doc_lens, rank)
-        assert not meta.active and not meta.contributes.any() and meta.pred_row.size == 0
+        assert not meta.active and not meta.contributes.any() and meta.maps.read_index.size == 0
+        assert not meta.maps.active and not meta.conv_tails(4).active
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
 @pytest.mark.parametrize("width", [2, 4, 6])
 def test_conv_tails_are_the_inputs_before_each_piece(cp, width):
-    """Every rank packs its send buffer, the buffers are stacked as an all-gather stacks them, and each
-    piece's tail must be the ``width - 1`` inputs before it in its document (zeros before the start)."""
+    """Each piece's tail must be the ``width - 1`` inputs before it in its document (zeros before the start),
+    and no rank receives a token twice or a token it holds."""
     for plan, doc_lens in plans(cp):
         metas = [RecurrentMeta.from_plan(plan, doc_lens, rank) for rank in range(cp)]
         if not metas[0].active:
@@ -71,16 +92,16 @@ def test_conv_tails_are_the_inputs_before_each_piece(cp, width):
         x = torch.arange(1, int(doc_lens.sum()) + 1, dtype=torch.float64)[:, None]  # token i holds i + 1
         doc_start = np.repeat(np.cumsum(doc_lens) - doc_lens, doc_lens)
         positions = [torch.from_numpy(rank_token_positions(plan, doc_lens, rank)[0]) for rank in range(cp)]
-        sent = []
-        for meta, pos in zip(metas, positions):
-            local = torch.cat((x[pos], x.new_zeros(1, 1)))
-            sent.append(local[meta.conv_tails(width)[0]])
-        gathered = torch.cat(sent + [x.new_zeros(1, 1)])
-        for meta, pos in zip(metas, positions):
-            tails = gathered[meta.conv_tails(width)[1]].view(meta.num_pieces, width - 1)
+        routes = [meta.conv_tails(width) for meta in metas]
+        for rank, route in enumerate(routes):
+            bounds = np.cumsum([0, *route.send_splits])
+            for peer in range(cp):
+                sent = positions[rank][route.send_index[bounds[peer]:bounds[peer + 1]]]
+                assert len(set(sent.tolist())) == len(sent) and not set(sent.tolist()) & set(positions[peer].tolist())
+        read = deliver(routes, [x[pos] for pos in positions])
+        for meta, pos, got in zip(metas, positions, read):
+            tails = got.view(meta.num_pieces, width - 1)
             for piece, first in enumerate(meta.cu_seqlens[:-1]):
-                if meta.piece_len[piece] == 0:
-                    continue
                 token = int(pos[first])
                 want = [t + 1.0 if t >= doc_start[token] else 0.0 for t in range(token - width + 1, token)]
                 assert tails[piece].tolist() == want, (meta.rank, piece, tails[piece].tolist(), want)

@@ -4,8 +4,9 @@ causal convolution, run over a plan's pieces of documents.
 - ``chunked``: the pure-PyTorch chunked kernels (segments with initial and final states);
 - ``backends``: the kernel backends the layers take (``reference``, ``fla``, ``mamba_ssm``, ``auto``), the one
   module that imports those libraries;
-- ``meta``: ``RecurrentMeta.from_plan``, each rank's pieces and where their predecessors are;
-- ``cp``: the layers across CP ranks (affine state maps, one all-gather per layer; the scheme and its bytes
+- ``meta``: ``RecurrentMeta.from_plan``, each rank's pieces, where their predecessors are and the routes of the
+  exchanges;
+- ``cp``: the layers across CP ranks (affine state maps, one all-to-all per layer; the scheme and its bytes
   per piece are in its docstring).
 """
 

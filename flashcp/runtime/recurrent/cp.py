@@ -8,23 +8,29 @@ prefix scan of affine state maps, then a second pass from the true start state):
    U_p``: Mamba-2's transition ``T_p`` is a scalar per head (``exp(A * sum dt)``) and ``U_p`` the final
    state from zero; Gated DeltaNet's ``T_p`` is a K x K matrix per head, obtained with ``U_p`` in one run from
    the state ``[I | 0]`` with values ``[0 | v]`` (the identity's columns carry the transition);
-2. one all-gather of the maps on the CP group: ``slot`` rows per rank, sizes independent of the pieces'
-   lengths;
+2. one ``all_to_all_single`` of the maps on the CP group with uneven splits (``RecurrentMeta.maps``): each map
+   goes to the other ranks holding a later piece of its document, once each (gathered from the local maps with
+   ``index_select``); a later piece on its own rank reads it locally, so this rank's own split is 0 and no row
+   is padding;
 3. each rank composes, for each of its pieces with ``start > 0``, its true start state from its predecessors'
-   maps in document order (``S = T_j S + U_j``);
+   maps in document order (``S = T_j S + U_j``), reading ``cat(its own maps, the received maps)``;
 4. the pieces are run from their true start states. A piece that starts its document and was run in step 1
    from zero (SSD) or ``[I | 0]`` (GDN) keeps that run's output; the others run once more (the extra work of a
    split piece: one more run of the middle pieces, one run of ``K`` extra value columns for GDN).
 
-Bytes per contributed piece and layer (float32 maps, ``cp - 1`` copies sent by an all-gather): GDN ``4 * H *
-K * (K + V)``; SSD ``4 * H * (1 + P * S)``; the short convolution's tail ``4 * (W - 1) * F``, its own
-all-gather before the layer (``cp_causal_conv1d``). A document held whole by one rank is in no exchange; a
-sequence with no cut document issues no collective at all (on every rank alike).
+Bytes per contributed piece, destination and layer (float32 maps): GDN ``4 * H * K * (K + V)``; SSD ``4 * H *
+(1 + P * S)``. The short convolution (``cp_causal_conv1d``) moves, in its own all-to-all before the layer, each
+input token that another rank's piece needs among its ``W - 1`` inputs before it, once per such rank: ``4 *
+F`` bytes per token (``RecurrentMeta.conv_tails``). ``flashcp.costmodel.recurrent`` has the per-plan formulas.
+A document held whole by one rank is in no exchange; a sequence with no cut document issues no collective at
+all, and an exchange in which no row crosses ranks is skipped (on every rank alike: the decision comes from the
+plan).
 
-Backward: the all-gather's reverse is a reduce-scatter (sum), so the gradient of each state map flows back to
-the rank that computed it. Each exchange is tied into the graph at both ends (its input to the layer's inputs,
-its output to the layer's output), so every rank issues the reverse collectives, also a rank that used none of
-what it received, and in the same order: the layers' reverse order.
+Backward: the all-to-all's reverse is the same call with the splits swapped (``comm.all_to_all``), so the
+gradient of each row returns to the rank that sent it, and the ``index_select`` that packed the send buffer
+sums a map's gradients over its destinations. Each exchange is tied into the graph at both ends (its input to
+the layer's inputs, its output to the layer's output), so every rank issues the reverse collectives, also a
+rank that used none of what it received, and in the same order: the layers' reverse order.
 
 Kernels: each layer takes ``backend=`` (``flashcp.runtime.recurrent.backends``: ``"reference"``, ``"fla"``,
 ``"mamba_ssm"`` or ``"auto"``); steps 1 and 4 are two calls of that backend's kernel over segments, with the
@@ -39,34 +45,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from flashcp.runtime.comm import all_to_all
 from flashcp.runtime.recurrent import backends
 from flashcp.runtime.recurrent.chunked import causal_conv1d, compute_dtype, normalize_qk
-from flashcp.runtime.recurrent.meta import RecurrentMeta
+from flashcp.runtime.recurrent.meta import RecurrentMeta, Route
 
 __all__ = ["cp_causal_conv1d", "cp_gated_delta_rule", "cp_ssd"]
-
-# torch >= 2.13 names the tensor-in/tensor-out collectives *_single and deprecates the older names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class _AllGather(torch.autograd.Function):
-    """(rows, ...) per rank -> (cp * rows, ...), rank r's rows at ``[r * rows, (r + 1) * rows)``; backward sums."""
-
-    @staticmethod
-    def forward(ctx, send, group, cp: int):
-        send = send.contiguous()
-        out = send.new_empty((cp * send.shape[0], *send.shape[1:]))
-        _all_gather(out, send, group=group)
-        ctx.group, ctx.cp = group, cp
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad = grad_out.new_empty((grad_out.shape[0] // ctx.cp, *grad_out.shape[1:]))
-        _reduce_scatter(grad, grad_out.contiguous(), group=ctx.group)
-        return grad, None, None
-
 
 class _Tie(torch.autograd.Function):
     """``out`` unchanged, with ``others`` in its graph (zero gradient): it orders the backward collectives."""
@@ -81,10 +65,22 @@ class _Tie(torch.autograd.Function):
         return grad, *(grad.new_zeros(shape, dtype=dtype) for shape, dtype in ctx.others)
 
 
-def _exchange(send: torch.Tensor, meta: RecurrentMeta, group, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """All-gather ``send`` (slot, ...) over the CP group, tied after the layer's ``inputs``."""
+def _exchange(local: torch.Tensor, route: Route, meta: RecurrentMeta, group,
+              inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``cat(local, received rows)`` of ``route`` and the receive buffer (None when the route is inactive).
+
+    The send buffer is tied after the layer's ``inputs``; the caller ties the receive buffer to its output.
+    """
+    if not route.active:
+        return local, None
+    send = local.index_select(0, torch.from_numpy(route.send_index).to(local.device))
     differentiable = tuple(x for x in inputs if x.requires_grad)
-    return _AllGather.apply(_Tie.apply(send, *differentiable), group, meta.cp)
+    received = all_to_all(_Tie.apply(send, *differentiable), route.send_splits, route.recv_splits, group, meta.cp)
+    return torch.cat((local, received)), received
+
+
+def _tied(out: torch.Tensor, received: torch.Tensor | None) -> torch.Tensor:
+    return out if received is None else _Tie.apply(out, received)
 
 
 def _check(meta: RecurrentMeta, num_tokens: int, group) -> None:
@@ -93,11 +89,6 @@ def _check(meta: RecurrentMeta, num_tokens: int, group) -> None:
     if meta.active and (dist.get_world_size(group) != meta.cp or dist.get_rank(group) != meta.rank):
         raise ValueError(f"the meta is for rank {meta.rank} of {meta.cp}, but this process is rank "
                          f"{dist.get_rank(group)} of a group of {dist.get_world_size(group)}")
-
-
-def _padded(rows: torch.Tensor, slot: int) -> torch.Tensor:
-    """(c, ...) -> (slot, ...) with zero rows after."""
-    return torch.cat((rows, rows.new_zeros((slot - rows.shape[0], *rows.shape[1:]))))
 
 
 def cp_causal_conv1d(x_TF: torch.Tensor, weight_FW: torch.Tensor, bias_F: torch.Tensor | None,
@@ -114,25 +105,23 @@ def cp_causal_conv1d(x_TF: torch.Tensor, weight_FW: torch.Tensor, bias_F: torch.
         activation: ``"silu"`` or None.
         backend: the convolution's kernel (``backends.RECURRENT_BACKENDS`` or ``"auto"``).
 
-    Each piece needs the ``W - 1`` inputs before it in its document: one all-gather of every contributed
-    piece's last ``W - 1`` inputs (float32 or wider), ``slot * (W - 1)`` rows per rank. Differentiable in x,
-    weight and bias; the tails' gradients go back to their owners.
+    Each piece needs the ``W - 1`` inputs before it in its document: one all-to-all of the input tokens other
+    ranks' pieces need (float32 or wider; ``RecurrentMeta.conv_tails``). Differentiable in x, weight and bias;
+    the inputs' gradients go back to their owners.
     """
     _check(meta, x_TF.shape[0], group)
     width = weight_FW.shape[1]
     kernel = backends.conv_kernel(backend, x_TF, width)
     if not meta.active or width == 1:
         return causal_conv1d(x_TF, weight_FW, bias_F, meta.cu_seqlens, activation=activation, kernel=kernel)
-    send_index, recv_index = (i.to(x_TF.device) for i in meta.conv_tails(width))
-    features = x_TF.shape[1]
+    route = meta.conv_tails(width)
     wide = x_TF.to(compute_dtype(x_TF.dtype))
-    send = torch.cat((wide, wide.new_zeros(1, features))).index_select(0, send_index)
-    gathered = _exchange(send.view(meta.slot, width - 1, features), meta, group, (x_TF,))
-    flat = gathered.view(-1, features)
-    tails = torch.cat((flat, flat.new_zeros(1, features))).index_select(0, recv_index)
-    y = causal_conv1d(x_TF, weight_FW, bias_F, meta.cu_seqlens, tails.view(-1, width - 1, features),
+    pool, received = _exchange(wide, route, meta, group, (x_TF,))
+    pool = torch.cat((pool, pool.new_zeros(1, x_TF.shape[1])))  # the inputs before a document's start
+    tails = pool.index_select(0, torch.from_numpy(route.read_index).to(x_TF.device))
+    y = causal_conv1d(x_TF, weight_FW, bias_F, meta.cu_seqlens, tails.view(-1, width - 1, x_TF.shape[1]),
                       activation=activation, kernel=kernel)
-    return _Tie.apply(y, gathered)
+    return _tied(y, received)
 
 
 def _split_runs(meta: RecurrentMeta) -> tuple[np.ndarray, np.ndarray]:
@@ -150,13 +139,16 @@ def _assemble(parts: list[tuple[torch.Tensor, torch.Tensor]], num_tokens: int) -
     return torch.cat([rows for _, rows in parts]).index_select(0, order)
 
 
-def _start_states(meta: RecurrentMeta, pieces: np.ndarray, gathered: torch.Tensor, compose, zero: torch.Tensor):
-    """The true start state of each of ``pieces``: its predecessors' maps composed in document order."""
+def _start_states(meta: RecurrentMeta, pieces: np.ndarray, pool: torch.Tensor, compose, zero: torch.Tensor):
+    """The true start state of each of ``pieces``: its predecessors' maps composed in document order.
+
+    ``pool``: this rank's maps, then the received ones (``RecurrentMeta.predecessors`` indexes it).
+    """
     states = []
     for piece in pieces:
         state = zero
         for row in meta.predecessors(piece):
-            state = compose(gathered[row], state)
+            state = compose(pool[row], state)
         states.append(state)
     return torch.stack(states) if states else zero.new_zeros((0, *zero.shape))
 
@@ -169,8 +161,9 @@ def cp_gated_delta_rule(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV: torch.T
 
     Args: as ``chunked.chunk_gated_delta_rule`` for this rank's tokens in local layout order (no segments or
     states: they come from ``meta``), plus ``meta`` (this rank's RecurrentMeta) and ``group`` (the CP process
-    group, None: the default) and ``backend`` (``backends.RECURRENT_BACKENDS`` or ``"auto"``). Exchanges ``4 *
-    H * K * (K + V)`` bytes per contributed piece (module docstring). Differentiable in q, k, v, g and beta.
+    group, None: the default) and ``backend`` (``backends.RECURRENT_BACKENDS`` or ``"auto"``). Sends ``4 *
+    H * K * (K + V)`` bytes per contributed piece and destination (module docstring). Differentiable in q, k,
+    v, g and beta.
     """
     _check(meta, v_THV.shape[0], group)
     q, k = normalize_qk(q_TGK, k_TGK, v_THV.shape[1], scale, use_qk_l2norm)
@@ -196,17 +189,17 @@ def cp_gated_delta_rule(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV: torch.T
     first = np.repeat(meta.piece_start[mapped] == 0, meta.piece_len[mapped])
     keep = torch.from_numpy(np.flatnonzero(first)).to(v.device)
     parts.append((index.index_select(0, keep), out.index_select(0, keep)[..., head_k:].to(q.dtype)))
-    # 2. one all-gather of the maps
-    gathered = _exchange(_padded(maps.to(q.dtype), meta.slot), meta, group, (q_TGK, k_TGK, v_THV, g_TH, beta_TH))
+    # 2. one all-to-all of the maps
+    pool, received = _exchange(maps.to(q.dtype), meta.maps, meta, group, (q_TGK, k_TGK, v_THV, g_TH, beta_TH))
     # 3. true start states, 4. the other pieces from them
-    states = _start_states(meta, rerun, gathered, lambda m, s: m[..., :head_k] @ s + m[..., head_k:],
+    states = _start_states(meta, rerun, pool, lambda m, s: m[..., :head_k] @ s + m[..., head_k:],
                            v.new_zeros(num_heads, head_k, head_v))
     index, cu = meta.piece_tokens(rerun)
     index = index.to(v.device)
     q_p, k_p, v_p, g_p, beta_p = (x.index_select(0, index) for x in (q, k, v, g, beta))
     out, _ = run(q_p, k_p, v_p, g_p, beta_p, cu, states)
     parts.append((index, out.to(q.dtype)))
-    return _Tie.apply(_assemble(parts, meta.num_tokens).to(q_TGK.dtype), gathered)
+    return _tied(_assemble(parts, meta.num_tokens).to(q_TGK.dtype), received)
 
 
 def cp_ssd(x_THP: torch.Tensor, dt_TH: torch.Tensor, A_H: torch.Tensor, B_TGS: torch.Tensor,
@@ -215,8 +208,8 @@ def cp_ssd(x_THP: torch.Tensor, dt_TH: torch.Tensor, A_H: torch.Tensor, B_TGS: t
     """Mamba-2 SSD over this rank's pieces, each from its document's true state: ``y_THP``.
 
     Args: as ``chunked.chunk_ssd`` for this rank's tokens in local layout order, plus ``meta``, ``group`` and
-    ``backend`` (``backends.RECURRENT_BACKENDS`` or ``"auto"``). Exchanges ``4 * H * (1 + P * S)`` bytes per
-    contributed piece. Differentiable in x, dt, A, B, C and D.
+    ``backend`` (``backends.RECURRENT_BACKENDS`` or ``"auto"``). Sends ``4 * H * (1 + P * S)`` bytes per
+    contributed piece and destination. Differentiable in x, dt, A, B, C and D.
     """
     _check(meta, x_THP.shape[0], group)
     dtype = compute_dtype(x_THP.dtype)
@@ -244,11 +237,11 @@ def cp_ssd(x_THP: torch.Tensor, dt_TH: torch.Tensor, A_H: torch.Tensor, B_TGS: t
     first = np.repeat(meta.piece_start[mapped] == 0, meta.piece_len[mapped])
     keep = torch.from_numpy(np.flatnonzero(first)).to(x_THP.device)
     parts.append((index.index_select(0, keep), out.index_select(0, keep).to(dtype)))
-    # 2. one all-gather of [T_p, U_p] per head
+    # 2. one all-to-all of [T_p, U_p] per head
     maps = torch.cat((decay[..., None], final.to(dtype).reshape(len(mapped), num_heads, head_p * state_size)), dim=2)
-    gathered = _exchange(_padded(maps, meta.slot), meta, group, (x_THP, dt_TH, A_H, B_TGS, C_TGS))
+    pool, received = _exchange(maps, meta.maps, meta, group, (x_THP, dt_TH, A_H, B_TGS, C_TGS))
     # 3. true start states, 4. the other pieces from them
-    states = _start_states(meta, rerun, gathered,
+    states = _start_states(meta, rerun, pool,
                            lambda m, s: m[:, :1, None] * s + m[:, 1:].view(num_heads, head_p, state_size),
                            x_THP.new_zeros(num_heads, head_p, state_size, dtype=dtype))
     index, cu = meta.piece_tokens(rerun)
@@ -257,4 +250,4 @@ def cp_ssd(x_THP: torch.Tensor, dt_TH: torch.Tensor, A_H: torch.Tensor, B_TGS: t
     out, _ = backends.ssd(x_p, dt_p, A_H, B_p, C_p, cu, states, chunk_size, carried=meta.piece_start[rerun] > 0,
                           backend=backend)
     parts.append((index, out.to(dtype)))
-    return _Tie.apply(skip(_assemble(parts, meta.num_tokens)).to(x_THP.dtype), gathered)
+    return _tied(skip(_assemble(parts, meta.num_tokens)).to(x_THP.dtype), received)
