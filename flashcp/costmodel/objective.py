@@ -59,10 +59,10 @@ from flashcp.costmodel.recurrent import conv_volumes_kernel, map_volumes_kernel
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.costmodel.workload import FULL, key_start, kind_workload, kind_workloads
 
-__all__ = ["BWD_FLOPS", "GPUS_PER_NODE_SLOT", "batch_step_seconds", "cached_model", "cached_shape_model",
-           "exchange_seconds", "kind_count", "model_vector", "pair_flops", "pair_seconds", "plan_step_seconds",
-           "price_shard", "rank_floor", "recurrent_exchange_seconds", "recurrent_seconds", "sequence_flops",
-           "shard_seconds", "step_seconds", "step_seconds_of", "token_seconds"]
+__all__ = ["BWD_FLOPS", "GPUS_PER_NODE_SLOT", "RECURRENT_BWD", "batch_step_seconds", "cached_model",
+           "cached_shape_model", "exchange_seconds", "kind_count", "model_vector", "pair_flops", "pair_seconds",
+           "plan_step_seconds", "price_shard", "rank_floor", "recurrent_exchange_seconds", "recurrent_seconds",
+           "sequence_flops", "shard_seconds", "step_seconds", "step_seconds_of", "token_seconds"]
 
 
 BWD_FLOPS = 2.5
@@ -362,7 +362,7 @@ def recurrent_seconds(doc, start, length, rank, cp, model, only, num_docs):
             worst = max(worst, work[r])
     comm = recurrent_exchange_seconds(doc, start, length, rank, cp, model)
     forward = worst * flops / (model[_PEAK] * 1e12)
-    return count * ((forward + comm) + (2.0 * forward + comm))
+    return count * ((forward + comm) + (RECURRENT_BWD * forward + comm))
 
 
 @njit(cache=True)

@@ -65,7 +65,7 @@ from flashcp.costmodel.comm import (
     ring_comm_tokens,
     ring_step_work,
 )
-from flashcp.costmodel.objective import exchange_seconds, pair_seconds, token_seconds
+from flashcp.costmodel.objective import RECURRENT_BWD, exchange_seconds, pair_seconds, token_seconds
 from flashcp.costmodel.profile import HardwareProfile
 from flashcp.costmodel.recurrent import recurrent_exchange, split_work
 from flashcp.costmodel.shape import AttentionShape
@@ -355,7 +355,7 @@ def recurrent_step_seconds(plan: PlanArrays, shape: AttentionShape, profile: Har
         near, far = node_busiest(rows[SENT], rows[RECEIVED], rows[SENT_FAR], rows[RECEIVED_FAR])
         comm += exchange_seconds(near, far, float(row_bytes), profile.link_gbps, profile.inter_node_gbps,
                                  profile.collective_latency_us)
-    return rec.num_layers * ((forward + comm) + (2.0 * forward + comm))
+    return rec.num_layers * ((forward + comm) + (RECURRENT_BWD * forward + comm))
 
 
 def _project_attention(plan: PlanArrays, shape: AttentionShape, profile: HardwareProfile, comm: str, overlap: bool,
