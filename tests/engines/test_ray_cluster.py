@@ -33,19 +33,28 @@ def test_two_node_cluster_packs_and_plans_the_local_bytes(tmp_path, two_nodes, m
     assert result.exit_code == 0, result.output
     assert file_hashes(tmp_path / "ray") == file_hashes(tmp_path / "local")
 
-    # the same again through the API, to see that both nodes tokenized
+    # the same again through the API, to see that both nodes tokenized. SPREAD is Ray's best effort: on a loaded
+    # machine one pass may find the second node's only CPU busy with a write task, so up to three passes
+    # (each the same bytes) must together have tokenized on both nodes.
     from flashcp.data.pack import PackConfig, run_pack
 
     ray.init(address=two_nodes.address, log_to_driver=False)
+    nodes: set[str] = set()
     try:
-        engine = ray_pack.RayPackEngine()
-        config = PackConfig(inputs=tuple(map(str, inputs)), output=tmp_path / "api", context_len=2048,
-                            tokenizer="byte", rows_per_file=6, row_group_rows=4)
-        run_pack(config, engine=engine)
+        for attempt in range(3):
+            engine = ray_pack.RayPackEngine()
+            out = tmp_path / f"api{attempt}"
+            config = PackConfig(inputs=tuple(map(str, inputs)), output=out, context_len=2048,
+                                tokenizer="byte", rows_per_file=6, row_group_rows=4)
+            run_pack(config, engine=engine)
+            assert engine.cpus == 2
+            assert file_hashes(out) == file_hashes(tmp_path / "local")
+            nodes |= engine.nodes_used
+            if len(nodes) == 2:
+                break
     finally:
         ray.shutdown()
-    assert engine.cpus == 2 and len(engine.nodes_used) == 2
-    assert file_hashes(tmp_path / "api") == file_hashes(tmp_path / "local")
+    assert len(nodes) == 2, nodes
 
     assert run("plan", tmp_path / "local", "--cp", "8").exit_code == 0
     result = run("plan", tmp_path / "ray", "--cp", "8", "--engine", "ray", "--ray-address", two_nodes.address)
