@@ -1,7 +1,8 @@
 """The DP step efficiency scenario: how busy the replicas of a data-parallel step are, stream order vs balanced.
 
 A DP step trains ``dp`` packed sequences at once and waits for the most costly one. Each source's sequences are
-priced with ``costmodel.objective.sequence_flops`` under a model shape (Llama-3-8B by default) and grouped into
+priced with ``costmodel.objective.sequence_flops`` under the model's shape (``--model``: each attention layer by its
+kind, recurrent layers by their tokens; Llama-3-8B by default) and grouped into
 steps two ways: in the loader's stream order (a dataset: ``CPLoader``'s shuffled epoch order,
 ``runtime.loader.stream_rows``; a distribution: the order ``synth`` draws them in) and balanced
 (``runtime.balance.balanced_epoch``: what ``CPLoader(balance_window=W)`` trains in its first epoch). Reported
@@ -16,16 +17,14 @@ from __future__ import annotations
 import numpy as np
 
 from flashcp.bench.sequences import SequenceSource
+from flashcp.costmodel.models import ModelSpec
 from flashcp.costmodel.objective import sequence_flops
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.data.dataset import Dataset
 from flashcp.runtime.balance import balanced_epoch, step_efficiency
 from flashcp.runtime.loader import stream_rows
 
-__all__ = ["LLAMA3_8B", "dp_scenario"]
-
-LLAMA3_8B = AttentionShape(num_heads=32, num_kv_heads=8, head_dim=128, layers=32, hidden_mult=3.5)
-"""Llama-3-8B's shape (d = 4096, 8 K/V heads, MLP 14336 = 3.5 d, 32 layers), the default price."""
+__all__ = ["dp_scenario", "stream_costs"]
 
 
 def stream_costs(source: SequenceSource, num_seqs: int, context_len: int, seed: int,
@@ -45,8 +44,12 @@ def stream_costs(source: SequenceSource, num_seqs: int, context_len: int, seed: 
 
 
 def dp_scenario(sources: list[SequenceSource], dp_sizes: list[int], window: int, num_seqs: int,
-                context_len: int, seed: int, shape: AttentionShape = LLAMA3_8B) -> dict:
-    """Every source's DP step efficiency at every ``dp`` in stream order and balanced (``window`` steps)."""
+                context_len: int, seed: int, model: ModelSpec) -> dict:
+    """Every source's DP step efficiency at every ``dp`` in stream order and balanced (``window`` steps).
+
+    Sequences are priced for ``model`` (``ModelSpec.attention_shape()``); the report names it.
+    """
+    shape = model.attention_shape()
     rows = []
     for source in sources:
         costs = stream_costs(source, num_seqs, context_len, seed, shape)
@@ -59,4 +62,4 @@ def dp_scenario(sources: list[SequenceSource], dp_sizes: list[int], window: int,
                          "window": window, "cost_ratio": float(costs.max() / costs.min()) if costs.size else 1.0,
                          "stream_efficiency": stream_eff, "balanced_efficiency": balanced_eff,
                          "speedup": balanced_eff / stream_eff if steps else 1.0})
-    return {"shape": shape.as_dict(), "rows": rows}
+    return {"model": model.describe(), "shape": shape.as_dict(), "rows": rows}

@@ -111,9 +111,10 @@ def _ring_cost(console: Console, ring_cost: dict) -> None:
 def _dp(console: Console, dp: dict) -> None:
     rows = dp["rows"]
     shape = dp["shape"]
+    priced = dp.get("model") or (f"H={shape['num_heads']}, H_kv={shape['num_kv_heads']}, D={shape['head_dim']}, "
+                                 f"{shape['layers']} layers")
     table = _table(f"DP step efficiency: mean sequence cost / mean of each step's largest (1.00: no replica "
-                   f"waits), priced as forward + backward FLOPs of H={shape['num_heads']}, "
-                   f"H_kv={shape['num_kv_heads']}, D={shape['head_dim']}, {shape['layers']} layers; balanced: "
+                   f"waits), priced as forward + backward FLOPs of {priced}; balanced: "
                    f"windows of {rows[0]['window'] if rows else 0} steps grouped by cost; speed-up: step time "
                    "of the stream order over the balanced one", "source", "C", "sequences", "max/min cost", "dp",
                    "steps", "stream order", "balanced", "speed-up")

@@ -59,8 +59,8 @@ class BenchConfig:
     price_tokens: bool = False
     """Plan quality's projected step time also prices the per-token layers (plans made with token slack)."""
     model: str = DEFAULT_MODEL
-    """The model plan quality prices (one layer of it) and ``flashcp2`` plans for: a built-in name or a
-    Hugging Face config path (``resolve_model``)."""
+    """The model plan quality prices (one layer of it) and ``flashcp2`` plans for, and the dp scenario prices
+    whole sequences of: a built-in name or a Hugging Face config path (``resolve_model``)."""
     gpus_per_node: int = 0
     """Plan quality prices every plan with this many CP ranks per node and reports inter-node receive (0: one
     node)."""
@@ -227,7 +227,7 @@ def run_bench(config: BenchConfig, profile: HardwareProfile, log=print) -> dict:
                                              config.num_seqs, config.seed))
     if "dp" in config.scenarios:
         timed("dp", lambda: dp_scenario(sources, list(config.dp_sizes), config.balance_window, config.num_seqs,
-                                        config.context_len, config.seed),
+                                        config.context_len, config.seed, resolve_model(config.model)),
               f"pricing {config.num_seqs} sequence(s) from each of {labels} and grouping them into DP steps")
     if "speed" in config.scenarios:
         timed("speed", lambda: planner_speed(book, sources[0], list(config.strategies or strategies),

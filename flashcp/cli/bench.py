@@ -43,8 +43,9 @@ def _names(value: str | None) -> tuple[str, ...] | None:
               help="Strategies for plan quality, each NAME[@TARGET][:KEY=VALUE;...], e.g. "
                    "'flashcp+@1.05,flashcp2:effort=4' (default: every strategy).")
 @click.option("--model", "model_name", metavar="NAME|CONFIG",
-              help="Plan quality's model: flashcp2 plans for it and every plan is priced for one layer of it; a "
-                   "built-in name or a Hugging Face config.json [default: llama-3-8b].")
+              help="The model priced: plan quality's flashcp2 plans for it and every plan is priced for one layer "
+                   "of it; the dp scenario prices whole sequences of it. A built-in name or a Hugging Face "
+                   "config.json [default: llama-3-8b].")
 @click.option("--price-tokens", is_flag=True,
               help="Plan quality's step ms also prices the per-token layers (to compare token-slack plans).")
 @click.option("--gpus-per-node", type=click.IntRange(min=0), default=None,
