@@ -48,6 +48,7 @@ from flashcp.integrations.hf_support import (
     UnsupportedModelError,
     recurrent_mixers,
 )
+from flashcp.runtime.comm import CommStats
 from flashcp.runtime.recurrent import RecurrentMeta, cp_causal_conv1d, cp_gated_delta_rule, cp_ssd
 
 __all__ = ["apply_cp_recurrent", "uses_cp_recurrent"]
@@ -95,12 +96,17 @@ def _kind(mixer: nn.Module) -> str:
 
 
 def _cp_arguments(mixer: nn.Module, hidden_states: torch.Tensor, cache, attention_mask,
-                  kwargs: dict[str, Any]) -> tuple[RecurrentMeta, Any] | None:
-    """``(meta, group)`` for a CP call, None for a plain call (no flashcp argument); refuses what it cannot run."""
+                  kwargs: dict[str, Any]) -> tuple[RecurrentMeta, Any, CommStats | None] | None:
+    """``(meta, group, stats)`` for a CP call, None for a plain call (no flashcp argument); refuses what it cannot run.
+
+    ``stats``: the ``flashcp_stats`` CommStats the attention layers record into; this layer's all-to-alls are
+    recorded there too (None: not recorded).
+    """
     meta = kwargs.pop("flashcp_recurrent", None)
     group = kwargs.pop("flashcp_group", None)
     attn_meta = kwargs.pop("flashcp_meta", None)
-    for name in ("flashcp_comm", "flashcp_backend", "flashcp_stats"):
+    stats = kwargs.pop("flashcp_stats", None)
+    for name in ("flashcp_comm", "flashcp_backend"):
         kwargs.pop(name, None)
     if meta is None and attn_meta is None:
         return None
@@ -120,7 +126,7 @@ def _cp_arguments(mixer: nn.Module, hidden_states: torch.Tensor, cache, attentio
         if name not in HARMLESS_ATTENTION_KWARGS and value is not None:
             raise UnsupportedModelError(f"{where} cannot honour the argument {name} under flashcp CP, which runs "
                                         "each document of the plan from zero state")
-    return meta, group
+    return meta, group, stats
 
 
 def _gated_delta_forward(self: Any, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
@@ -128,7 +134,7 @@ def _gated_delta_forward(self: Any, hidden_states: torch.Tensor, cache=None, att
     cp = _cp_arguments(self, hidden_states, cache, attention_mask, kwargs)
     if cp is None:
         return self._flashcp_original_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    meta, group = cp
+    meta, group, stats = cp
     x_TD = hidden_states[0]
     if hasattr(self, "in_proj_qkvz"):  # Qwen3-Next: q, k, v, z and b, a interleaved per key head
         query, key, value, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(x_TD)[None],
@@ -143,7 +149,7 @@ def _gated_delta_forward(self: Any, hidden_states: torch.Tensor, cache=None, att
         raise UnsupportedModelError(f"{type(self).__name__} (layer {self.layer_idx}) uses the convolution "
                                     f"activation {self.activation}, and flashcp runs silu only")
     mixed_TF = cp_causal_conv1d(mixed_TF, self.conv1d.weight.squeeze(1), self.conv1d.bias, meta, group,
-                                activation="silu")
+                                activation="silu", stats=stats)
     q_TF, k_TF, v_TF = torch.split(mixed_TF, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     num_tokens = x_TD.shape[0]
     beta_TH = b_TH.sigmoid()
@@ -151,7 +157,7 @@ def _gated_delta_forward(self: Any, hidden_states: torch.Tensor, cache=None, att
     out_THV = cp_gated_delta_rule(q_TF.reshape(num_tokens, -1, self.head_k_dim),
                                   k_TF.reshape(num_tokens, -1, self.head_k_dim),
                                   v_TF.reshape(num_tokens, -1, self.head_v_dim), g_TH, beta_TH, meta, group,
-                                  chunk_size=GDN_CHUNK, use_qk_l2norm=True)
+                                  chunk_size=GDN_CHUNK, use_qk_l2norm=True, stats=stats)
     out = self.norm(out_THV.reshape(-1, self.head_v_dim), z_THV.reshape(-1, self.head_v_dim))
     return self.out_proj(out.reshape(1, num_tokens, -1))
 
@@ -161,7 +167,7 @@ def _mamba2_forward(self: Any, hidden_states: torch.Tensor, cache=None, attentio
     cp = _cp_arguments(self, hidden_states, cache, attention_mask, kwargs)
     if cp is None:
         return self._flashcp_original_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    meta, group = cp
+    meta, group, stats = cp
     dtype = hidden_states.dtype
     projected = self.in_proj(hidden_states[0])
     gate_TF, xbc_TF, dt_TH = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
@@ -169,7 +175,7 @@ def _mamba2_forward(self: Any, hidden_states: torch.Tensor, cache=None, attentio
         raise UnsupportedModelError(f"{type(self).__name__} (layer {self.layer_idx}) uses the convolution "
                                     f"activation {self.activation}, and flashcp runs silu only")
     xbc_TF = cp_causal_conv1d(xbc_TF, self.conv1d.weight.squeeze(1), self.conv1d.bias, meta, group,
-                              activation="silu")
+                              activation="silu", stats=stats)
     state = self.n_groups * self.ssm_state_size
     x_TF, B_TF, C_TF = torch.split(xbc_TF, [self.intermediate_size, state, state], dim=-1)
     num_tokens = x_TF.shape[0]
@@ -180,6 +186,6 @@ def _mamba2_forward(self: Any, hidden_states: torch.Tensor, cache=None, attentio
     y_THP = cp_ssd(x_TF.float().reshape(num_tokens, self.num_heads, self.head_dim), dt_TH, A_H,
                    B_TF.reshape(num_tokens, self.n_groups, self.ssm_state_size),
                    C_TF.reshape(num_tokens, self.n_groups, self.ssm_state_size), meta, group, D_H=self.D,
-                   chunk_size=self.chunk_size)
+                   chunk_size=self.chunk_size, stats=stats)
     y = self.norm(y_THP.reshape(1, num_tokens, -1), gate_TF[None])
     return self.out_proj(y.to(dtype))

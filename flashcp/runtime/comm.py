@@ -56,7 +56,9 @@ class CommRecord:
     """``forward`` or ``backward``: the pass that issued it."""
     tensor: str
     """``kv`` (K/V to the ranks that need it) or ``dkv`` (dK/dV back to the owners). The collective modes
-    move K/V forward and dK/dV backward; the ring moves K/V forward and both backward."""
+    move K/V forward and dK/dV backward; the ring moves K/V forward and both backward. A hybrid's recurrent
+    layers (``flashcp.runtime.recurrent``): ``state`` / ``dstate`` (state maps and their gradients) and
+    ``conv`` / ``dconv`` (convolution inputs), both ``a2a``."""
     input_rows: int
     """Rows of this rank's collective input (an all-gather slot includes padding)."""
     payload_rows: int
@@ -89,7 +91,7 @@ class CommStats:
 
 
 def _record(stats: CommStats | None, exchange: Exchange, direction: str, inp: torch.Tensor, out: torch.Tensor,
-            cp: int, payload: int) -> None:
+            cp: int, payload: int, tensor: str = "kv") -> None:
     if stats is None:
         return
     row_bytes = math.prod(inp.shape[1:]) * inp.element_size()
@@ -101,7 +103,7 @@ def _record(stats: CommStats | None, exchange: Exchange, direction: str, inp: to
     else:  # reduce-scatter: every peer's share of the buffer goes out, every peer's share of mine comes in
         sent, recv = rows_in - rows_out, (cp - 1) * rows_out
     stats.records.append(CommRecord(mode=exchange.mode, direction=direction,
-                                    tensor="kv" if direction == "forward" else "dkv", input_rows=rows_in,
+                                    tensor=tensor if direction == "forward" else f"d{tensor}", input_rows=rows_in,
                                     payload_rows=payload, sent_tokens=sent, recv_tokens=recv,
                                     sent_bytes=sent * row_bytes, recv_bytes=recv * row_bytes))
 
@@ -109,10 +111,12 @@ def _record(stats: CommStats | None, exchange: Exchange, direction: str, inp: to
 class _ExchangeState:
     """What the two autograd Functions of one exchange share."""
 
-    __slots__ = ("exchange", "group", "cp", "stats", "wire_dtype", "work", "grad_work", "grad_recv", "grad_send")
+    __slots__ = ("exchange", "group", "cp", "stats", "tensor", "wire_dtype", "work", "grad_work", "grad_recv",
+                 "grad_send")
 
-    def __init__(self, exchange: Exchange, group, cp: int, stats: CommStats | None, wire_dtype: torch.dtype):
-        self.exchange, self.group, self.cp, self.stats = exchange, group, cp, stats
+    def __init__(self, exchange: Exchange, group, cp: int, stats: CommStats | None, wire_dtype: torch.dtype,
+                 tensor: str = "kv"):
+        self.exchange, self.group, self.cp, self.stats, self.tensor = exchange, group, cp, stats, tensor
         self.wire_dtype = wire_dtype
         self.work: Any = None  # the forward collective's handle until waited for
         self.grad_work: Any = None  # the backward collective's handle until waited for
@@ -133,7 +137,7 @@ def _launch(state: _ExchangeState, inp: torch.Tensor, out: torch.Tensor, directi
     else:
         work = _reduce_scatter(out, inp, group=state.group, async_op=True)
     payload = ex.num_payload
-    _record(state.stats, ex, direction, inp, out, state.cp, payload)
+    _record(state.stats, ex, direction, inp, out, state.cp, payload, state.tensor)
     return work
 
 
@@ -213,7 +217,8 @@ class PendingExchange:
 
 
 def start_exchange(send_RKD: torch.Tensor, exchange: Exchange, group=None, cp: int | None = None,
-                   stats: CommStats | None = None, wire_dtype: torch.dtype | None = None) -> PendingExchange:
+                   stats: CommStats | None = None, wire_dtype: torch.dtype | None = None,
+                   tensor: str = "kv") -> PendingExchange:
     """Launch ``exchange``'s forward collective on ``group`` without waiting.
 
     Args:
@@ -224,17 +229,19 @@ def start_exchange(send_RKD: torch.Tensor, exchange: Exchange, group=None, cp: i
         cp: the group's size (looked up when None).
         stats: where to record what was sent and received, or None.
         wire_dtype: the dtype K/V travel in (None: send_RKD's).
+        tensor: what the rows are, for ``stats`` (``CommRecord.tensor``; backward records ``"d" + tensor``).
     """
     if send_RKD.shape[0] != exchange.send_rows:
         raise ValueError(f"the send buffer has {send_RKD.shape[0]} rows, the {exchange.mode} exchange needs "
                          f"{exchange.send_rows}")
     cp = dist.get_world_size(group) if cp is None else cp
-    state = _ExchangeState(exchange, group, cp, stats, wire_dtype or send_RKD.dtype)
+    state = _ExchangeState(exchange, group, cp, stats, wire_dtype or send_RKD.dtype, tensor)
     recv = _StartExchange.apply(send_RKD, state)
     return PendingExchange(recv, state, send_RKD.dtype)
 
 
-def all_to_all(send: torch.Tensor, send_splits, recv_splits, group=None, cp: int | None = None) -> torch.Tensor:
+def all_to_all(send: torch.Tensor, send_splits, recv_splits, group=None, cp: int | None = None,
+               stats: CommStats | None = None, tensor: str = "rows") -> torch.Tensor:
     """``all_to_all_single`` with uneven splits, differentiable, waited for: ``start_exchange``'s ``a2a``.
 
     Args:
@@ -243,6 +250,8 @@ def all_to_all(send: torch.Tensor, send_splits, recv_splits, group=None, cp: int
         recv_splits: (cp,) rows from each rank; what each sends this one.
         group: the process group (None: the default group).
         cp: the group's size (looked up when None).
+        stats: where to record what was sent and received (as ``tensor``, ``"d" + tensor`` backward), or None.
+        tensor: what the rows are (``CommRecord.tensor``).
 
     Returns (sum(recv_splits), ...) the rows from each rank, rank after rank, in ``send``'s dtype. Backward: the
     same call with the splits swapped, so each row's gradient returns to its sender.
@@ -253,4 +262,4 @@ def all_to_all(send: torch.Tensor, send_splits, recv_splits, group=None, cp: int
                         recv_rows=recv_rows, send_splits=send_splits, recv_splits=recv_splits,
                         kv_index=torch.zeros(0, dtype=torch.long), wire_send_tokens=send_rows,
                         wire_recv_tokens=recv_rows)
-    return start_exchange(send, exchange, group, cp).wait()
+    return start_exchange(send, exchange, group, cp, stats, tensor=tensor).wait()

@@ -91,7 +91,9 @@ def _one_step(rank, world_size):
     import torch.distributed as dist
 
     from flashcp.integrations.hf import hf_loss_sum
+    from flashcp.integrations.hf_recurrent import recurrent_mixers
     from flashcp.runtime import CPAttention
+    from flashcp.runtime.comm import CommStats
 
     failures = []
     tokens = torch.randint(0, SHAPE["vocab_size"], (int(DOC_LENS.sum()),), generator=torch.Generator().manual_seed(3))
@@ -102,8 +104,16 @@ def _one_step(rank, world_size):
         want_loss.backward()
         model = make_model(arch)
         batch = rank_batch(tokens, rank)
-        loss = hf_loss_sum(model, batch, CPAttention(meta=batch.attn)) / num_labels
+        stats = CommStats()
+        loss = hf_loss_sum(model, batch, CPAttention(meta=batch.attn, stats=stats)) / num_labels
         loss.backward()
+        # the plan cuts documents 1 and 3 across the ranks: every recurrent layer sends maps and inputs both ways
+        mixers = sum(1 for _ in recurrent_mixers(model))
+        counts = {t: sum(r.tensor == t and r.sent_bytes > 0 for r in stats.records)
+                  for t in ("state", "conv", "dstate", "dconv")}
+        if mixers == 0 or counts != dict.fromkeys(counts, mixers):
+            failures.append(f"{arch}: flashcp_stats recorded {counts} recurrent all-to-alls, the model has "
+                            f"{mixers} recurrent layers")
         got_loss = loss.detach().clone()
         dist.all_reduce(got_loss)
         loss_err = abs(got_loss.item() / want_loss.item() - 1)

@@ -6,7 +6,7 @@ On 2 and 4 gloo ranks, float32, each rank runs ``cp_causal_conv1d`` then ``cp_ga
 times the bytes of a row) and the kernels wrapped to count the tokens (and GDN's value columns) they run. Each
 rank's sent and received bytes must equal the cost model's for its rank, the sent bytes must be its contributed
 maps' bytes times their destinations plus its needed inputs' (no padding row), and the all-ranks totals are
-summed with one all-reduce after the layers.
+summed with one all-reduce after the layers. The ``CommStats`` handed to the layers records the same bytes.
 """
 
 import math
@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from flashcp.costmodel.recurrent import RecurrentShape, recurrent_exchange, split_work
+from flashcp.runtime.comm import CommStats
 from flashcp.runtime.meta import rank_token_positions
 from flashcp.runtime.recurrent import RecurrentMeta, backends, cp_causal_conv1d, cp_gated_delta_rule, cp_ssd
 from tests.dist import spawn
@@ -69,7 +70,7 @@ def cases(cp):
     return out
 
 
-def layer(kind, num_tokens, meta, gen):
+def layer(kind, num_tokens, meta, gen, stats=None):
     """One conv + recurrence of ``kind`` on this rank's tokens, forward and backward (float32)."""
     if kind == "gdn":
         features = 2 * KEY_HEADS * DK + HEADS * DV
@@ -77,19 +78,20 @@ def layer(kind, num_tokens, meta, gen):
         features = HEADS * P + 2 * GROUPS * S
     x = torch.randn(num_tokens, features, generator=gen).requires_grad_()
     weight = (torch.randn(features, WIDTH, generator=gen) * 0.5).requires_grad_()
-    y = cp_causal_conv1d(x, weight, None, meta, backend="reference")
+    y = cp_causal_conv1d(x, weight, None, meta, backend="reference", stats=stats)
     if kind == "gdn":
         q, k, v = y.split([KEY_HEADS * DK, KEY_HEADS * DK, HEADS * DV], dim=1)
         g = -torch.rand(num_tokens, HEADS, generator=gen)
         beta = torch.sigmoid(torch.randn(num_tokens, HEADS, generator=gen))
         out = cp_gated_delta_rule(q.reshape(-1, KEY_HEADS, DK), k.reshape(-1, KEY_HEADS, DK),
-                                  v.reshape(-1, HEADS, DV), g, beta, meta, chunk_size=4, backend="reference")
+                                  v.reshape(-1, HEADS, DV), g, beta, meta, chunk_size=4, backend="reference",
+                                  stats=stats)
     else:
         xs, B, C = y.split([HEADS * P, GROUPS * S, GROUPS * S], dim=1)
         dt = torch.nn.functional.softplus(torch.randn(num_tokens, HEADS, generator=gen))
         A = -torch.exp(torch.randn(HEADS, generator=gen) * 0.5)
         out = cp_ssd(xs.reshape(-1, HEADS, P), dt, A, B.reshape(-1, GROUPS, S), C.reshape(-1, GROUPS, S), meta,
-                     chunk_size=4, backend="reference")
+                     chunk_size=4, backend="reference", stats=stats)
     out.backward(torch.randn(out.shape, generator=gen))
 
 
@@ -122,7 +124,8 @@ def _worker(rank, cp):
         for kind, shape in SHAPES.items():
             moved.clear()
             run_tokens.update(tokens=0, value_tokens=0)
-            layer(kind, num_tokens, meta, torch.Generator().manual_seed(7))
+            stats = CommStats()
+            layer(kind, num_tokens, meta, torch.Generator().manual_seed(7), stats)
             exchange = recurrent_exchange(shape, *arrays)
             where = f"{name} {kind} rank {rank}"
             # the forward's all-to-alls, then the backward's: the same calls the other way
@@ -133,6 +136,13 @@ def _worker(rank, cp):
             if len(forward) != len(backward) or got != want or got_back != want[::-1]:
                 failures.append(f"{where}: forward moved {got} (sent, received), backward {got_back}, the cost "
                                 f"model says {want}")
+            recorded = [(stats.total("sent_bytes", direction), stats.total("recv_bytes", direction))
+                         for direction in ("forward", "backward")]
+            tensors = sorted({(r.direction, r.tensor) for r in stats.records})
+            if recorded != [got, got_back] or len(stats.records) != len(moved) or (moved and tensors != [
+                    ("backward", "dconv"), ("backward", "dstate"), ("forward", "conv"), ("forward", "state")]):
+                failures.append(f"{where}: CommStats recorded {recorded} in {tensors}, the collectives moved "
+                                f"{[got, got_back]}")
             if want[0] != _by_definition(plan, rank, shape):
                 failures.append(f"{where}: the cost model sends {want[0]} bytes, counted piece by piece "
                                 f"{_by_definition(plan, rank, shape)}")

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flashcp.runtime.comm import all_to_all
+from flashcp.runtime.comm import CommStats, all_to_all
 from flashcp.runtime.recurrent import backends
 from flashcp.runtime.recurrent.chunked import causal_conv1d, compute_dtype, normalize_qk
 from flashcp.runtime.recurrent.meta import RecurrentMeta, Route
@@ -65,8 +65,8 @@ class _Tie(torch.autograd.Function):
         return grad, *(grad.new_zeros(shape, dtype=dtype) for shape, dtype in ctx.others)
 
 
-def _exchange(local: torch.Tensor, route: Route, meta: RecurrentMeta, group,
-              inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _exchange(local: torch.Tensor, route: Route, meta: RecurrentMeta, group, inputs: tuple[torch.Tensor, ...],
+              stats: CommStats | None, tensor: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``cat(local, received rows)`` of ``route`` and the receive buffer (None when the route is inactive).
 
     The send buffer is tied after the layer's ``inputs``; the caller ties the receive buffer to its output.
@@ -75,7 +75,8 @@ def _exchange(local: torch.Tensor, route: Route, meta: RecurrentMeta, group,
         return local, None
     send = local.index_select(0, torch.from_numpy(route.send_index).to(local.device))
     differentiable = tuple(x for x in inputs if x.requires_grad)
-    received = all_to_all(_Tie.apply(send, *differentiable), route.send_splits, route.recv_splits, group, meta.cp)
+    received = all_to_all(_Tie.apply(send, *differentiable), route.send_splits, route.recv_splits, group, meta.cp,
+                          stats, tensor)
     return torch.cat((local, received)), received
 
 
@@ -93,7 +94,7 @@ def _check(meta: RecurrentMeta, num_tokens: int, group) -> None:
 
 def cp_causal_conv1d(x_TF: torch.Tensor, weight_FW: torch.Tensor, bias_F: torch.Tensor | None,
                      meta: RecurrentMeta, group=None, activation: str | None = "silu", *,
-                     backend: str = "auto") -> torch.Tensor:
+                     backend: str = "auto", stats: CommStats | None = None) -> torch.Tensor:
     """The short causal convolution of this rank's pieces, each continuing its document: ``y_TF``.
 
     Args:
@@ -104,6 +105,7 @@ def cp_causal_conv1d(x_TF: torch.Tensor, weight_FW: torch.Tensor, bias_F: torch.
         group: the CP process group (None: the default group).
         activation: ``"silu"`` or None.
         backend: the convolution's kernel (``backends.RECURRENT_BACKENDS`` or ``"auto"``).
+        stats: a ``CommStats`` recording the all-to-all (``conv`` forward, ``dconv`` backward), or None.
 
     Each piece needs the ``W - 1`` inputs before it in its document: one all-to-all of the input tokens other
     ranks' pieces need (float32 or wider; ``RecurrentMeta.conv_tails``). Differentiable in x, weight and bias;
@@ -116,7 +118,7 @@ def cp_causal_conv1d(x_TF: torch.Tensor, weight_FW: torch.Tensor, bias_F: torch.
         return causal_conv1d(x_TF, weight_FW, bias_F, meta.cu_seqlens, activation=activation, kernel=kernel)
     route = meta.conv_tails(width)
     wide = x_TF.to(compute_dtype(x_TF.dtype))
-    pool, received = _exchange(wide, route, meta, group, (x_TF,))
+    pool, received = _exchange(wide, route, meta, group, (x_TF,), stats, "conv")
     pool = torch.cat((pool, pool.new_zeros(1, x_TF.shape[1])))  # the inputs before a document's start
     tails = pool.index_select(0, torch.from_numpy(route.read_index).to(x_TF.device))
     y = causal_conv1d(x_TF, weight_FW, bias_F, meta.cu_seqlens, tails.view(-1, width - 1, x_TF.shape[1]),
@@ -156,14 +158,15 @@ def _start_states(meta: RecurrentMeta, pieces: np.ndarray, pool: torch.Tensor, c
 def cp_gated_delta_rule(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
                         beta_TH: torch.Tensor, meta: RecurrentMeta, group=None, *, chunk_size: int = 64,
                         scale: float | None = None, use_qk_l2norm: bool = True,
-                        backend: str = "auto") -> torch.Tensor:
+                        backend: str = "auto", stats: CommStats | None = None) -> torch.Tensor:
     """Gated DeltaNet over this rank's pieces, each from its document's true state: ``out_THV``.
 
     Args: as ``chunked.chunk_gated_delta_rule`` for this rank's tokens in local layout order (no segments or
     states: they come from ``meta``), plus ``meta`` (this rank's RecurrentMeta) and ``group`` (the CP process
-    group, None: the default) and ``backend`` (``backends.RECURRENT_BACKENDS`` or ``"auto"``). Sends ``4 *
-    H * K * (K + V)`` bytes per contributed piece and destination (module docstring). Differentiable in q, k,
-    v, g and beta.
+    group, None: the default), ``backend`` (``backends.RECURRENT_BACKENDS`` or ``"auto"``) and ``stats`` (a
+    ``CommStats`` recording the all-to-all: ``state`` forward, ``dstate`` backward; or None). Sends ``4 * H *
+    K * (K + V)`` bytes per contributed piece and destination (module docstring). Differentiable in q, k, v, g
+    and beta.
     """
     _check(meta, v_THV.shape[0], group)
     q, k = normalize_qk(q_TGK, k_TGK, v_THV.shape[1], scale, use_qk_l2norm)
@@ -190,7 +193,8 @@ def cp_gated_delta_rule(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV: torch.T
     keep = torch.from_numpy(np.flatnonzero(first)).to(v.device)
     parts.append((index.index_select(0, keep), out.index_select(0, keep)[..., head_k:].to(q.dtype)))
     # 2. one all-to-all of the maps
-    pool, received = _exchange(maps.to(q.dtype), meta.maps, meta, group, (q_TGK, k_TGK, v_THV, g_TH, beta_TH))
+    pool, received = _exchange(maps.to(q.dtype), meta.maps, meta, group, (q_TGK, k_TGK, v_THV, g_TH, beta_TH),
+                               stats, "state")
     # 3. true start states, 4. the other pieces from them
     states = _start_states(meta, rerun, pool, lambda m, s: m[..., :head_k] @ s + m[..., head_k:],
                            v.new_zeros(num_heads, head_k, head_v))
@@ -204,12 +208,13 @@ def cp_gated_delta_rule(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV: torch.T
 
 def cp_ssd(x_THP: torch.Tensor, dt_TH: torch.Tensor, A_H: torch.Tensor, B_TGS: torch.Tensor,
            C_TGS: torch.Tensor, meta: RecurrentMeta, group=None, *, D_H: torch.Tensor | None = None,
-           chunk_size: int = 64, backend: str = "auto") -> torch.Tensor:
+           chunk_size: int = 64, backend: str = "auto", stats: CommStats | None = None) -> torch.Tensor:
     """Mamba-2 SSD over this rank's pieces, each from its document's true state: ``y_THP``.
 
-    Args: as ``chunked.chunk_ssd`` for this rank's tokens in local layout order, plus ``meta``, ``group`` and
-    ``backend`` (``backends.RECURRENT_BACKENDS`` or ``"auto"``). Sends ``4 * H * (1 + P * S)`` bytes per
-    contributed piece and destination. Differentiable in x, dt, A, B, C and D.
+    Args: as ``chunked.chunk_ssd`` for this rank's tokens in local layout order, plus ``meta``, ``group``,
+    ``backend`` (``backends.RECURRENT_BACKENDS`` or ``"auto"``) and ``stats`` (as ``cp_gated_delta_rule``).
+    Sends ``4 * H * (1 + P * S)`` bytes per contributed piece and destination. Differentiable in x, dt, A, B, C
+    and D.
     """
     _check(meta, x_THP.shape[0], group)
     dtype = compute_dtype(x_THP.dtype)
@@ -239,7 +244,7 @@ def cp_ssd(x_THP: torch.Tensor, dt_TH: torch.Tensor, A_H: torch.Tensor, B_TGS: t
     parts.append((index.index_select(0, keep), out.index_select(0, keep).to(dtype)))
     # 2. one all-to-all of [T_p, U_p] per head
     maps = torch.cat((decay[..., None], final.to(dtype).reshape(len(mapped), num_heads, head_p * state_size)), dim=2)
-    pool, received = _exchange(maps, meta.maps, meta, group, (x_THP, dt_TH, A_H, B_TGS, C_TGS))
+    pool, received = _exchange(maps, meta.maps, meta, group, (x_THP, dt_TH, A_H, B_TGS, C_TGS), stats, "state")
     # 3. true start states, 4. the other pieces from them
     states = _start_states(meta, rerun, pool,
                            lambda m, s: m[:, :1, None] * s + m[:, 1:].view(num_heads, head_p, state_size),
