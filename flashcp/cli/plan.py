@@ -59,9 +59,12 @@ def summary_lines(meta: dict) -> tuple[list[tuple[str, dict]], list[str], bool]:
     if not compare.get("sequences"):
         return [(strategy, summary)], [legend] + kinds, False
     model = compare["model"]
+    recurrent = model.get("recurrent")
+    beside = f" and {recurrent['num_layers']} recurrent {recurrent['kind']} layer(s)" if recurrent else ""
     legend += (f"; step ms: projected step time per sequence ({compare['profile']}; {model['layers']} layer(s) "
-               f"of H={model['num_heads']}, H_kv={model['num_kv_heads']}, D={model['head_dim']}), the baselines' "
-               "layouts priced with the same sharding-aware exchange (their own frameworks gather all K/V: 0%)")
+               f"of H={model['num_heads']}, H_kv={model['num_kv_heads']}, D={model['head_dim']}{beside}), the "
+               "baselines' layouts priced with the same sharding-aware exchange (their own frameworks gather all "
+               "K/V: 0%)")
     compared = [(strategy, compare["strategy"])] + [(name, s) for name, s in summary["baselines"].items()
                                                     if name != strategy]
     sampled = compare["sequences"] < summary["sequences"]

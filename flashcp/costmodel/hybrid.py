@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flashcp.costmodel.comm import exchange_volumes
+from flashcp.costmodel.models import BUILTIN_MODELS, ModelSpec
 from flashcp.costmodel.recurrent import RecurrentShape, recurrent_exchange
 from flashcp.costmodel.shape import AttentionShape
 
@@ -59,6 +60,14 @@ class HybridModel:
         if self.num_attention_layers < 0:
             raise ValueError(f"num_attention_layers must be at least 0, got {self.num_attention_layers}")
 
+    @classmethod
+    def of(cls, spec: ModelSpec, name: str | None = None) -> HybridModel:
+        """The hybrid of a ``ModelSpec`` with recurrent layers (its attention layers all full)."""
+        if spec.recurrent is None or any(layer.kind != "full" for layer in spec.layers):
+            raise ValueError(f"model {spec.name} is not a hybrid with full attention layers")
+        return cls(name=name or spec.name, recurrent=spec.recurrent, num_attention_layers=len(spec.layers),
+                   num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim)
+
     @property
     def num_mixing_layers(self) -> int:
         """Attention plus recurrent layers: the layers of the all-attention twin."""
@@ -75,17 +84,8 @@ class HybridModel:
         return 2 * self.num_kv_heads * self.head_dim * self.kv_bytes
 
 
-QWEN3_NEXT_80B_A3B = HybridModel(
-    name="Qwen3-Next-80B-A3B",
-    # 48 layers, layer_types: full attention every 4th (12), Gated DeltaNet otherwise (36);
-    # linear_num_value_heads 32, linear_key_head_dim 128, linear_value_head_dim 128, linear_num_key_heads 16,
-    # linear_conv_kernel_dim 4
-    recurrent=RecurrentShape(kind="gdn", num_heads=32, key_dim=128, value_dim=128, num_groups=16, conv_width=4,
-                             num_layers=36),
-    # num_attention_heads 16, num_key_value_heads 2, head_dim 256
-    num_attention_layers=12, num_heads=16, num_kv_heads=2, head_dim=256,
-)
-"""Qwen/Qwen3-Next-80B-A3B (transformers 5.24 ``Qwen3NextConfig()`` defaults)."""
+QWEN3_NEXT_80B_A3B = HybridModel.of(BUILTIN_MODELS["qwen3-next-80b-a3b"], "Qwen3-Next-80B-A3B")
+"""Qwen/Qwen3-Next-80B-A3B: the built-in model (transformers 5.24 ``Qwen3NextConfig()`` defaults)."""
 
 NEMOTRON_H_8B = HybridModel(
     name="Nemotron-H-8B",

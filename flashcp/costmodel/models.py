@@ -264,9 +264,9 @@ def _every(period: int, local: LayerKind, count: int, **extra: Any) -> list[Laye
 
 
 def _builtin(name: str, heads: int, kv_heads: int, head_dim: int, hidden: int, mlp: int, vocab: int,
-             layers: list[LayerKind]) -> ModelSpec:
+             layers: list[LayerKind], recurrent: RecurrentShape | None = None) -> ModelSpec:
     return ModelSpec(name=name, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, hidden_size=hidden,
-                     mlp_width=mlp, vocab_size=vocab, layers=tuple(layers))
+                     mlp_width=mlp, vocab_size=vocab, layers=tuple(layers), recurrent=recurrent)
 
 
 BUILTIN_MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (
@@ -292,6 +292,12 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (
     # routed experts of width intermediate_size 8192 plus the shared expert of the same width
     _builtin("llama-4-scout", 40, 8, 128, 5120, 8192 + 8192, 202048,
              _every(4, LayerKind(kind="chunk", size=8192), 48)),
+    # Qwen/Qwen3-Next-80B-A3B config.json (transformers' Qwen3NextConfig() defaults): 48 layers, full attention
+    # every fourth (12, gated), Gated DeltaNet otherwise (36: 32 value heads and 16 key heads of 128, conv 4);
+    # 10 of 512 routed experts of width 512 plus the shared expert of width 512 per token
+    _builtin("qwen3-next-80b-a3b", 16, 2, 256, 2048, 10 * 512 + 512, 151936, _full(12),
+             RecurrentShape(kind="gdn", num_heads=32, key_dim=128, value_dim=128, num_groups=16, conv_width=4,
+                            num_layers=36)),
 )}
 """Built-in models by lower-case name (``resolve_model`` matches names case-insensitively)."""
 

@@ -171,6 +171,7 @@ def test_plan_model_hybrid_is_priced_with_its_recurrent_layers(dataset, tmp_path
     result = run("plan", root, "--cp", 2, "--model", folder, "--compare", 2)
     assert result.exit_code == 0, result.output
     assert "priced for small-qwen3-next: 4 layers (1 full, 3 recurrent gdn)" in result.output
+    assert "D=256 and 3 recurrent gdn layer(s))" in " ".join(result.output.split())  # the step ms legend
     spec = model_from_config(folder)
     meta = json.loads((root / "plans" / "cp2-flashcp2" / "plan.json").read_text())
     assert meta["model"] == json.loads(json.dumps(spec.as_dict())) and meta["model"]["recurrent"]["num_layers"] == 3

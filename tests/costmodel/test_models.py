@@ -49,6 +49,8 @@ def transformers_kinds(config) -> list[LayerKind]:
         types = ["sliding_attention" if local else "full_attention"] * text.num_hidden_layers
     kinds = []
     for entry in types:
+        if entry == "linear_attention":  # a hybrid's recurrent layer: ModelSpec.recurrent counts it
+            continue
         kind = {"full_attention": "full", "sliding_attention": "window", "chunked_attention": "chunk"}[entry]
         size = text.sliding_window if kind == "window" else text.attention_chunk_size if kind == "chunk" else None
         kinds.append(LayerKind(kind=kind, size=size, sinks=sinks, softcap=softcap))
@@ -102,6 +104,7 @@ EXPECTED_KINDS = {
     "gemma-3-12b": {window(1024): 40, FULL: 8},
     "gpt-oss-20b": {window(128, sinks=True): 12, LayerKind(sinks=True): 12},
     "llama-4-scout": {chunk(8192): 36, FULL: 12},
+    "qwen3-next-80b-a3b": {FULL: 12},
 }
 
 
@@ -162,6 +165,7 @@ PUBLISHED = {
         hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384, num_attention_heads=40,
         num_key_value_heads=8, head_dim=128, num_hidden_layers=48, vocab_size=202048, num_local_experts=16,
         num_experts_per_tok=1, attention_chunk_size=8192, interleave_moe_layer_step=1)),
+    "qwen3-next-80b-a3b": lambda: transformers.Qwen3NextConfig(),  # its defaults are the published config
 }
 
 

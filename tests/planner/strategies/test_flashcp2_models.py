@@ -55,7 +55,7 @@ def test_flashcp2_is_never_slower_than_a_peer_for_the_model(case):
     assert max(ratios.values()) <= 1 + ROUNDING, ratios
 
 
-@pytest.mark.parametrize("name", ["llama-3-8b", "gemma-3-12b", "gpt-oss-20b", "llama-4-scout"])
+@pytest.mark.parametrize("name", ["llama-3-8b", "gemma-3-12b", "gpt-oss-20b", "llama-4-scout", "qwen3-next-80b-a3b"])
 def test_flashcp2_is_never_slower_than_a_peer_on_wlb_sequences(name):
     for lens in packed("wlb", 3, 32768, seed=7):
         for cp, gpus_per_node in ((8, 0), (16, 0), (16, 8)):
