@@ -55,7 +55,7 @@ from flashcp.costmodel.comm import (
     shard_is_local,
 )
 from flashcp.costmodel.curve import curve_at_length, curve_on_segment, curve_segment
-from flashcp.costmodel.recurrent import conv_volumes_kernel, map_volumes_kernel
+from flashcp.costmodel.recurrent import contributed_kernel, conv_volumes_kernel, map_volumes_kernel
 from flashcp.costmodel.shape import AttentionShape
 from flashcp.costmodel.workload import FULL, key_start, kind_workload, kind_workloads
 
@@ -326,34 +326,29 @@ def step_seconds_of(doc, start, length, rank, cp, model, sec_f, sec_b, only):
                                  sec_b[j * num_shards:(j + 1) * num_shards], only, kind, size, table, num_docs)
         total += count * seconds
     if model[_RECURRENT] > 0:
-        total += recurrent_seconds(doc, start, length, rank, cp, model, only, num_docs)
+        total += recurrent_seconds(doc, start, length, rank, cp, model, only)
     return total
 
 
 @njit(cache=True)
-def recurrent_seconds(doc, start, length, rank, cp, model, only, num_docs):
+def recurrent_seconds(doc, start, length, rank, cp, model, only):
     """The model's recurrent layers under a plan, forward and backward, seconds (0 without recurrent layers).
 
     Per layer and pass: the slowest rank's recurrence over its tokens plus its rerun and mapped tokens
     (``recurrent.split_work``'s ``extra_tokens``) at ``flops_per_token`` (backward twice the forward) at the
     profile's dense peak, plus the two all-to-alls (``recurrent_exchange_seconds``), not hidden: the pieces
     wait for their start states. ``only`` >= 0: that rank's recurrence alone (the exchange is every rank's).
-    ``num_docs``: the largest ``doc`` + 1.
     """
     if model[_RECURRENT] <= 0:
         return 0.0
     at = model.shape[0] - _RECURRENT_SLOTS
     count, flops, mapped_extra = model[at], model[at + 1], model[at + 5]
-    pieces = np.zeros(num_docs, np.int64)
-    last_start = np.full(num_docs, -1, np.int64)
-    for i in range(doc.shape[0]):
-        pieces[doc[i]] += 1
-        last_start[doc[i]] = max(last_start[doc[i]], start[i])
+    contributes = contributed_kernel(doc, start)
     work = np.zeros(cp, np.float64)
     for i in range(doc.shape[0]):
         r = rank[i]
         extra = 0.0
-        if pieces[doc[i]] > 1 and start[i] < last_start[doc[i]]:
+        if contributes[i]:
             extra = mapped_extra * length[i] + (length[i] if start[i] > 0 else 0.0)
         work[r] += length[i] + extra
     worst = 0.0

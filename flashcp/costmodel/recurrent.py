@@ -63,6 +63,7 @@ __all__ = [
     "SplitWork",
     "conv_volumes_kernel",
     "map_volumes_kernel",
+    "contributed_kernel",
     "recurrent_contributes",
     "recurrent_exchange",
     "split_work",
@@ -156,11 +157,25 @@ def recurrent_contributes(shard_doc, shard_start, shard_len, shard_rank, cp: int
         return np.zeros(0, dtype=bool)
     if rank.min() < 0 or rank.max() >= cp:
         raise ValueError(f"shard ranks must lie in [0, {cp}), got {rank.min()}..{rank.max()}")
-    num_docs = int(doc.max()) + 1
-    pieces = np.bincount(doc, minlength=num_docs)
-    last_start = np.zeros(num_docs, dtype=np.int64)
-    np.maximum.at(last_start, doc, start)
-    return (pieces[doc] > 1) & (start < last_start[doc])
+    return contributed_kernel(doc, start)
+
+
+@njit(cache=True)
+def contributed_kernel(doc, start):
+    """``recurrent_contributes`` for the compiled callers: (num_shards,) bool, int64 arrays, no checks.
+
+    A shard before its document's last starts before that last shard's start (so its document has several).
+    """
+    num_docs = 0
+    for i in range(doc.shape[0]):
+        num_docs = max(num_docs, doc[i] + 1)
+    last_start = np.full(num_docs, -1, np.int64)
+    for i in range(doc.shape[0]):
+        last_start[doc[i]] = max(last_start[doc[i]], start[i])
+    out = np.empty(doc.shape[0], np.bool_)
+    for i in range(doc.shape[0]):
+        out[i] = start[i] < last_start[doc[i]]
+    return out
 
 
 @njit(cache=True)

@@ -76,7 +76,7 @@ def test_recurrent_price_by_hand():
         model = model_vector(profile, QWEN, gpus_per_node=0)
         arrays = (plan.shard_doc, plan.shard_start, plan.shard_len, plan.shard_rank, plan.cp)
         assert recurrent_step_seconds(plan, QWEN, profile, 0) == pytest.approx(want[id(plan)], rel=1e-12)
-        assert recurrent_seconds(*arrays, model, -1, 2) == pytest.approx(want[id(plan)], rel=1e-12)
+        assert recurrent_seconds(*arrays, model, -1) == pytest.approx(want[id(plan)], rel=1e-12)
 
 
 def naive_exchange_seconds(shards, cp, rec, profile, gpus_per_node):
@@ -130,7 +130,7 @@ def test_a_plan_cutting_no_document_exchanges_nothing():
             for per_node in (0, 2):
                 assert recurrent_step_seconds(plan, shape, profile, per_node) == pytest.approx(want, rel=1e-12)
                 model = model_vector(profile, shape, gpus_per_node=per_node)
-                assert recurrent_seconds(*arrays, model, -1, 12) == pytest.approx(want, rel=1e-12)
+                assert recurrent_seconds(*arrays, model, -1) == pytest.approx(want, rel=1e-12)
 
 
 def test_shape_round_trips_its_recurrent_layers():
